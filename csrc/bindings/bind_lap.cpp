@@ -1,0 +1,73 @@
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "bindings/register.h"
+#include "lap/lap_cpu.h"
+
+namespace py = pybind11;
+
+namespace pyperm::bindings {
+namespace {
+
+void raise_for(Status s, const std::string& where) {
+  switch (s) {
+    case Status::Ok: return;
+    case Status::Invalid: throw py::value_error(where + "matrix contains invalid numeric entries");
+    case Status::Infeasible: throw py::value_error(where + "cost matrix is infeasible");
+    default: throw std::runtime_error(where + "assignment solver failed");
+  }
+}
+
+// Arrays arrive validated from pyperm._lap: C-contiguous, float32/float64.
+template <typename T>
+py::tuple solve(py::array_t<T, py::array::c_style> cost, bool maximize, const std::string& isa_name) {
+  if (cost.ndim() != 2) throw py::value_error("cost must be 2-D");
+  const int64_t n = cost.shape(0), m = cost.shape(1), k = std::min(n, m);
+  const cpu::Isa isa = cpu::parse_isa(isa_name);
+  py::array_t<int64_t> rows(k), cols(k);
+  const T* c = cost.data();
+  int64_t* r = rows.mutable_data();
+  int64_t* q = cols.mutable_data();
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = cpu::linear_sum_assignment(c, n, m, maximize, r, q, isa);
+  }
+  raise_for(s, "");
+  return py::make_tuple(rows, cols);
+}
+
+template <typename T>
+py::tuple solve_batch(py::array_t<T, py::array::c_style> costs, bool maximize, int threads,
+                      const std::string& isa_name) {
+  if (costs.ndim() != 3) throw py::value_error("costs must be 3-D");
+  const int64_t b = costs.shape(0), n = costs.shape(1), m = costs.shape(2), k = std::min(n, m);
+  const cpu::Isa isa = cpu::parse_isa(isa_name);
+  py::array_t<int64_t> rows({b, k}), cols({b, k});
+  const T* c = costs.data();
+  int64_t* r = rows.mutable_data();
+  int64_t* q = cols.mutable_data();
+  int64_t failed = -1;
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = cpu::batch_linear_sum_assignment(c, b, n, m, maximize, r, q, threads, isa, &failed);
+  }
+  raise_for(s, "problem " + std::to_string(failed) + " of the batch: ");
+  return py::make_tuple(rows, cols);
+}
+
+}  // namespace
+
+void register_lap(py::module_& m) {
+  m.def("lap_solve", &solve<double>, py::arg("cost"), py::arg("maximize"), py::arg("isa") = "auto");
+  m.def("lap_solve", &solve<float>, py::arg("cost"), py::arg("maximize"), py::arg("isa") = "auto");
+  m.def("lap_solve_batch", &solve_batch<double>, py::arg("costs"), py::arg("maximize"), py::arg("threads"),
+        py::arg("isa") = "auto");
+  m.def("lap_solve_batch", &solve_batch<float>, py::arg("costs"), py::arg("maximize"), py::arg("threads"),
+        py::arg("isa") = "auto");
+}
+
+}  // namespace pyperm::bindings

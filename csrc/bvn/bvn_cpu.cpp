@@ -1,0 +1,1 @@
+// Birkhoff-von Neumann decomposition on the CPU (to be written).

@@ -1,0 +1,1 @@
+// CUDA bvn kernels (to be written).

@@ -1,0 +1,127 @@
+#include "lap/lap_cpu.h"
+
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common/thread_pool.h"
+#include "lap/lap_kernels.h"
+
+namespace pyperm::cpu {
+namespace {
+
+template <typename T>
+Status dispatch(Isa isa, const T* cost, int64_t n, int64_t m, int64_t* col_of_row) {
+#if defined(PYPERM_X86)
+  if (isa == Isa::Avx512) return avx512::solve_dense(cost, n, m, col_of_row);
+  if (isa == Isa::Avx2) return avx2::solve_dense(cost, n, m, col_of_row);
+#endif
+  (void)isa;
+  return baseline::solve_dense(cost, n, m, col_of_row);
+}
+
+// The kernel wants a minimisation with n <= m and only +inf as a forbidden mark.
+// Checks the entries, and copies (negated and/or transposed) only when it must.
+template <typename T>
+Status prepare(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, std::vector<T>& work,
+               const T** out) {
+  const T forbidden = maximize ? -std::numeric_limits<T>::infinity() : std::numeric_limits<T>::infinity();
+  const int64_t total = n_rows * n_cols;
+  bool bad = false;
+  for (int64_t k = 0; k < total; ++k) {
+    T c = cost[k];
+    bad |= std::isnan(c) | (std::isinf(c) & (c != forbidden));
+  }
+  if (bad) return Status::Invalid;
+  const bool transpose = n_rows > n_cols;
+  if (!transpose && !maximize) {
+    *out = cost;
+    return Status::Ok;
+  }
+  work.resize(static_cast<size_t>(total));
+  const T sign = maximize ? T(-1) : T(1);
+  if (transpose) {
+    // Blocked so both sides stay in cache.
+    constexpr int64_t B = 64;
+    for (int64_t i0 = 0; i0 < n_rows; i0 += B)
+      for (int64_t j0 = 0; j0 < n_cols; j0 += B)
+        for (int64_t i = i0; i < std::min(i0 + B, n_rows); ++i)
+          for (int64_t j = j0; j < std::min(j0 + B, n_cols); ++j)
+            work[j * n_rows + i] = sign * cost[i * n_cols + j];
+  } else {
+    for (int64_t k = 0; k < total; ++k) work[k] = sign * cost[k];
+  }
+  *out = work.data();
+  return Status::Ok;
+}
+
+template <typename T>
+Status dispatch_warm(Isa isa, const T* cost, int64_t n, T* v, int64_t* col_of_row) {
+#if defined(PYPERM_X86)
+  if (isa == Isa::Avx512) return avx512::solve_square_warm(cost, n, v, col_of_row);
+  if (isa == Isa::Avx2) return avx2::solve_square_warm(cost, n, v, col_of_row);
+#endif
+  (void)isa;
+  return baseline::solve_square_warm(cost, n, v, col_of_row);
+}
+
+}  // namespace
+
+template <typename T>
+Status solve_square_warm(const T* cost, int64_t n, T* v, int64_t* col_of_row, Isa isa) {
+  if (n == 0) return Status::Ok;
+  return dispatch_warm(isa, cost, n, v, col_of_row);
+}
+
+template <typename T>
+Status linear_sum_assignment(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize,
+                             int64_t* row_ind, int64_t* col_ind, Isa isa) {
+  if (n_rows == 0 || n_cols == 0) return Status::Ok;
+  std::vector<T> work;
+  const T* c = nullptr;
+  Status s = prepare(cost, n_rows, n_cols, maximize, work, &c);
+  if (s != Status::Ok) return s;
+  const bool transposed = n_rows > n_cols;
+  const int64_t n = transposed ? n_cols : n_rows, m = transposed ? n_rows : n_cols;
+  std::vector<int64_t> col_of_row(n);
+  s = dispatch(isa, c, n, m, col_of_row.data());
+  if (s != Status::Ok) return s;
+  if (!transposed) {
+    for (int64_t i = 0; i < n; ++i) { row_ind[i] = i; col_ind[i] = col_of_row[i]; }
+  } else {
+    // Solved the transpose: col_of_row maps original columns to original rows.
+    std::vector<int64_t> col_of_orig_row(n_rows, -1);
+    for (int64_t j = 0; j < n; ++j) col_of_orig_row[col_of_row[j]] = j;
+    int64_t k = 0;
+    for (int64_t i = 0; i < n_rows; ++i)
+      if (col_of_orig_row[i] >= 0) { row_ind[k] = i; col_ind[k] = col_of_orig_row[i]; ++k; }
+  }
+  return Status::Ok;
+}
+
+template <typename T>
+Status batch_linear_sum_assignment(const T* costs, int64_t batch, int64_t n_rows, int64_t n_cols,
+                                   bool maximize, int64_t* row_ind, int64_t* col_ind, int threads,
+                                   Isa isa, int64_t* failed) {
+  const int64_t k = std::min(n_rows, n_cols), stride = n_rows * n_cols;
+  std::vector<Status> status(static_cast<size_t>(batch), Status::Ok);
+  parallel_for(batch, threads, [&](int64_t b) {
+    status[b] = linear_sum_assignment(costs + b * stride, n_rows, n_cols, maximize, row_ind + b * k,
+                                      col_ind + b * k, isa);
+  });
+  for (int64_t b = 0; b < batch; ++b)
+    if (status[b] != Status::Ok) { *failed = b; return status[b]; }
+  return Status::Ok;
+}
+
+template Status linear_sum_assignment<float>(const float*, int64_t, int64_t, bool, int64_t*, int64_t*, Isa);
+template Status linear_sum_assignment<double>(const double*, int64_t, int64_t, bool, int64_t*, int64_t*, Isa);
+template Status solve_square_warm<float>(const float*, int64_t, float*, int64_t*, Isa);
+template Status solve_square_warm<double>(const double*, int64_t, double*, int64_t*, Isa);
+template Status batch_linear_sum_assignment<float>(const float*, int64_t, int64_t, int64_t, bool, int64_t*,
+                                                   int64_t*, int, Isa, int64_t*);
+template Status batch_linear_sum_assignment<double>(const double*, int64_t, int64_t, int64_t, bool, int64_t*,
+                                                    int64_t*, int, Isa, int64_t*);
+
+}  // namespace pyperm::cpu

@@ -1,0 +1,41 @@
+// Linear sum assignment on the CPU: scipy.optimize.linear_sum_assignment semantics.
+#pragma once
+#include <cstdint>
+
+#include "common/cpu_features.h"
+#include "common/status.h"
+
+namespace pyperm::cpu {
+
+// Solves min (or max) sum_k cost[row_ind[k], col_ind[k]] over matchings of size
+// min(n_rows, n_cols).
+//   cost      [in]  row-major, contiguous n_rows x n_cols matrix. +inf (-inf when
+//                   maximizing) forbids a pair; NaN or the other infinity is Invalid.
+//   maximize  [in]  maximise instead of minimise.
+//   row_ind   [out] min(n_rows, n_cols) row indices, increasing.
+//   col_ind   [out] the matching column of each row_ind entry.
+//   isa       [in]  kernel variant (Isa from best_isa() unless testing).
+// Returns Ok, Infeasible or Invalid; the outputs are written only on Ok.
+template <typename T>
+Status linear_sum_assignment(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize,
+                             int64_t* row_ind, int64_t* col_ind, Isa isa);
+
+// Square minimisation warm-started from column duals (for sequences of similar problems,
+// e.g. the terms of a Birkhoff-von Neumann decomposition).
+//   cost        [in]     row-major n x n, finite or +inf entries only (not checked here).
+//   v           [in,out] n column duals: any values on entry (the previous solve's are a good
+//                        start), the final duals on return.
+//   col_of_row  [out]    n entries.
+// Returns Ok or Infeasible.
+template <typename T>
+Status solve_square_warm(const T* cost, int64_t n, T* v, int64_t* col_of_row, Isa isa);
+
+// Solves `batch` independent problems stored one after another (batch x n_rows x n_cols),
+// on up to `threads` threads (<= 0: all hardware threads). Outputs are batch x min(n_rows, n_cols).
+// On failure returns the status of the lowest failing problem and its index in *failed.
+template <typename T>
+Status batch_linear_sum_assignment(const T* costs, int64_t batch, int64_t n_rows, int64_t n_cols,
+                                   bool maximize, int64_t* row_ind, int64_t* col_ind, int threads,
+                                   Isa isa, int64_t* failed);
+
+}  // namespace pyperm::cpu

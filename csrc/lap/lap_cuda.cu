@@ -1,0 +1,1 @@
+// CUDA lap kernels (to be written).

@@ -1,0 +1,1 @@
+// Streaming cross-correlation accumulation on the CPU (to be written).

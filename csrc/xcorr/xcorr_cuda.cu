@@ -1,0 +1,1 @@
+// CUDA xcorr kernels (to be written).

@@ -1,0 +1,17 @@
+"""pyperm: fast tools for the permutation symmetry of neural networks.
+
+The solvers (``pyperm.linear_sum_assignment`` and friends) need numpy alone;
+``pyperm.nn`` (alignment, merging, barriers, curves) needs torch.
+"""
+
+from pyperm._device import cuda_available, cuda_built
+from pyperm._lap import batch_linear_sum_assignment, linear_sum_assignment
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "batch_linear_sum_assignment",
+    "cuda_available",
+    "cuda_built",
+    "linear_sum_assignment",
+]

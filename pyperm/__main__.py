@@ -1,0 +1,5 @@
+import sys
+
+from pyperm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,115 @@
+"""Linear sum assignment: a faster drop-in for ``scipy.optimize.linear_sum_assignment``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pyperm import _core
+from pyperm._arrays import is_cuda_array, like, real_float_array
+
+
+def _check_threads(threads: int | None) -> int:
+    if threads is None:
+        return 0
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)):
+        raise TypeError(f"threads must be a positive int or None, got {type(threads).__name__}")
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    return int(threads)
+
+
+def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
+    r"""Solve the linear sum assignment problem.
+
+    Finds the matching of rows to columns that minimises (or maximises) the total cost
+
+    .. math::
+
+        \min_X \sum_i \sum_j C_{ij} X_{ij}, \quad X \in \{0, 1\}^{n \times m},\;
+        \sum_j X_{ij} \le 1,\; \sum_i X_{ij} \le 1,\; \sum_{ij} X_{ij} = \min(n, m).
+
+    Same semantics as :func:`scipy.optimize.linear_sum_assignment`, solved by the
+    Jonker-Volgenant algorithm in C++ with SIMD scans chosen at run time.
+
+    Parameters
+    ----------
+    cost : (n, m) array-like or torch.Tensor
+        The cost matrix. ``+inf`` (``-inf`` when maximising) forbids a pair. float32
+        and float64 are solved in their own precision; bool, integers and other real
+        dtypes are solved in float64. CUDA tensors are solved on their device.
+    maximize : bool, default False
+        Maximise the total instead of minimising it.
+
+    Returns
+    -------
+    row_ind, col_ind : (min(n, m),) int64 arrays
+        ``row_ind`` is increasing; ``cost[row_ind, col_ind]`` is the optimal matching.
+        Torch tensors in give torch tensors out.
+
+    Raises
+    ------
+    ValueError
+        ``cost`` is not 2-D or not real, contains NaN or the wrong infinity
+        ("matrix contains invalid numeric entries"), or no complete matching avoids
+        the forbidden pairs ("cost matrix is infeasible").
+
+    Examples
+    --------
+    >>> import numpy as np, pyperm
+    >>> cost = np.array([[4, 1, 3], [2, 0, 5], [3, 2, 2]])
+    >>> row, col = pyperm.linear_sum_assignment(cost)
+    >>> col.tolist(), int(cost[row, col].sum())
+    ([1, 0, 2], 5)
+    """
+    if is_cuda_array(cost):
+        from pyperm._device import cuda_module
+
+        return cuda_module().lap_solve_cuda(cost, bool(maximize))  # pragma: no cover
+    arr = real_float_array(cost, "cost", 2)
+    rows, cols = _core.lap_solve(arr, bool(maximize))
+    return like(cost, rows, cols)
+
+
+def batch_linear_sum_assignment(
+    costs: Any, maximize: bool = False, threads: int | None = None
+) -> tuple[Any, Any]:
+    """Solve a stack of independent assignment problems in parallel.
+
+    Parameters
+    ----------
+    costs : (B, n, m) array-like or torch.Tensor
+        ``B`` cost matrices of one shape, with the dtype rules of
+        :func:`linear_sum_assignment`.
+    maximize : bool, default False
+        Maximise every problem instead of minimising.
+    threads : int, optional
+        Worker threads (default: all cores). The GIL is released while they run.
+
+    Returns
+    -------
+    row_ind, col_ind : (B, min(n, m)) int64 arrays
+        Problem ``b``'s answer equals ``linear_sum_assignment(costs[b], maximize)``.
+
+    Raises
+    ------
+    ValueError
+        As :func:`linear_sum_assignment`, naming the first failing problem's index.
+
+    Examples
+    --------
+    >>> import numpy as np, pyperm
+    >>> costs = np.random.default_rng(0).random((8, 5, 5))
+    >>> rows, cols = pyperm.batch_linear_sum_assignment(costs)
+    >>> rows.shape, cols.shape
+    ((8, 5), (8, 5))
+    """
+    nthreads = _check_threads(threads)
+    if is_cuda_array(costs):
+        from pyperm._device import cuda_module
+
+        return cuda_module().lap_solve_batch_cuda(costs, bool(maximize))  # pragma: no cover
+    arr = real_float_array(costs, "costs", 3)
+    rows, cols = _core.lap_solve_batch(arr, bool(maximize), nthreads)
+    return like(costs, rows, cols)

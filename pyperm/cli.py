@@ -1,0 +1,34 @@
+"""The ``pyperm`` command line: ``pyperm bench lap|xcorr|bvn|match``, and more jobs as they land."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Each benchmark lives in its own module of pyperm.benchmarks with
+# add_arguments(parser) and run(args) -> int; listed here by sub-command name.
+BENCHMARKS = {
+    "lap": ("pyperm.benchmarks.lap", "assignment solvers: pyperm vs scipy vs lap/lapx/lapjv"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pyperm", description="Fast tools for neural-network permutation symmetry.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="time pyperm against scipy and the other installed solvers")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+    for name, (module, help_text) in BENCHMARKS.items():
+        p = bench_sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
