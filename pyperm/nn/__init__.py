@@ -1,0 +1,11 @@
+"""pyperm.nn: permutation specs and the alignment methods for PyTorch models (needs torch)."""
+
+try:
+    import torch  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised only without torch
+    raise ImportError("pyperm.nn needs PyTorch: pip install torch (CPU-only: pip install torch==2.13.0)") from exc
+
+from pyperm.nn.permute import apply_permutation
+from pyperm.nn.spec import PermutationSpec
+
+__all__ = ["PermutationSpec", "apply_permutation"]
