@@ -26,12 +26,15 @@ Status dispatch(Isa isa, const T* cost, int64_t n, int64_t m, int64_t* col_of_ro
 template <typename T>
 Status prepare(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, std::vector<T>& work,
                const T** out) {
-  const T forbidden = maximize ? -std::numeric_limits<T>::infinity() : std::numeric_limits<T>::infinity();
   const int64_t total = n_rows * n_cols;
-  bool bad = false;
-  for (int64_t k = 0; k < total; ++k) {
-    T c = cost[k];
-    bad |= std::isnan(c) | (std::isinf(c) & (c != forbidden));
+  // Valid entries are above -inf (below +inf when maximising); NaN fails either
+  // comparison. Written without branches or calls so that it vectorises.
+  const T inf = std::numeric_limits<T>::infinity();
+  int bad = 0;
+  if (maximize) {
+    for (int64_t k = 0; k < total; ++k) bad |= !(cost[k] < inf);
+  } else {
+    for (int64_t k = 0; k < total; ++k) bad |= !(cost[k] > -inf);
   }
   if (bad) return Status::Invalid;
   const bool transpose = n_rows > n_cols;
