@@ -4,6 +4,7 @@ The solvers (``pyperm.linear_sum_assignment`` and friends) need numpy alone;
 ``pyperm.nn`` (alignment, merging, barriers, curves) needs torch.
 """
 
+from pyperm import _core
 from pyperm._device import cuda_available, cuda_built
 from pyperm._lap import batch_linear_sum_assignment, linear_sum_assignment
 

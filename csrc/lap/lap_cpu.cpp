@@ -21,27 +21,18 @@ Status dispatch(Isa isa, const T* cost, int64_t n, int64_t m, int64_t* col_of_ro
   return baseline::solve_dense(cost, n, m, col_of_row);
 }
 
-// The kernel wants a minimisation with n <= m and only +inf as a forbidden mark.
-// Checks the entries, and copies (negated and/or transposed) only when it must.
+// The kernel wants a minimisation with n <= m and only +inf as a forbidden mark. When
+// the input is already that, it is used in place and the kernel's first pass checks it;
+// otherwise it is checked while being copied (negated and/or transposed).
 template <typename T>
 Status prepare(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, std::vector<T>& work,
                const T** out) {
-  const int64_t total = n_rows * n_cols;
-  // Valid entries are above -inf (below +inf when maximising); NaN fails either
-  // comparison. Written without branches or calls so that it vectorises.
-  const T inf = std::numeric_limits<T>::infinity();
-  int bad = 0;
-  if (maximize) {
-    for (int64_t k = 0; k < total; ++k) bad |= !(cost[k] < inf);
-  } else {
-    for (int64_t k = 0; k < total; ++k) bad |= !(cost[k] > -inf);
-  }
-  if (bad) return Status::Invalid;
   const bool transpose = n_rows > n_cols;
   if (!transpose && !maximize) {
     *out = cost;
     return Status::Ok;
   }
+  const int64_t total = n_rows * n_cols;
   work.resize(static_cast<size_t>(total));
   const T sign = maximize ? T(-1) : T(1);
   if (transpose) {
@@ -55,6 +46,11 @@ Status prepare(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, std
   } else {
     for (int64_t k = 0; k < total; ++k) work[k] = sign * cost[k];
   }
+  // Valid entries are now above -inf; NaN fails the comparison too. Branch-free so it vectorises.
+  const T inf = std::numeric_limits<T>::infinity();
+  int bad = 0;
+  for (int64_t k = 0; k < total; ++k) bad |= !(work[k] > -inf);
+  if (bad) return Status::Invalid;
   *out = work.data();
   return Status::Ok;
 }

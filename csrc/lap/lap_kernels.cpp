@@ -100,14 +100,17 @@ template <typename M> inline bool any(const M& mask) {
 constexpr int kCache = 8;
 
 // The columns of the kCache smallest values of row[j] - v[j] (ascending; ties: lowest j)
-// into cols, their costs row[j] into costs, returning how many are finite. *bound receives a value that every
+// into cols, their costs row[j] into costs, returning how many are finite. *invalid
+// says whether any row[j] - v[j] was NaN or -inf. *bound receives a value that every
 // column left out is at least: the largest cached value, or +inf when the row has
 // no other finite entries.
 template <typename T, typename Index>
-int k_smallest(const T* row, const T* v, int64_t m, Index* cols, T* costs, T* bound) {
+int k_smallest(const T* row, const T* v, int64_t m, Index* cols, T* costs, T* bound, bool* invalid) {
   T vals[kCache];
   using Vec = typename Lanes<T>::Vec;
+  using IVec = typename Lanes<T>::IVec;
   constexpr int W = sizeof(Vec) / sizeof(T);
+  IVec bad{};  // lanes that met NaN or -inf: the first pass over the input checks it
   int count = 0;
   T worst = kInf<T>;  // the value a newcomer must beat
   auto insert = [&](T r, int64_t j) {
@@ -119,15 +122,19 @@ int k_smallest(const T* row, const T* v, int64_t m, Index* cols, T* costs, T* bo
   int64_t j = 0;
   for (; j + W <= m; j += W) {
     Vec r = load<Vec>(row + j) - load<Vec>(v + j);
+    bad |= ~(r > splat<Vec>(-kInf<T>));
     auto lt = r < splat<Vec>(worst);
     if (any(lt))
       for (int k = 0; k < W; ++k)
         if (r[k] < worst) insert(r[k], j + k);
   }
+  bool tail_bad = false;
   for (; j < m; ++j) {
     T r = row[j] - v[j];
+    tail_bad |= !(r > -kInf<T>);
     if (r < worst) insert(r, j);
   }
+  *invalid = tail_bad || any(bad);
   // Left-out columns are >= worst: the kCache-th value, or +inf (all finite ones cached).
   *bound = count == kCache ? worst : kInf<T>;
   for (int k = 0; k < count; ++k) costs[k] = row[cols[k]];
@@ -137,18 +144,22 @@ int k_smallest(const T* row, const T* v, int64_t m, Index* cols, T* costs, T* bo
 template <typename T>
 struct Candidate {
   T d;
-  int64_t j;
+  int64_t key;  // 2j for a free column, 2j+1 for an assigned one
+  int64_t column() const { return key >> 1; }
   // std heaps are max-heaps: "less" here means "farther", so the top is the nearest
-  // column, and the lowest index among equally near ones.
-  bool operator<(const Candidate& o) const { return d > o.d || (d == o.d && j > o.j); }
+  // column; among equally near ones a free column (the path can end there: many fewer
+  // steps when costs tie, as integer costs do), then the lowest index.
+  bool operator<(const Candidate& o) const {
+    return d > o.d || (d == o.d && ((key & 1) > (o.key & 1) || ((key & 1) == (o.key & 1) && key > o.key)));
+  }
 };
 
 // One full Dijkstra step: d[k] = min(d[k], row[k] - v[k] - h), pred[k] = i where it
-// improved, and each improved column appended to `improved`.
+// improved, and each improved column appended to `improved` unless it is null.
 // Finished columns carry v = -inf and d = +inf, so they neither change nor win.
 template <typename T>
 void relax(const T* row, const T* v, T* d, typename Lanes<T>::Index* pred,
-           typename Lanes<T>::Index i, T h, int64_t m, std::vector<Candidate<T>>& improved) {
+           typename Lanes<T>::Index i, T h, int64_t m, const int64_t* y, std::vector<Candidate<T>>* improved) {
   using L = Lanes<T>;
   using Vec = typename L::Vec;
   using IVec = typename L::IVec;
@@ -163,14 +174,65 @@ void relax(const T* row, const T* v, T* d, typename Lanes<T>::Index* pred,
     if (any(better)) {  // late in a search most blocks improve nothing: skip the stores
       store(d + j, better ? cred : dj);
       store(pred + j, better ? iv : load<IVec>(pred + j));
-      for (int k = 0; k < W; ++k)
-        if (better[k]) improved.push_back({cred[k], j + k});
+      if (improved != nullptr)
+        for (int k = 0; k < W; ++k)
+          if (better[k]) improved->push_back({cred[k], 2 * (j + k) + (y[j + k] >= 0)});
     }
   }
   for (; j < m; ++j) {
     T cred = row[j] - v[j] - h;
-    if (cred < d[j]) { d[j] = cred; pred[j] = i; improved.push_back({cred, j}); }
+    if (cred < d[j]) {
+      d[j] = cred;
+      pred[j] = i;
+      if (improved != nullptr) improved->push_back({cred, 2 * j + (y[j] >= 0)});
+    }
   }
+}
+
+// Smallest d[k] into best/best_j (best_j = -1 when every d is +inf). When that column
+// is assigned, every other column as near is appended to `level`, a free one ending the
+// collection and becoming best_j (the path can end there). free[k]: all ones if free.
+template <typename T>
+void argmin(const T* d, const typename Lanes<T>::Index* free, int64_t m, T& best, int64_t& best_j,
+            std::vector<int64_t>& level) {
+  using L = Lanes<T>;
+  using Vec = typename L::Vec;
+  using IVec = typename L::IVec;
+  constexpr int W = sizeof(Vec) / sizeof(T);
+  Vec bv = splat<Vec>(kInf<T>);
+  IVec bi = splat<IVec>(-1), idx = iota_vec<IVec>();
+  const IVec step = splat<IVec>(W);
+  int64_t j = 0;
+  for (; j + W <= m; j += W) {
+    Vec dj = load<Vec>(d + j);
+    auto win = dj < bv;
+    bv = win ? dj : bv;
+    bi = win ? idx : bi;
+    idx += step;
+  }
+  best = kInf<T>;
+  best_j = -1;
+  for (int k = 0; k < W; ++k)
+    if (bv[k] < best || (bv[k] == best && bi[k] >= 0 && bi[k] < best_j)) { best = bv[k]; best_j = bi[k]; }
+  for (; j < m; ++j)
+    if (d[j] < best) { best = d[j]; best_j = j; }
+  if (best_j < 0 || free[best_j]) return;
+  // Settle the whole level of equally near columns before the next O(m) pass: with tied
+  // (integer) costs a search goes through many columns per distinct distance.
+  const Vec target = splat<Vec>(best);
+  auto take = [&](int64_t k) {
+    if (free[k]) { best_j = k; return true; }
+    if (k != best_j) level.push_back(k);
+    return false;
+  };
+  for (j = 0; j + W <= m; j += W) {
+    auto hit = load<Vec>(d + j) == target;
+    if (any(hit))
+      for (int k = 0; k < W; ++k)
+        if (hit[k] && take(j + k)) return;
+  }
+  for (; j < m; ++j)
+    if (d[j] == best && take(j)) return;
 }
 
 template <typename T>
@@ -182,7 +244,7 @@ class Solver {
   using Index = typename Lanes<T>::Index;
 
   Solver(const T* cost, int64_t n, int64_t m)
-      : c_(cost), n_(n), m_(m), v_(m, T(0)), vscan_(m), d_(m), pred_(m), x_(n, -1), y_(m, -1),
+      : c_(cost), n_(n), m_(m), v_(m, T(0)), vscan_(m), d_(m), pred_(m), free_(m), x_(n, -1), y_(m, -1),
         cache_cols_(n * kCache), cache_cost_(n * kCache), cache_count_(n, -1), cache_bound_(n) {}
 
   // v_inout: square only; start from these column duals (skips column reduction) and
@@ -195,15 +257,15 @@ class Solver {
       augmenting_row_reduction(free_rows);
       augmenting_row_reduction(free_rows);
     } else if (n_ == m_) {
-      if (!column_reduction(free_rows)) return Status::Infeasible;
+      if (!column_reduction(free_rows)) return invalid_ ? Status::Invalid : Status::Infeasible;
       augmenting_row_reduction(free_rows);
       augmenting_row_reduction(free_rows);
     } else {
-      greedy_rows(free_rows);
+      greedy_rows(free_rows);  // scans every row in full first
+      if (invalid_) return Status::Invalid;
     }
-    for (int64_t j = 0; j < m_; ++j)
-      if (y_[j] < 0) free_cols_.push_back(j);
     std::copy(v_.begin(), v_.end(), vscan_.begin());
+    for (int64_t j = 0; j < m_; ++j) free_[j] = y_[j] < 0 ? Index(-1) : Index(0);
     for (int64_t f : free_rows)
       if (!augment(f)) return Status::Infeasible;
     for (int64_t i = 0; i < n_; ++i) col_of_row[i] = x_[i];
@@ -216,8 +278,10 @@ class Solver {
 
   // Scans row i in full and caches its smallest reduced-cost columns.
   void build_cache(int64_t i) {
+    bool invalid = false;
     cache_count_[i] = k_smallest(row(i), v_.data(), m_, &cache_cols_[i * kCache], &cache_cost_[i * kCache],
-                                 &cache_bound_[i]);
+                                 &cache_bound_[i], &invalid);
+    invalid_ |= invalid;
   }
 
   // The two smallest reduced costs of row i (ties: lowest column), from its cache when
@@ -242,6 +306,17 @@ class Solver {
     }
   }
 
+  // A free column among row i's cached ones whose reduced cost equals u, or -1.
+  int64_t free_cached_column(int64_t i, T u) const {
+    const T* costs = &cache_cost_[i * kCache];
+    const Index* cols = &cache_cols_[i * kCache];
+    for (int k = 0; k < cache_count_[i]; ++k) {
+      int64_t j = cols[k];
+      if (y_[j] < 0 && costs[k] - v_[j] == u) return j;
+    }
+    return -1;
+  }
+
   // Column reduction (v = column minima) with reduction transfer. Square only.
   bool column_reduction(std::vector<int64_t>& free_rows) {
     using L = Lanes<T>;
@@ -251,21 +326,27 @@ class Solver {
     const int64_t n = n_;
     std::vector<Index> arg(n, 0);
     std::fill(v_.begin(), v_.end(), kInf<T>);
+    IVec bad{};  // the first pass over the input also checks it: NaN or -inf is invalid
     for (int64_t i = 0; i < n; ++i) {
       const T* r = row(i);
       const IVec iv = splat<IVec>(Index(i));
       int64_t j = 0;
       for (; j + W <= n; j += W) {
         Vec cv = load<Vec>(r + j), vv = load<Vec>(v_.data() + j);
+        bad |= ~(cv > splat<Vec>(-kInf<T>));
         auto lt = cv < vv;
         store(v_.data() + j, lt ? cv : vv);
         store(arg.data() + j, lt ? iv : load<IVec>(arg.data() + j));
       }
-      for (; j < n; ++j)
+      for (; j < n; ++j) {
+        invalid_ |= !(r[j] > -kInf<T>);
         if (r[j] < v_[j]) { v_[j] = r[j]; arg[j] = Index(i); }
+      }
       // Among tied rows, a column prefers its own index: a constant matrix gives the identity.
       if (r[i] == v_[i]) arg[i] = Index(i);
     }
+    invalid_ |= any(bad);
+    if (invalid_) return false;
     for (int64_t j = 0; j < n; ++j)
       if (v_[j] == kInf<T>) return false;  // a column with every entry forbidden
     std::vector<int> matches(n, 0);
@@ -308,8 +389,11 @@ class Solver {
       bool lowers = t.u1 < t.u2 && std::isfinite(t.u2);
       if (lowers) {
         v_[j1] -= t.u2 - t.u1;
-      } else if (i0 >= 0 && t.j2 >= 0 && t.u1 == t.u2) {
-        j1 = t.j2; i0 = y_[j1];
+      } else if (i0 >= 0) {
+        // Tied: prefer any free cached column as cheap as the best (integer costs tie a lot).
+        int64_t jf = free_cached_column(i, t.u1);
+        if (jf >= 0) { j1 = jf; i0 = -1; }
+        else if (t.j2 >= 0 && t.u1 == t.u2) { j1 = t.j2; i0 = y_[j1]; }
       }
       if (i0 >= 0) x_[i0] = -1;
       x_[i] = j1; y_[j1] = i;
@@ -343,18 +427,27 @@ class Solver {
     for (int k = 0; k < count; ++k) {
       int64_t j = cols[k];
       T cred = costs[k] - vscan_[j] - h;
-      if (cred < d_[j]) { d_[j] = cred; pred_[j] = Index(i); push({cred, j}); }
+      if (cred < d_[j]) { d_[j] = cred; pred_[j] = Index(i); push({cred, 2 * j + (y_[j] >= 0)}); }
     }
     if (cache_bound_[i] < kInf<T>) pending_.push({cache_bound_[i] - h, i, h});
   }
 
+  // A whole row relaxed: from here on this search finds its nearest column by a dense
+  // scan of d, which costs less than keeping up to m new candidates in the heap.
   void relax_full(int64_t i, T h) {
-    improved_.clear();
-    relax(row(i), vscan_.data(), d_.data(), pred_.data(), Index(i), h, m_, improved_);
-    for (const Candidate<T>& c : improved_) push(c);
+    dense_ = true;
+    level_.clear();  // the row may have brought columns at or below the level: find it anew
+    relax(row(i), vscan_.data(), d_.data(), pred_.data(), Index(i), h, m_, y_.data(),
+          static_cast<std::vector<Candidate<T>>*>(nullptr));
   }
 
   void push(Candidate<T> c) {
+    if (dense_) {
+      // Joins the level being settled, or, if nearer (rounding), makes the next pass find it.
+      if (c.d == level_d_) level_.push_back(c.column());
+      else if (c.d < level_d_) level_.clear();
+      return;
+    }
     heap_.push_back(c);
     std::push_heap(heap_.begin(), heap_.end());
   }
@@ -362,9 +455,19 @@ class Solver {
   // The nearest unfinished column (best_j = -1 if none), dropping stale heap entries:
   // a column's entry is current while it is unfinished and its d still equals it.
   void nearest(T& best, int64_t& best_j) {
+    if (dense_) {
+      while (!level_.empty()) {  // free columns of the level were taken at once
+        int64_t j = level_.back();
+        level_.pop_back();
+        if (vscan_[j] != -kInf<T> && d_[j] == level_d_) { best = level_d_; best_j = j; return; }
+      }
+      argmin(d_.data(), free_.data(), m_, best, best_j, level_);
+      level_d_ = best;
+      return;
+    }
     while (!heap_.empty()) {
       const Candidate<T>& top = heap_.front();
-      if (top.d == d_[top.j]) { best = top.d; best_j = top.j; return; }
+      if (top.d == d_[top.column()]) { best = top.d; best_j = top.column(); return; }
       std::pop_heap(heap_.begin(), heap_.end());
       heap_.pop_back();
     }
@@ -378,14 +481,17 @@ class Solver {
     std::fill(d_.begin(), d_.end(), kInf<T>);
     done_.clear();
     heap_.clear();
+    level_.clear();
+    dense_ = false;
     pending_ = {};
     expand(f, T(0));
     T best;
     int64_t j;
     for (;;) {
       nearest(best, j);
-      // Rows whose uncached columns could be as close as the best candidate are scanned in full.
-      while (!pending_.empty() && !(best < pending_.top().limit)) {
+      // Rows whose uncached columns could be closer than the best candidate are scanned in
+      // full. A column merely as close may wait: Dijkstra may settle ties in any order.
+      while (!pending_.empty() && pending_.top().limit < best) {
         Pending p = pending_.top();
         pending_.pop();
         relax_full(p.i, p.h);
@@ -394,11 +500,6 @@ class Solver {
       if (j < 0 || !(best < kInf<T>)) {  // nothing reachable: restore and give up
         for (const Done& s : done_) vscan_[s.j] = v_[s.j];
         return false;
-      }
-      if (y_[j] >= 0 && free_cols_.size() <= 64) {
-        // Among equally short paths, end at a free column when one exists (fewer steps on ties).
-        for (int64_t jf : free_cols_)
-          if (d_[jf] == best) { j = jf; break; }
       }
       if (y_[j] < 0) break;
       const int64_t i = y_[j];
@@ -415,9 +516,7 @@ class Solver {
       v_[s.j] += std::min(T(0), s.d - dist);
       vscan_[s.j] = v_[s.j];
     }
-    // Erase in place, keeping the list increasing so ties go to the lowest free column.
-    for (size_t k = 0; k < free_cols_.size(); ++k)
-      if (free_cols_[k] == sink) { free_cols_.erase(free_cols_.begin() + k); break; }
+    free_[sink] = 0;
     for (;;) {
       int64_t i = pred_[j];
       y_[j] = i;
@@ -443,14 +542,19 @@ class Solver {
   std::vector<T> vscan_;  // v_ with the columns finished in the current search set to -inf
   std::vector<T> d_;
   std::vector<Index> pred_;
-  std::vector<int64_t> x_, y_, free_cols_;
+  std::vector<Index> free_;  // all ones for a column no row holds
+  std::vector<int64_t> x_, y_;
   std::vector<Index> cache_cols_;  // kCache columns per row
   std::vector<T> cache_cost_;      // and their costs, so searches stay out of the big matrix
   std::vector<int> cache_count_;   // -1: row not scanned yet
   std::vector<T> cache_bound_;
   std::vector<Done> done_;
   std::priority_queue<Pending> pending_;
-  std::vector<Candidate<T>> heap_, improved_;
+  std::vector<Candidate<T>> heap_;
+  bool dense_ = false;    // this search has relaxed a whole row
+  std::vector<int64_t> level_;  // dense mode: unsettled columns at distance level_d_
+  T level_d_ = T(0);
+  bool invalid_ = false;  // the first pass met NaN or -inf
 };
 
 template <typename T>

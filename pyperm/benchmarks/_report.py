@@ -1,0 +1,64 @@
+"""Timing and reporting shared by the ``pyperm bench`` sub-commands."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+
+def median_time(fn: Callable[[], object], repeat: int, clock: str = "wall") -> float:
+    """Median seconds of ``repeat`` calls after one warm-up call.
+
+    ``clock="cpu"`` measures the calling thread's CPU time, which ignores time spent
+    descheduled on a busy machine (only meaningful for single-threaded solvers).
+    """
+    timer = time.perf_counter if clock == "wall" else time.thread_time
+    fn()
+    samples = []
+    for _ in range(max(1, repeat)):
+        start = timer()
+        fn()
+        samples.append(timer() - start)
+    return statistics.median(samples)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain fixed-width text table."""
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[k]) for r in cells) for k in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) if k else c.ljust(w) for k, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return "-" if value is None else str(value)
+
+
+def save_bar_plot(path: str, title: str, groups: Sequence[str], series: dict[str, Sequence[float | None]],
+                  ylabel: str) -> None:
+    """Grouped bar chart (one group per case, one bar per series), log-scaled, to PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) + 2), 4.5))
+    width = 0.8 / max(1, len(series))
+    for k, (name, values) in enumerate(series.items()):
+        xs = [g + (k - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        ys = [float("nan") if v is None else v for v in values]
+        ax.bar(xs, ys, width=width, label=name)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, rotation=20, ha="right")
+    ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,228 @@
+"""``pyperm bench lap``: pyperm's assignment solvers against scipy and the installed peers.
+
+Every solver gets the same matrices in one run; each answer is checked against scipy's
+optimal objective before it is timed, and a solver that disagrees is reported, not timed.
+Peers: scipy (always), lapx (``import lap``: lapjv, lapjvs, lapjvh, lapjvr and their
+batch forms; plain ``lap`` gives lapjv only) and lapjv. ``pip install "pyperm[bench]"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+import pyperm
+from pyperm.benchmarks._report import format_table, median_time, save_bar_plot
+
+Solver = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass
+class Case:
+    name: str
+    make: Callable[[np.random.Generator], np.ndarray]
+    batch: bool = False
+
+
+def _uniform(n: int, m: int | None = None, dtype=np.float64):
+    return lambda rng: rng.random((n, n if m is None else m)).astype(dtype)
+
+
+def _integers(n: int, high: int = 100):
+    return lambda rng: rng.integers(0, high, (n, n)).astype(np.float64)
+
+
+def _low_rank(n: int, rank: int = 16):
+    """-(A @ B.T) where B is a noisy, permuted copy of A: a planted matching, like weight matching."""
+
+    def make(rng):
+        a = rng.standard_normal((n, rank))
+        b = a[rng.permutation(n)] + 0.1 * rng.standard_normal((n, rank))
+        return -(a @ b.T)
+
+    return make
+
+
+CASES = {
+    "uniform-1024": Case("uniform-1024", _uniform(1024)),
+    "uniform-2048": Case("uniform-2048", _uniform(2048)),
+    "uniform-4096": Case("uniform-4096", _uniform(4096)),
+    "wide-1000x4000": Case("wide-1000x4000", _uniform(1000, 4000)),
+    "tall-4000x1000": Case("tall-4000x1000", _uniform(4000, 1000)),
+    "integers-1024": Case("integers-1024", _integers(1024)),
+    "lowrank-2048": Case("lowrank-2048", _low_rank(2048)),
+    "float32-2048": Case("float32-2048", _uniform(2048, dtype=np.float32)),
+    "batch-256x128": Case("batch-256x128", lambda rng: rng.random((256, 128, 128)), batch=True),
+}
+QUICK = ["uniform-1024", "wide-1000x4000", "integers-1024", "batch-256x128"]
+
+
+# ----------------------------------------------------------------------------- peers
+def _rows_cols_from_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    rows = np.flatnonzero(x >= 0)
+    return rows, np.asarray(x)[rows]
+
+
+def single_solvers() -> dict[str, Solver]:
+    """Every installed single-problem solver, pyperm first, as cost -> (rows, cols)."""
+    solvers: dict[str, Solver] = {"pyperm": pyperm.linear_sum_assignment}
+    try:
+        from scipy.optimize import linear_sum_assignment as scipy_lsa
+
+        solvers["scipy"] = scipy_lsa
+    except ImportError:
+        pass
+    lap = _optional("lap")
+    if lap is not None:
+        solvers["lap.lapjv"] = lambda c: _rows_cols_from_x(lap.lapjv(c, extend_cost=c.shape[0] != c.shape[1],
+                                                                     return_cost=False)[0])
+        # lapx's newer solvers keep float32 in float32 with precision="native".
+        for name in ("lapjvs", "lapjvh", "lapjvr"):
+            fn = getattr(lap, name, None)
+            if fn is not None:
+                solvers[f"lapx.{name}"] = _lapx_adapter(fn)
+    lapjv = _optional("lapjv")
+    if lapjv is not None:  # square only
+        solvers["lapjv"] = lambda c: (np.arange(c.shape[0]), lapjv.lapjv(c)[0]) if c.shape[0] == c.shape[1] else None
+    return solvers
+
+
+def batch_solvers(threads: int | None) -> dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]]:
+    """Batch solvers: pyperm's, the lapx batch functions, and per-problem loops of the rest."""
+    solvers = {"pyperm.batch": lambda c: pyperm.batch_linear_sum_assignment(c, threads=threads)}
+    lap = _optional("lap")
+    if lap is not None:
+        for name in ("lapjvs_batch", "lapjvh_batch", "lapjvr_batch"):
+            fn = getattr(lap, name, None)
+            if fn is not None:
+                solvers[f"lapx.{name}"] = _lapx_batch_adapter(fn, threads)
+    for name, single in single_solvers().items():
+        if name != "pyperm":
+            solvers[f"{name} (loop)"] = _loop(single)
+    return solvers
+
+
+def _lapx_adapter(fn):
+    def solve(c):
+        rows, cols = fn(c, extend_cost=c.shape[0] != c.shape[1], return_cost=False)
+        return np.asarray(rows), np.asarray(cols)
+
+    return solve
+
+
+def _lapx_batch_adapter(fn, threads):
+    def solve(c):
+        out = fn(c, return_cost=False, n_threads=threads or 0)
+        rows = np.stack([np.asarray(r) for r in out[0]])
+        cols = np.stack([np.asarray(k) for k in out[1]])
+        return rows, cols
+
+    return solve
+
+
+def _loop(single: Solver):
+    def solve(c):
+        pairs = [single(p) for p in c]
+        if any(p is None for p in pairs):
+            return None
+        return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+
+    return solve
+
+
+def _optional(module: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
+# ----------------------------------------------------------------------------- running
+def _objective(cost: np.ndarray, rows, cols) -> float:
+    rows, cols = np.asarray(rows), np.asarray(cols)
+    if cost.ndim == 3:
+        return float(sum(cost[b][rows[b], cols[b]].sum() for b in range(cost.shape[0])))
+    return float(cost[rows, cols].astype(np.float64).sum())
+
+
+def _valid(cost: np.ndarray, rows, cols) -> bool:
+    rows, cols = np.atleast_2d(np.asarray(rows)), np.atleast_2d(np.asarray(cols))
+    k = min(cost.shape[-2:])
+    return all(len(np.unique(r)) == k and len(np.unique(c)) == k for r, c in zip(rows, cols))
+
+
+def run_case(case: Case, rng: np.random.Generator, repeat: int, threads: int | None, clock: str):
+    """Times every solver on one case; returns rows (solver, seconds or None, note)."""
+    cost = case.make(rng)
+    solvers = batch_solvers(threads) if case.batch else single_solvers()
+    # The reference objective, in float64: scipy's, else pyperm's.
+    ref_solver = solvers.get("scipy (loop)" if case.batch else "scipy") or next(iter(solvers.values()))
+    reference = _objective(cost.astype(np.float64), *ref_solver(cost.astype(np.float64)))
+    tol = 1e-6 * max(1.0, abs(reference)) if cost.dtype == np.float64 else 1e-4 * max(1.0, abs(reference))
+    results = []
+    for name, solve in solvers.items():
+        try:
+            out = solve(cost)
+        except Exception as exc:  # a peer that rejects this input is reported, not fatal
+            results.append((name, None, f"error: {type(exc).__name__}"))
+            continue
+        if out is None:
+            results.append((name, None, "unsupported"))
+            continue
+        if not _valid(cost, *out) or abs(_objective(cost.astype(np.float64), *out) - reference) > tol:
+            results.append((name, None, "WRONG answer"))
+            continue
+        # Threaded batch solvers work off the calling thread: only wall time sees them.
+        results.append((name, median_time(lambda: solve(cost), repeat, "wall" if case.batch else clock), ""))
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated cases (default: all): {', '.join(CASES)}")
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--repeat", type=int, default=5, help="timed calls per solver and case (median reported)")
+    parser.add_argument("--threads", type=int, default=None, help="threads for the batch solvers (default: all cores)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall time, or the calling thread's CPU time (steadier on a busy machine; "
+                             "single-threaded solvers only)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", metavar="PNG", help="also save a bar chart of time / scipy per case")
+
+
+def run(args: argparse.Namespace) -> int:
+    names = QUICK if args.quick else [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+    print(f"pyperm {pyperm.__version__}, kernels: {pyperm._core.best_isa()}, "
+          f"threads: {args.threads or pyperm._core.hardware_threads()}, clock: {args.clock}, medians of {args.repeat}")
+    rng = np.random.default_rng(args.seed)
+    table, plot_series, summary = [], {}, []
+    for name in names:
+        case = CASES[name]
+        results = run_case(case, rng, args.repeat, args.threads, args.clock)
+        times = {s: t for s, t, _ in results if t is not None}
+        ours = "pyperm.batch" if case.batch else "pyperm"
+        scipy_key = "scipy (loop)" if case.batch else "scipy"
+        peers = {s: t for s, t in times.items() if s != ours}
+        fastest = min(peers, key=peers.get) if peers else None
+        for solver, t, note in results:
+            vs_scipy = t / times[scipy_key] if t is not None and scipy_key in times else None
+            vs_fastest = t / peers[fastest] if t is not None and fastest and solver == ours else None
+            table.append([name, solver, None if t is None else 1e3 * t, vs_scipy, vs_fastest, note])
+            plot_series.setdefault(solver.replace(" (loop)", "").replace("_batch", "").replace(".batch", ""), {})[name] = vs_scipy
+        if ours in times and fastest:
+            summary.append([name, times[ours] / times.get(scipy_key, float("nan")), fastest, times[ours] / peers[fastest]])
+    print(format_table(["case", "solver", "median ms", "/ scipy", "/ fastest peer", "note"], table))
+    print()
+    print(format_table(["case", "pyperm / scipy", "fastest peer", "pyperm / fastest peer"], summary))
+    if args.plot:
+        series = {s: [vals.get(n) for n in names] for s, vals in plot_series.items()}
+        save_bar_plot(args.plot, "assignment solvers: time relative to scipy (lower is faster)", names, series,
+                      "time / scipy")
+        print(f"plot saved to {args.plot}")
+    return 0
