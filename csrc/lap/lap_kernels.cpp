@@ -98,6 +98,9 @@ template <typename M> inline bool any(const M& mask) {
 
 // Columns cached per row (see the file comment). 8 measured faster than 4, 16 and 32.
 constexpr int kCache = 8;
+// Below this many entries (about 181 x 181) a problem sits in L2 and full row scans beat
+// the caches' bookkeeping (measured against lapjvr at n = 32-512).
+constexpr int64_t kCacheFromSize = int64_t(1) << 15;
 
 // The columns of the kCache smallest values of row[j] - v[j] (ascending; ties: lowest j)
 // into cols, their costs row[j] into costs, returning how many are finite. *invalid
@@ -119,11 +122,30 @@ int k_smallest(const T* row, const T* v, int64_t m, Index* cols, T* costs, T* bo
     vals[p] = r; cols[p] = Index(j);
     if (count == kCache) worst = vals[kCache - 1];
   };
+  // Pass 1: each lane's two smallest. Those 2W values are entries of the row, so the
+  // kCache-th smallest of them bounds the row's kCache-th smallest from above, and pass 2
+  // only inserts the few entries at or below it.
+  T limit = kInf<T>;
   int64_t j = 0;
+  if (2 * W >= kCache) {
+    Vec m1 = splat<Vec>(kInf<T>), m2 = m1;
+    for (; j + W <= m; j += W) {
+      Vec r = load<Vec>(row + j) - load<Vec>(v + j);
+      bad |= ~(r > splat<Vec>(-kInf<T>));
+      Vec hi = r < m1 ? m1 : r;
+      m1 = r < m1 ? r : m1;
+      m2 = hi < m2 ? hi : m2;
+    }
+    T lane[2 * W];
+    for (int k = 0; k < W; ++k) { lane[k] = m1[k]; lane[W + k] = m2[k]; }
+    std::nth_element(lane, lane + (kCache - 1), lane + 2 * W);
+    limit = lane[kCache - 1];
+    j = 0;
+  }
   for (; j + W <= m; j += W) {
     Vec r = load<Vec>(row + j) - load<Vec>(v + j);
     bad |= ~(r > splat<Vec>(-kInf<T>));
-    auto lt = r < splat<Vec>(worst);
+    auto lt = r <= splat<Vec>(limit < worst ? limit : worst);
     if (any(lt))
       for (int k = 0; k < W; ++k)
         if (r[k] < worst) insert(r[k], j + k);
@@ -238,14 +260,62 @@ void argmin(const T* d, const typename Lanes<T>::Index* free, int64_t m, T& best
 template <typename T>
 struct TwoSmallest { T u1, u2; int64_t j1, j2; };
 
+// Smallest value of row[j] - v[j] (ties: lowest j), and the second smallest, by a full
+// scan of the row (small problems, where the row caches cost more than they save).
+template <typename T>
+TwoSmallest<T> scan_two_smallest(const T* row, const T* v, int64_t m) {
+  using L = Lanes<T>;
+  using Vec = typename L::Vec;
+  using IVec = typename L::IVec;
+  constexpr int W = sizeof(Vec) / sizeof(T);
+  Vec m1 = splat<Vec>(kInf<T>), m2 = m1;
+  IVec i1 = splat<IVec>(-1), i2 = i1, idx = iota_vec<IVec>();
+  const IVec step = splat<IVec>(W);
+  int64_t j = 0;
+  for (; j + W <= m; j += W) {
+    Vec h = load<Vec>(row + j) - load<Vec>(v + j);
+    auto lt1 = h < m1;
+    auto lt2 = h < m2;
+    // A new smallest pushes the old one to second place.
+    m2 = lt1 ? m1 : (lt2 ? h : m2);
+    i2 = lt1 ? i1 : (lt2 ? idx : i2);
+    m1 = lt1 ? h : m1;
+    i1 = lt1 ? idx : i1;
+    idx += step;
+  }
+  TwoSmallest<T> r{kInf<T>, kInf<T>, -1, -1};
+  auto offer = [&r](T h, int64_t jj) {
+    if (jj < 0) return;
+    if (h < r.u1 || (h == r.u1 && jj < r.j1)) {
+      r.u2 = r.u1; r.j2 = r.j1; r.u1 = h; r.j1 = jj;
+    } else if (h < r.u2 || (h == r.u2 && (r.j2 < 0 || jj < r.j2))) {
+      r.u2 = h; r.j2 = jj;
+    }
+  };
+  for (int k = 0; k < W; ++k) { offer(m1[k], i1[k]); offer(m2[k], i2[k]); }
+  for (; j < m; ++j) offer(row[j] - v[j], j);
+  // Entries equal to +inf never entered the lanes; fall back to any other column.
+  if (r.j1 < 0 && m > 0) { r.j1 = 0; }
+  if (r.j2 < 0 && m > 1) { r.j2 = (r.j1 == 0) ? 1 : 0; }
+  return r;
+}
+
+
 template <typename T>
 class Solver {
  public:
   using Index = typename Lanes<T>::Index;
 
   Solver(const T* cost, int64_t n, int64_t m)
-      : c_(cost), n_(n), m_(m), v_(m, T(0)), vscan_(m), d_(m), pred_(m), free_(m), x_(n, -1), y_(m, -1),
-        cache_cols_(n * kCache), cache_cost_(n * kCache), cache_count_(n, -1), cache_bound_(n) {}
+      : c_(cost), n_(n), m_(m), cached_(n * m >= kCacheFromSize), v_(m, T(0)), vscan_(m), d_(m), pred_(m),
+        free_(m), x_(n, -1), y_(m, -1) {
+    if (cached_) {
+      cache_cols_.resize(n * kCache);
+      cache_cost_.resize(n * kCache);
+      cache_count_.assign(n, -1);
+      cache_bound_.resize(n);
+    }
+  }
 
   // v_inout: square only; start from these column duals (skips column reduction) and
   // return the final ones.
@@ -287,6 +357,7 @@ class Solver {
   // The two smallest reduced costs of row i (ties: lowest column), from its cache when
   // the cache proves them smallest, else from a fresh full scan.
   TwoSmallest<T> two_smallest(int64_t i) {
+    if (!cached_) return scan_two_smallest(row(i), v_.data(), m_);
     for (int attempt = 0;; ++attempt) {
       if (cache_count_[i] < 0 || attempt > 0) build_cache(i);
       TwoSmallest<T> t{kInf<T>, kInf<T>, -1, -1};
@@ -308,6 +379,7 @@ class Solver {
 
   // A free column among row i's cached ones whose reduced cost equals u, or -1.
   int64_t free_cached_column(int64_t i, T u) const {
+    if (!cached_) return -1;
     const T* costs = &cache_cost_[i * kCache];
     const Index* cols = &cache_cols_[i * kCache];
     for (int k = 0; k < cache_count_[i]; ++k) {
@@ -379,8 +451,9 @@ class Solver {
     int64_t k = 0, todo = static_cast<int64_t>(free_rows.size()), kept = 0;
     // Bound on immediate retries: long displacement chains cost more than the shortest
     // paths they replace, and rounding can make the lowering of v stall; nothing may hang.
-    // Measured on uniform costs, n = 1024-4096: 16n beats 2n by 1.5-2x once rows are cached.
-    int64_t budget = 16 * n_ + 16;
+    // Measured on uniform costs: with cached rows each move costs O(kCache) and 16n beats 2n
+    // by 1.5-2x (n = 1024-4096); with full row scans n is best (n = 32-256).
+    int64_t budget = (cached_ ? 16 : 1) * n_ + 16;
     while (k < todo) {
       int64_t i = free_rows[k++];
       TwoSmallest<T> t = two_smallest(i);
@@ -417,8 +490,8 @@ class Solver {
   // Adds row i (reached at offset h) to the search: its cached columns now, the rest of
   // the row once the search distance reaches bound - h.
   void expand(int64_t i, T h) {
-    const int count = cache_count_[i];
-    if (count < 0) {  // never scanned: relax the whole row
+    const int count = cached_ ? cache_count_[i] : -1;
+    if (count < 0) {  // never scanned, or no caches: relax the whole row
       relax_full(i, h);
       return;
     }
@@ -538,6 +611,7 @@ class Solver {
 
   const T* c_;
   int64_t n_, m_;
+  bool cached_;           // row caches on (large problems)
   std::vector<T> v_;      // column duals
   std::vector<T> vscan_;  // v_ with the columns finished in the current search set to -inf
   std::vector<T> d_;
