@@ -257,6 +257,20 @@ void argmin(const T* d, const typename Lanes<T>::Index* free, int64_t m, T& best
     if (d[j] == best && take(j)) return;
 }
 
+// Whether any entry is NaN or -inf.
+template <typename T>
+bool has_invalid(const T* c, int64_t total) {
+  using Vec = typename Lanes<T>::Vec;
+  using IVec = typename Lanes<T>::IVec;
+  constexpr int W = sizeof(Vec) / sizeof(T);
+  IVec bad{};
+  int64_t k = 0;
+  for (; k + W <= total; k += W) bad |= ~(load<Vec>(c + k) > splat<Vec>(-kInf<T>));
+  bool tail = false;
+  for (; k < total; ++k) tail |= !(c[k] > -kInf<T>);
+  return tail || any(bad);
+}
+
 template <typename T>
 struct TwoSmallest { T u1, u2; int64_t j1, j2; };
 
@@ -331,7 +345,9 @@ class Solver {
       augmenting_row_reduction(free_rows);
       augmenting_row_reduction(free_rows);
     } else {
-      greedy_rows(free_rows);  // scans every row in full first
+      // Cached rows are checked as they are first scanned; a small uncached problem here.
+      if (!cached_) invalid_ = has_invalid(c_, n_ * m_);
+      if (!invalid_) greedy_rows(free_rows);
       if (invalid_) return Status::Invalid;
     }
     std::copy(v_.begin(), v_.end(), vscan_.begin());
