@@ -54,7 +54,7 @@ class BottleneckMatcher {
   // R: the residual, n x n, owned by the caller and updated only through update().
   BottleneckMatcher(const T* R, int64_t n)
       : R_(R), n_(n), order_(static_cast<size_t>(n * n)), len_(n), col_(n, -1), row_(n, -1),
-        pred_(n, -1), visited_(n, 0), it_(n, 0), it_stamp_(n, 0), la_(n, 0), la_stamp_(n, 0) {
+        pred_(n, -1), pos_(n, -1), pred_pos_(n, -1), visited_(n, 0), it_(n, 0), it_stamp_(n, 0), la_(n, 0), la_stamp_(n, 0) {
     std::vector<std::pair<T, int32_t>> tmp;
     tmp.reserve(static_cast<size_t>(n));
     lambda_ = std::numeric_limits<T>::infinity();
@@ -104,8 +104,10 @@ class BottleneckMatcher {
     const T* row = R_ + i * n_;
     const int64_t len = len_[i];
     const int32_t jj = static_cast<int32_t>(j);
-    // Position of j under its old value (R[i, j] already holds the new one).
-    int64_t k = lower_bound(ord, row, 0, len, old_value, jj);
+    // Position of j: remembered when the edge was matched, else found under its old value
+    // (R[i, j] already holds the new one).
+    int64_t k = col_[i] == j ? pos_[i] : -1;
+    if (k < 0 || k >= len || ord[k] != jj) k = lower_bound(ord, row, 0, len, old_value, jj);
     if (k >= len || ord[k] != jj) k = std::find(ord, ord + len, jj) - ord;  // never expected
     if (k >= len) return;
     if (new_value <= T(0)) {
@@ -118,6 +120,7 @@ class BottleneckMatcher {
     int64_t p = lower_bound(ord, row, k + 1, len, new_value, jj);
     std::memmove(ord + k, ord + k + 1, sizeof(int32_t) * static_cast<size_t>(p - 1 - k));
     ord[p - 1] = jj;
+    if (col_[i] == j) pos_[i] = p - 1;
   }
 
  private:
@@ -162,6 +165,7 @@ class BottleneckMatcher {
           if (row_[j] < 0) {
             la_[r] = k + 1;
             pred_[j] = r;
+            pred_pos_[j] = k;
             augment(f, j);
             return true;
           }
@@ -177,6 +181,7 @@ class BottleneckMatcher {
           if (visited_[j] == stamp_) continue;
           visited_[j] = stamp_;
           pred_[j] = r;
+          pred_pos_[j] = p - 1;
           child = row_[j];
           break;
         }
@@ -220,6 +225,7 @@ class BottleneckMatcher {
       const int64_t next = col_[i];
       col_[i] = j;
       row_[j] = i;
+      pos_[i] = pred_pos_[j];
       if (i == f) return;
       j = next;
     }
@@ -230,6 +236,8 @@ class BottleneckMatcher {
   std::vector<int32_t> order_;  // n x n: row i's positive entries' columns, decreasing value
   std::vector<int64_t> len_;    // number of positive entries of each row
   std::vector<int64_t> col_, row_, pred_;
+  std::vector<int64_t> pos_;       // position of col_[i] in row i's order
+  std::vector<int64_t> pred_pos_;  // position of column j in row pred_[j]'s order
   std::vector<uint64_t> visited_;  // == stamp_: column visited in the current search
   std::vector<int64_t> it_;        // per-row depth-first iterator (valid when it_stamp_ == stamp_)
   std::vector<uint64_t> it_stamp_;
@@ -271,7 +279,8 @@ template <typename T, typename Matcher>
 void decompose(const T* D, int64_t n, std::vector<T>& R, Matcher& matcher, int64_t max_terms,
                double tol, const BvnProgress* progress, BvnResult<T>* out) {
   double mass = 0;  // sum of R, kept up to date term by term
-  for (int64_t k = 0; k < n * n; ++k) mass += R[k];
+  double d_max = 0;
+  for (int64_t k = 0; k < n * n; ++k) { mass += R[k]; d_max = std::max(d_max, double(R[k])); }
   std::vector<int64_t> col(n);
   const double zero_rel = kZeroUlps * std::numeric_limits<T>::epsilon();
   out->stop = BvnStop::Converged;
@@ -293,11 +302,14 @@ void decompose(const T* D, int64_t n, std::vector<T>& R, Matcher& matcher, int64
     // alpha may carry the rounding of the entry it came from, so an entry is rounding noise
     // when it is small next to both its own original value and that one.
     const double noise_ref = D[argmin * n + col[argmin]];
+    // Only entries below this can be noise; the test saves reading D for all the others.
+    const double maybe_noise = zero_rel * std::max(d_max, noise_ref);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t j = col[i];
       const T old_value = R[i * n + j];
       T new_value = old_value - alpha;
-      if (i == argmin || double(new_value) <= zero_rel * std::max(double(D[i * n + j]), noise_ref))
+      if (i == argmin || (double(new_value) <= maybe_noise &&
+                          double(new_value) <= zero_rel * std::max(double(D[i * n + j]), noise_ref)))
         new_value = T(0);
       R[i * n + j] = new_value;
       mass -= double(old_value) - double(new_value);
