@@ -42,9 +42,30 @@ constexpr double kZeroUlps = 32.0;
 
 template <typename T>
 bool all_finite(const T* a, int64_t count) {
-  bool ok = true;
-  for (int64_t k = 0; k < count; ++k) ok &= std::isfinite(a[k]);
-  return ok;
+  // Plain comparisons (no isfinite call) so that the loop vectorises.
+  constexpr T big = std::numeric_limits<T>::max();
+  int bad = 0;
+  for (int64_t k = 0; k < count; ++k) bad |= !(a[k] >= -big && a[k] <= big);
+  return bad == 0;
+}
+
+// Sum (in double, four independent accumulators so the additions pipeline) and maximum.
+template <typename T>
+void sum_and_max(const T* a, int64_t count, double* sum, double* max) {
+  double s[4] = {0, 0, 0, 0};
+  T m[4] = {0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 4 <= count; k += 4)
+    for (int l = 0; l < 4; ++l) {
+      s[l] += double(a[k + l]);
+      m[l] = a[k + l] > m[l] ? a[k + l] : m[l];
+    }
+  for (; k < count; ++k) {
+    s[0] += double(a[k]);
+    m[0] = a[k] > m[0] ? a[k] : m[0];
+  }
+  *sum = (s[0] + s[1]) + (s[2] + s[3]);
+  *max = double(std::max(std::max(m[0], m[1]), std::max(m[2], m[3])));
 }
 
 // ---------------------------------------------------------------- bottleneck matching
@@ -278,9 +299,8 @@ class MaxWeightMatcher {
 template <typename T, typename Matcher>
 void decompose(const T* D, int64_t n, std::vector<T>& R, Matcher& matcher, int64_t max_terms,
                double tol, const BvnProgress* progress, BvnResult<T>* out) {
-  double mass = 0;  // sum of R, kept up to date term by term
-  double d_max = 0;
-  for (int64_t k = 0; k < n * n; ++k) { mass += R[k]; d_max = std::max(d_max, double(R[k])); }
+  double mass, d_max;  // mass: the sum of R, kept up to date term by term
+  sum_and_max(R.data(), n * n, &mass, &d_max);
   std::vector<int64_t> col(n);
   const double zero_rel = kZeroUlps * std::numeric_limits<T>::epsilon();
   out->stop = BvnStop::Converged;
@@ -308,8 +328,9 @@ void decompose(const T* D, int64_t n, std::vector<T>& R, Matcher& matcher, int64
       const int64_t j = col[i];
       const T old_value = R[i * n + j];
       T new_value = old_value - alpha;
-      if (i == argmin || (double(new_value) <= maybe_noise &&
-                          double(new_value) <= zero_rel * std::max(double(D[i * n + j]), noise_ref)))
+      if (i == argmin || new_value <= T(0) ||
+          (double(new_value) <= maybe_noise &&
+           double(new_value) <= zero_rel * std::max(double(D[i * n + j]), noise_ref)))
         new_value = T(0);
       R[i * n + j] = new_value;
       mass -= double(old_value) - double(new_value);
@@ -321,8 +342,8 @@ void decompose(const T* D, int64_t n, std::vector<T>& R, Matcher& matcher, int64
     }
   }
   // Report the residual exactly rather than the running total.
-  double exact = 0;
-  for (int64_t k = 0; k < n * n; ++k) exact += R[k];
+  double exact, unused;
+  sum_and_max(R.data(), n * n, &exact, &unused);
   out->residual_mass = n > 0 ? exact / double(n) : 0.0;
 }
 
