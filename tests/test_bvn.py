@@ -242,6 +242,26 @@ def test_max_weight_terms_are_maximum_weight_matchings():
         R[rows, p] -= c
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_max_weight_incremental_solver_agrees_with_lap_warm_start(dtype):
+    # Two independent exact solvers (incremental JV vs lap_cpu's solve_square_warm) must
+    # find the same unique optimum term after term.
+    D = dense_ds(40, seed=13).astype(dtype)
+    ours = _core.bvn_decompose(D, "max-weight", 25, 1e-9)
+    lap = _core.bvn_decompose(D, "max-weight-lapwarm", 25, 1e-9)
+    np.testing.assert_array_equal(ours[1], lap[1])
+    np.testing.assert_array_equal(ours[0], lap[0])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_results_do_not_depend_on_the_simd_variant(method):
+    D = dense_ds(70, seed=14)
+    runs = [_core.bvn_decompose(D, method, 40, 1e-9, None, isa) for isa in ("baseline", "avx2", "avx512")]
+    for coeffs, perms, _, _ in runs[1:]:
+        np.testing.assert_array_equal(coeffs, runs[0][0])
+        np.testing.assert_array_equal(perms, runs[0][1])
+
+
 def test_max_weight_float32_first_term():
     D = dense_ds(50, seed=4)
     _, perms = pyperm.birkhoff_decomposition(D.astype(np.float32), max_terms=1)

@@ -15,6 +15,7 @@ namespace {
 cpu::BvnMethod parse_method(const std::string& method) {
   if (method == "max-weight") return cpu::BvnMethod::MaxWeight;
   if (method == "bottleneck") return cpu::BvnMethod::Bottleneck;
+  if (method == "max-weight-lapwarm") return cpu::BvnMethod::MaxWeightLapWarm;  // comparison only
   throw py::value_error("method must be 'max-weight' or 'bottleneck', got '" + method + "'");
 }
 

@@ -32,6 +32,7 @@
 #include <utility>
 
 #include "bvn/incremental_assignment.h"
+#include "lap/lap_cpu.h"
 
 namespace pyperm::cpu {
 namespace {
@@ -274,10 +275,16 @@ class BottleneckMatcher {
 template <typename T>
 class MaxWeightMatcher {
  public:
-  MaxWeightMatcher(const T* R, int64_t n, Isa isa)
-      : n_(n), cost_(make_cost(R, n)), solver_(cost_.data(), n, isa) {}
+  // lap_warm: solve each term with solve_square_warm (duals only) instead of the
+  // incremental solver, for comparison.
+  MaxWeightMatcher(const T* R, int64_t n, Isa isa, bool lap_warm)
+      : n_(n), isa_(isa), lap_warm_(lap_warm), cost_(make_cost(R, n)), v_(lap_warm ? n : 0, T(0)),
+        solver_(cost_.data(), n, isa) {}
 
-  Status next(int64_t* col_of_row) { return solver_.solve(col_of_row); }
+  Status next(int64_t* col_of_row) {
+    if (lap_warm_) return solve_square_warm(cost_.data(), n_, v_.data(), col_of_row, isa_);
+    return solver_.solve(col_of_row);
+  }
 
   void update(int64_t i, int64_t j, T /*old_value*/, T new_value) {
     cost_[i * n_ + j] = new_value > T(0) ? -new_value : std::numeric_limits<T>::infinity();
@@ -291,7 +298,10 @@ class MaxWeightMatcher {
   }
 
   int64_t n_;
+  Isa isa_;
+  bool lap_warm_;
   std::vector<T> cost_;  // -R on the support, +inf off it; raised in place term by term
+  std::vector<T> v_;     // column duals carried between solve_square_warm calls
   IncrementalAssignment<T> solver_;
 };
 
@@ -364,7 +374,7 @@ Status birkhoff_decomposition(const T* D, int64_t n, BvnMethod method, int64_t m
     BottleneckMatcher<T> matcher(R.data(), n);
     decompose(D, n, R, matcher, max_terms, tol, progress, out);
   } else {
-    MaxWeightMatcher<T> matcher(R.data(), n, isa);
+    MaxWeightMatcher<T> matcher(R.data(), n, isa, method == BvnMethod::MaxWeightLapWarm);
     decompose(D, n, R, matcher, max_terms, tol, progress, out);
   }
   return Status::Ok;

@@ -23,7 +23,13 @@
 
 namespace pyperm::cpu {
 
-enum class BvnMethod : int { MaxWeight = 0, Bottleneck = 1 };
+enum class BvnMethod : int {
+  MaxWeight = 0,
+  Bottleneck = 1,
+  // The same terms as MaxWeight, each solved by lap_cpu.h's solve_square_warm from the
+  // previous column duals alone. Kept to compare the two warm starts (pyperm bench bvn).
+  MaxWeightLapWarm = 2,
+};
 
 // Why a decomposition stopped.
 enum class BvnStop : int {
