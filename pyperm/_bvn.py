@@ -14,7 +14,7 @@ from typing import Any, Callable, Union
 import numpy as np
 
 from pyperm import _core
-from pyperm._arrays import is_cuda_array, is_torch_tensor, real_float_array
+from pyperm._arrays import is_cuda_array, is_torch_tensor, real_float_array, to_numpy
 
 __all__ = ["birkhoff_decomposition", "project_doubly_stochastic", "sample_permutations", "sinkhorn"]
 
@@ -381,7 +381,7 @@ def _square_batch(M: Any, name: str):
     else:
         if is_cuda_array(M):
             raise TypeError(f"{name} is a device array; pass a numpy array or a torch tensor")
-        arr = np.asarray(M) if not isinstance(M, np.ndarray) else M
+        arr = to_numpy(M, name)
         if arr.ndim < 2:
             raise ValueError(f"{name} must be a 2-D (n, n) or batched (..., n, n) array, got shape {arr.shape}")
         arr = real_float_array(arr, name, arr.ndim)

@@ -616,6 +616,7 @@ def test_projection_torch(device):
         (np.ones((2, 2), dtype=complex), {}, ValueError, "M must be real"),
         (np.eye(2), {"iters": -1}, ValueError, "iters must be at least 0"),
         (np.eye(2), {"iters": 2.5}, TypeError, "iters must be an int"),
+        ([[1.0, 2.0], [3.0]], {}, ValueError, "M could not be read as an array"),
     ],
 )
 def test_projection_errors(M, kwargs, exc, match):

@@ -27,7 +27,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <queue>
 #include <utility>
 
@@ -75,8 +74,8 @@ class BottleneckMatcher {
  public:
   // R: the residual, n x n, owned by the caller and updated only through update().
   BottleneckMatcher(const T* R, int64_t n)
-      : R_(R), n_(n), order_(static_cast<size_t>(n * n)), len_(n), col_(n, -1), row_(n, -1),
-        pred_(n, -1), pos_(n, -1), pred_pos_(n, -1), visited_(n, 0), it_(n, 0), it_stamp_(n, 0), la_(n, 0), la_stamp_(n, 0) {
+      : R_(R), n_(n), order_(static_cast<size_t>(n * n)), len_(n), col_(n, -1), row_(n, -1), pred_(n, -1),
+        pos_(n, -1), pred_pos_(n, -1), visited_(n, 0), it_(n, 0), it_stamp_(n, 0), la_(n, 0), la_stamp_(n, 0) {
     std::vector<std::pair<T, int32_t>> tmp;
     tmp.reserve(static_cast<size_t>(n));
     lambda_ = std::numeric_limits<T>::infinity();
@@ -116,8 +115,6 @@ class BottleneckMatcher {
     std::copy(col_.begin(), col_.end(), col_of_row);
     return Status::Ok;
   }
-
-  T lambda() const { return lambda_; }
 
   // Row i's entry in column j went from old_value to new_value (0: left the support).
   // Call before the next next(), with R already holding new_value.
@@ -346,7 +343,8 @@ void decompose(const T* D, int64_t n, std::vector<T>& R, Matcher& matcher, int64
       mass -= double(old_value) - double(new_value);
       matcher.update(i, j, old_value, new_value);
     }
-    if (progress != nullptr && *progress && !(*progress)(terms, double(alpha), std::max(mass, 0.0) / double(n))) {
+    const double residual = std::max(mass, 0.0) / double(n);
+    if (progress != nullptr && *progress && !(*progress)(terms, double(alpha), residual)) {
       out->stop = BvnStop::Cancelled;
       break;
     }
