@@ -204,6 +204,16 @@ def test_decomposition_of_integer_weighted_permutations_property(case, method):
     assert (coeffs > 0).all()
     assert len(coeffs) <= np.count_nonzero(D)
     assert np.abs(D - reconstruct(coeffs, perms, n)).max() <= 1e-9 + 1e-12
+    # Every term is optimal for the residual it was taken from.
+    R = D.copy()
+    rows = np.arange(n)
+    for c, p in zip(coeffs, perms):
+        R_clean = np.where(R > 1e-12, R, 0.0)
+        if method == "max-weight":
+            assert R[rows, p].sum() == pytest.approx(max_weight_objective(R_clean), abs=1e-12)
+        else:
+            assert R[rows, p].min() == pytest.approx(bottleneck_value(R_clean), abs=1e-12)
+        R[rows, p] -= c
 
 
 @pytest.mark.parametrize("method", METHODS)

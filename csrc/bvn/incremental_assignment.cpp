@@ -80,6 +80,50 @@ __attribute__((always_inline)) inline T min_reduced_impl(const T* r, const T* v,
   return best;
 }
 
+// The two smallest r[k] - v[k] (ties: lowest k first) and where they are.
+template <typename T>
+struct TwoMin {
+  T u1, u2;
+  int64_t j1, j2;
+};
+
+template <typename T, typename I, int B>
+__attribute__((always_inline)) inline TwoMin<T> two_min_impl(const T* r, const T* v, int64_t n) {
+  typedef T Vec __attribute__((vector_size(B)));
+  typedef I IVec __attribute__((vector_size(B)));
+  constexpr int W = B / sizeof(T);
+  Vec m1 = Vec{} + kInf<T>, m2 = m1;
+  IVec i1 = IVec{} - 1, i2 = i1, idx;
+  for (int k = 0; k < W; ++k) idx[k] = I(k);
+  int64_t k = 0;
+  for (; k + W <= n; k += W) {
+    Vec rv, vv;
+    std::memcpy(&rv, r + k, B);
+    std::memcpy(&vv, v + k, B);
+    const Vec red = rv - vv;
+    const auto lt1 = red < m1;
+    const auto lt2 = red < m2;
+    // A new smallest pushes the old one to second place (per lane).
+    m2 = lt1 ? m1 : (lt2 ? red : m2);
+    i2 = lt1 ? i1 : (lt2 ? idx : i2);
+    m1 = lt1 ? red : m1;
+    i1 = lt1 ? idx : i1;
+    idx += I(W);
+  }
+  TwoMin<T> t{kInf<T>, kInf<T>, -1, -1};
+  auto offer = [&t](T u, int64_t j) {
+    if (j < 0) return;
+    if (u < t.u1 || (u == t.u1 && j < t.j1)) {
+      t.u2 = t.u1; t.j2 = t.j1; t.u1 = u; t.j1 = j;
+    } else if (u < t.u2 || (u == t.u2 && (t.j2 < 0 || j < t.j2))) {
+      t.u2 = u; t.j2 = j;
+    }
+  };
+  for (int l = 0; l < W; ++l) { offer(m1[l], i1[l]); offer(m2[l], i2[l]); }
+  for (; k < n; ++k) offer(r[k] - v[k], k);
+  return t;
+}
+
 #define PYPERM_IA_KERNELS(SUFFIX, ATTR, BYTES)                                                        \
   template <typename T, typename I>                                                                 \
   ATTR void relax_##SUFFIX(const T* r, const T* v, T* d, I* pred, I i, T h, int64_t n, T* best,    \
@@ -89,6 +133,10 @@ __attribute__((always_inline)) inline T min_reduced_impl(const T* r, const T* v,
   template <typename T>                                                                             \
   ATTR T min_reduced_##SUFFIX(const T* r, const T* v, int64_t n) {                                  \
     return min_reduced_impl<T, BYTES>(r, v, n);                                                     \
+  }                                                                                                 \
+  template <typename T, typename I>                                                                 \
+  ATTR TwoMin<T> two_min_##SUFFIX(const T* r, const T* v, int64_t n) {                              \
+    return two_min_impl<T, I, BYTES>(r, v, n);                                                      \
   }
 
 PYPERM_IA_KERNELS(baseline, , 16)
@@ -106,6 +154,16 @@ void relax(Isa isa, const T* r, const T* v, T* d, I* pred, I i, T h, int64_t n, 
 #endif
   (void)isa;
   relax_baseline(r, v, d, pred, i, h, n, best, best_j);
+}
+
+template <typename T, typename I>
+TwoMin<T> two_min(Isa isa, const T* r, const T* v, int64_t n) {
+#if defined(PYPERM_X86)
+  if (isa == Isa::Avx512) return two_min_avx512<T, I>(r, v, n);
+  if (isa == Isa::Avx2) return two_min_avx2<T, I>(r, v, n);
+#endif
+  (void)isa;
+  return two_min_baseline<T, I>(r, v, n);
 }
 
 template <typename T>
@@ -174,13 +232,50 @@ Status IncrementalAssignment<T>::solve(int64_t* col_of_row) {
         break;
       }
   }
-  for (int64_t i = 0; i < n; ++i) {
-    if (x_[i] >= 0) continue;
+  std::vector<int64_t> free_rows;
+  for (int64_t i = 0; i < n; ++i)
+    if (x_[i] < 0) free_rows.push_back(i);
+  // Two cheap passes settle most free rows; shortest paths finish the rest.
+  reduce_rows(free_rows);
+  reduce_rows(free_rows);
+  for (int64_t i : free_rows) {
     ++augmentations_;
     if (!augment(i)) return Status::Infeasible;
   }
   for (int64_t i = 0; i < n; ++i) col_of_row[i] = x_[i];
   return Status::Ok;
+}
+
+// Augmenting row reduction (Jonker-Volgenant): each free row takes its cheapest column,
+// lowering that column's dual to the row's second-cheapest reduced cost so the edge is a
+// row minimum, and displaces the column's row, which is retried at once when the dual
+// moved. O(n) per move; a budget bounds the moves, since rounding can stall the lowering.
+template <typename T>
+void IncrementalAssignment<T>::reduce_rows(std::vector<int64_t>& free_rows) {
+  const int64_t n = n_;
+  int64_t k = 0, kept = 0;
+  const int64_t todo = static_cast<int64_t>(free_rows.size());
+  int64_t budget = 2 * todo + 16;
+  while (k < todo) {
+    const int64_t i = free_rows[k++];
+    const TwoMin<T> t = two_min<T, Index>(isa_, row(i), v_.data(), n);
+    if (!(t.u1 < kInf<T>)) { free_rows[kept++] = i; continue; }
+    int64_t j = t.j1;
+    const bool lowers = t.u1 < t.u2 && t.u2 < kInf<T>;
+    if (lowers) {
+      v_[j] -= t.u2 - t.u1;
+    } else if (y_[j] >= 0 && t.j2 >= 0 && t.u2 == t.u1) {
+      j = t.j2;
+    }
+    const int64_t i0 = y_[j];
+    x_[i] = j;
+    y_[j] = i;
+    if (i0 < 0) continue;
+    x_[i0] = -1;
+    if (lowers && --budget > 0) free_rows[--k] = i0;
+    else free_rows[kept++] = i0;
+  }
+  free_rows.resize(kept);
 }
 
 // Dijkstra on reduced costs from free row f to the nearest free column; then the duals of

@@ -3,18 +3,19 @@
 // max-weight Birkhoff-von Neumann decomposition, where each term raises the cost of the n
 // entries of the previous matching.
 //
-// Jonker-Volgenant shortest augmenting paths (Computing 38, 1987) with only column duals v
-// stored: a matched row's dual is implied by its column, u_i = c[i, x_i] - v[x_i]. Before
-// each solve the invariant "every matched edge is a minimum of its row's reduced costs" is
-// restored by un-matching the rows whose edge stopped being one; only those rows are
-// re-augmented, and all other rows and every column dual carry over.
+// Jonker-Volgenant (Computing 38, 1987) with only column duals v stored: a matched row's
+// dual is implied by its column, u_i = c[i, x_i] - v[x_i]. Before each solve the invariant
+// "every matched edge is a minimum of its row's reduced costs" is restored by un-matching
+// the rows whose edge stopped being one; only those rows are re-assigned (two bounded
+// passes of augmenting row reduction, then shortest augmenting paths), and all other rows
+// and every column dual carry over.
 //
 // Why not lap_cpu.h's solve_square_warm: it restarts from the duals alone, with every row
 // free, and its augmenting row reduction can spend many O(n) moves per row on these
 // near-degenerate problems (measured on dense n = 1024 decompositions: 30 ms per term at
 // the median, up to 1 s for some terms). Keeping the matching makes each term re-augment
-// only the rows that lost optimality (about a third of them on those matrices, 2-6 ms per
-// term with AVX-512).
+// only the rows that lost optimality (about a third of them on those matrices, and row
+// reduction settles most of those: 1-7 ms per term with AVX-512).
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -45,11 +46,12 @@ class IncrementalAssignment {
   // unspecified: make a new solver).
   Status solve(int64_t* col_of_row);
 
-  // Rows re-augmented by the last solve() (for tests and benchmarks).
+  // Rows the last solve() needed a shortest augmenting path for (for benchmarks).
   int64_t last_augmentations() const { return augmentations_; }
 
  private:
   bool augment(int64_t f);
+  void reduce_rows(std::vector<int64_t>& free_rows);
   const T* row(int64_t i) const { return c_ + i * n_; }
 
   struct Done { int64_t j; T v; T d; };
