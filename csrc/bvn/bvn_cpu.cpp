@@ -16,11 +16,11 @@
 // late in a decomposition G(lambda*) is sparse (a few entries per row) though R is dense.
 // After a term, each row's one changed entry is moved down its sorted list.
 //
-// Max-weight terms. The min-cost assignment of cost -R (+inf off the support) is solved by
-// Jonker-Volgenant shortest augmenting paths that keep the previous term's matching and
-// column duals (incremental_assignment.h): subtracting alpha P only raises the costs of the
-// previous matching, so the duals stay feasible and only the rows whose edge stopped being
-// a row minimum of the reduced costs are re-augmented.
+// Max-weight terms. The min-cost assignment of cost -R (+inf off the support) is solved cold
+// for the first term by lap_cpu's Jonker-Volgenant kernel, then term after term by a solver
+// that keeps the matching and column duals (incremental_assignment.h): subtracting alpha P
+// only raises the costs of the previous matching, so the duals stay feasible and only the
+// rows whose edge stopped being a row minimum of the reduced costs are re-assigned.
 #include "bvn/bvn_cpu.h"
 
 #include <algorithm>
@@ -272,14 +272,22 @@ class BottleneckMatcher {
 template <typename T>
 class MaxWeightMatcher {
  public:
-  // lap_warm: solve each term with solve_square_warm (duals only) instead of the
+  // lap_warm: solve every term with solve_square_warm (duals only) instead of the
   // incremental solver, for comparison.
   MaxWeightMatcher(const T* R, int64_t n, Isa isa, bool lap_warm)
-      : n_(n), isa_(isa), lap_warm_(lap_warm), cost_(make_cost(R, n)), v_(lap_warm ? n : 0, T(0)),
-        solver_(cost_.data(), n, isa) {}
+      : n_(n), isa_(isa), lap_warm_(lap_warm), cost_(make_cost(R, n)), v_(n, T(0)), solver_(cost_.data(), n, isa) {}
 
   Status next(int64_t* col_of_row) {
     if (lap_warm_) return solve_square_warm(cost_.data(), n_, v_.data(), col_of_row, isa_);
+    if (first_) {
+      // The first term is a cold solve, which lap_cpu's kernel (column reduction, reduction
+      // transfer, augmenting row reduction) does faster; its matching and duals then seed
+      // the incremental solver.
+      first_ = false;
+      const Status s = solve_square_warm(cost_.data(), n_, v_.data(), col_of_row, isa_);
+      if (s == Status::Ok) solver_.warm_start(col_of_row, v_.data());
+      return s;
+    }
     return solver_.solve(col_of_row);
   }
 
@@ -298,8 +306,9 @@ class MaxWeightMatcher {
   Isa isa_;
   bool lap_warm_;
   std::vector<T> cost_;  // -R on the support, +inf off it; raised in place term by term
-  std::vector<T> v_;     // column duals carried between solve_square_warm calls
+  std::vector<T> v_;     // column duals from solve_square_warm
   IncrementalAssignment<T> solver_;
+  bool first_ = true;
 };
 
 // ---------------------------------------------------------------- the greedy loop

@@ -8,7 +8,8 @@
 // appendix E.4; Dufosse and Ucar, "Notes on Birkhoff-von Neumann decomposition of doubly
 // stochastic matrices", Linear Algebra Appl. 497, 2016):
 //   MaxWeight   eq. 54: the matching of largest total weight sum_i R[i, P(i)], solved as a
-//               min-cost assignment (cost -R, +inf off the support) that keeps the previous
+//               min-cost assignment (cost -R, +inf off the support): the first term cold by
+//               lap_cpu.h's solve_square_warm, the others by a solver that keeps the previous
 //               term's matching and column duals (incremental_assignment.h).
 //   Bottleneck  eq. 55: the matching whose smallest entry is largest (the classic greedy
 //               Birkhoff heuristic), found by a threshold search that repairs the previous

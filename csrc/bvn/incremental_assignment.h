@@ -15,7 +15,9 @@
 // near-degenerate problems (measured on dense n = 1024 decompositions: 30 ms per term at
 // the median, up to 1 s for some terms). Keeping the matching makes each term re-augment
 // only the rows that lost optimality (about a third of them on those matrices, and row
-// reduction settles most of those: 1-7 ms per term with AVX-512).
+// reduction settles most of those: 1-7 ms per term with AVX-512). The decomposition still
+// uses solve_square_warm for its first, cold, solve (faster than this solver's cold start)
+// and hands the result over with warm_start().
 #pragma once
 #include <cstdint>
 #include <type_traits>
