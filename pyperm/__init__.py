@@ -5,6 +5,7 @@ The solvers (``pyperm.linear_sum_assignment`` and friends) need numpy alone;
 """
 
 from pyperm import _core
+from pyperm._bvn import birkhoff_decomposition, project_doubly_stochastic, sample_permutations, sinkhorn
 from pyperm._device import cuda_available, cuda_built
 from pyperm._lap import batch_linear_sum_assignment, linear_sum_assignment
 
@@ -12,7 +13,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "batch_linear_sum_assignment",
+    "birkhoff_decomposition",
     "cuda_available",
     "cuda_built",
     "linear_sum_assignment",
+    "project_doubly_stochastic",
+    "sample_permutations",
+    "sinkhorn",
 ]
