@@ -7,5 +7,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 
 from pyperm.nn.permute import apply_permutation
 from pyperm.nn.spec import PermutationSpec
+from pyperm.nn.trace import ActivationSite, TraceError, TraceResult, trace_model
 
-__all__ = ["PermutationSpec", "apply_permutation"]
+__all__ = ["ActivationSite", "PermutationSpec", "TraceError", "TraceResult", "apply_permutation", "trace_model"]
