@@ -692,7 +692,24 @@ class _Labeler(fx.Interpreter):
         self.kind[c.node] = _KIND_PASS
         return lab
 
+    def _member(self, c: _Ctx) -> Any:
+        """The label of an element picked out of a container (tuple, namedtuple, dict)."""
+        values = pytree.tree_leaves(c.args[0])
+        labels = pytree.tree_leaves(c.largs[0], is_leaf=_is_tl)
+        if len(values) == len(labels):
+            picked = pytree.tree_leaves(c.result)
+            out = []
+            for v in picked:
+                idx = next((i for i, w in enumerate(values) if w is v), None)
+                out.append(labels[idx] if idx is not None and _is_tl(labels[idx]) else None)
+            if isinstance(c.result, torch.Tensor):
+                return out[0] if out[0] is not None else _invariant_label(c.result)
+            return pytree.tree_unflatten(out, pytree.tree_structure(c.result))
+        return _invariant_label(c.result)
+
     def _getattr(self, c: _Ctx) -> Any:
+        if not isinstance(c.args[0], torch.Tensor):
+            return self._member(c)
         x, lab = self._first(c)
         name = c.args[1]
         if name in ("T", "mT", "mH", "H"):
@@ -1003,8 +1020,9 @@ class _Labeler(fx.Interpreter):
             if len(bi) == 1 and len(bj) == 1:
                 out[bj[0]] = atoms[0]
             elif len(bj) == 1:
-                what = (f"merges an axis of permuted units with axes of sizes {[src[i] for i in bi if lx[i] is None]}"
-                        " (e.g. flatten of a convolution output larger than 1x1)")  # fmt: skip
+                others = [src[i] for i in bi if lx[i] is None]
+                what = (f"merges an axis of permuted units with axes of sizes {others} into one axis (blocks of "
+                        f"{math.prod(others)} features per unit: flatten of a convolution output larger than 1x1?)")  # fmt: skip
                 self._composite_or_raise(c, what, atoms)
             else:
                 raise TraceError(
@@ -1195,12 +1213,7 @@ class _Labeler(fx.Interpreter):
         obj, idx = c.args[0], c.args[1]
         lobj = c.largs[0]
         if not isinstance(obj, torch.Tensor):
-            if lobj is None or _is_tl(lobj):
-                return _invariant_label(c.result)
-            try:
-                return lobj[idx]
-            except (IndexError, KeyError, TypeError):
-                return _invariant_label(c.result)
+            return self._member(c)
         lx = lobj if _is_tl(lobj) else _TL((None,) * obj.ndim)
         self.kind[c.node] = _KIND_PASS
         return self._index_labels(c, obj, lx, idx)
@@ -1298,6 +1311,31 @@ def _find_sites(labeler: _Labeler, group_roots: Mapping[str, int]) -> tuple[dict
 # --------------------------------------------------------------------------- entry point
 
 
+def _fix_self_loops(labeler: _Labeler, state_dict: Mapping[str, torch.Tensor], composite: str) -> None:
+    """A class acting on two axes of one tensor (a layer applied twice, or weights tied
+    across layers) would need ``P W P^T``, which a spec cannot say: fix it, or raise."""
+    uf = labeler.uf
+    for key, t in state_dict.items():
+        seen: dict[int, int] = {}
+        for axis in range(t.ndim):
+            a = labeler.atom_of_key(key, axis)
+            if a is None:
+                continue
+            r = uf.find(a)
+            if uf.fixed[r] or not uf.active[r]:
+                continue
+            if r in seen:
+                what = (f"parameter {key!r} needs the same permutation on axes {seen[r]} and {axis} (a layer "
+                        "applied to its own output, or weights tied across layers)")  # fmt: skip
+                if composite == "raise":
+                    raise TraceError(f"{what}, which a PermutationSpec cannot name; pass composite='fix' to leave "
+                                     "these units unpermuted")  # fmt: skip
+                uf.fixed[r] = True
+                labeler.composites.append(f"{what}: units fixed")
+                logger.info("pyperm.nn trace: %s: units fixed", what)
+            seen[r] = axis
+
+
 def _as_args(example_input: Any) -> tuple:
     if isinstance(example_input, torch.Tensor):
         return (example_input,)
@@ -1386,6 +1424,7 @@ def trace_model(model: nn.Module, example_input: Any, *, composite: str = "fix")
             m.training = mode
 
     uf = labeler.uf
+    _fix_self_loops(labeler, state_dict, composite)
     # One group per class that reaches an activation and is not fixed, named after
     # the first layer (in graph order) that produces its units.
     names: dict[int, str] = {}
