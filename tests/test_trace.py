@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pyperm.nn import PermutationSpec, TraceError, apply_permutation, trace_model
+from pyperm.nn import PermutationSpec, TraceError, apply_permutation, models, trace_model
 
 
 def random_perms(spec: PermutationSpec, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -511,6 +511,47 @@ def test_multiple_inputs():
     spec = PermutationSpec.from_model(model, (x, y))
     assert spec.axes["a.weight"][0] == spec.axes["b.weight"][0] == "P_a"
     assert_same_function(model, spec, x, y)
+
+
+# --------------------------------------------------------------------------- bundled models
+
+BUNDLED = {
+    "mlp": (lambda: models.MLP([1 * 6 * 6, 16, 9, 20, 4]), (2, 1, 6, 6)),
+    "mlp-nohidden": (lambda: models.MLP([8, 3]), (2, 8)),
+    "vgg11": (lambda: models.VGG11(), (1, 3, 32, 32)),
+    "vgg16": (lambda: models.VGG16(num_classes=7), (1, 3, 32, 32)),
+    "resnet20-B": (lambda: models.ResNet20(), (1, 3, 32, 32)),
+    "resnet20-B-w2": (lambda: models.ResNet20(width_multiplier=2, num_classes=5), (1, 3, 16, 16)),
+    "resnet20-A": (lambda: models.ResNet20(shortcut="A"), (1, 3, 32, 32)),
+    "resnet20-A-w3": (lambda: models.ResNet20(width_multiplier=3, shortcut="A"), (1, 3, 16, 16)),
+    "tinyten": (lambda: models.TinyTen(), (1, 3, 32, 32)),
+    "tinyten-w2-nobias": (lambda: models.TinyTen(num_classes=100, width_multiplier=2, bias=False), (1, 3, 32, 32)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BUNDLED))
+def test_bundled_traced_spec_equals_hand_written(case):
+    factory, shape = BUNDLED[case]
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = factory()
+    result = trace_model(model, torch.randn(shape))
+    hand = model.permutation_spec()
+    assert result.spec.equivalent(hand), case
+    mapping = result.spec.group_correspondence(hand)
+    assert mapping is not None and sorted(mapping.values()) == sorted(hand.sizes)
+    if case.startswith("resnet20-B"):
+        # The residual stream of stage 1: the stem's ReLU and the ReLU ending each block.
+        stage1 = next(g for g, h in mapping.items() if h == "stage1")
+        assert [s.module for s in result.post_activation_sites[stage1]] == ["", "layer1.0", "layer1.1", "layer1.2"]
+
+
+def test_bundled_traced_spec_preserves_the_function():
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = randomize_bn(models.ResNet20(num_classes=5))
+    spec = PermutationSpec.from_model(model, torch.randn(1, 3, 16, 16))
+    assert_same_function(model, spec, torch.randn(3, 3, 16, 16))
 
 
 # --------------------------------------------------------------------------- errors
