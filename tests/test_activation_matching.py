@@ -266,7 +266,8 @@ def test_subset_spec():
 
 def test_error_mismatched_models():
     a = models.MLP([4, 8, 2])
-    with pytest.raises(ValueError, match=r"model_a and model_b differ in 'layers\.0\.weight': shapes \(8, 4\) and \(9, 4\)"):
+    msg = r"model_a and model_b differ in 'layers\.0\.weight': shapes \(8, 4\) and \(9, 4\)"
+    with pytest.raises(ValueError, match=msg):
         activation_matching(a, models.MLP([4, 9, 2]), batches((4, 4)))
     with pytest.raises(ValueError, match="different state_dict keys"):
         activation_matching(a, models.MLP([4, 8, 8, 2]), batches((4, 4)))

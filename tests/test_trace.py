@@ -240,6 +240,35 @@ class Conv1dNet(nn.Module):
         return self.fc(x.amax(dim=-1))
 
 
+class KitchenSink(nn.Module):
+    """Many shape and container operations that keep the channels where the tracer can follow them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.pw = nn.Linear(8, 6)  # applied channels-last
+        self.ln = nn.LayerNorm(6)
+        self.conv2 = nn.Conv2d(6, 5, 1)
+        self.gain = nn.Parameter(torch.rand(1, 5, 1, 1) + 0.5)
+        self.fc = nn.Linear(5, 4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x))
+        h, _ = F.max_pool2d(h, 2, return_indices=True)
+        h = h.permute(0, 2, 3, 1)  # (N, H, W, 8)
+        h = self.ln(F.gelu(self.pw(h)))
+        h = h.movedim(-1, 1).contiguous()  # (N, 6, H, W)
+        top, bottom = h.chunk(2, dim=2)  # along H: the channels stay whole
+        h = torch.cat([top, bottom], dim=2)
+        h = torch.sigmoid(self.conv2(h)) * self.gain
+        h = torch.stack(h.unbind(0), 0).unsqueeze(1).squeeze(1)
+        h = h.mean(dim=(-1, -2), keepdim=True).flatten(1)  # (N, 5)
+        h = torch.clamp(self.fc(h), -3, 3) * 0.5 + 1
+        h = h.transpose(0, 1).t()
+        return {"logits": self.out(torch.tanh(h)), "total": h.sum(dim=1)}
+
+
 # --------------------------------------------------------------------------- specs
 
 
@@ -449,8 +478,36 @@ def test_flatten_larger_than_one_by_one():
     assert result.spec.axes["classifier.1.weight"] == (None, None)
     assert "Flatten" in result.composites[0]
     assert_same_function(model, result.spec, torch.randn(4, 3, 16, 16))
-    with pytest.raises(TraceError, match=r"Flatten \(graph node 'classifier_0', module 'classifier\.0'\).*sizes \[2, 2\].*blocks of 4"):
+    where = r"Flatten \(graph node 'classifier_0', module 'classifier\.0'\)"
+    with pytest.raises(TraceError, match=where + r".*sizes \[2, 2\].*blocks of 4"):
         trace_model(model, torch.randn(2, 3, 16, 16), composite="raise")
+
+
+def test_kitchen_sink():
+    torch.manual_seed(0)
+    model = KitchenSink()
+    spec = PermutationSpec.from_model(model, torch.randn(2, 3, 8, 8), composite="raise")
+    assert spec.sizes == {"P_conv": 8, "P_pw": 6, "P_conv2": 5, "P_fc": 4}
+    assert spec.axes["pw.weight"] == ("P_pw", "P_conv") and spec.axes["ln.bias"] == ("P_pw",)
+    assert spec.axes["gain"] == (None, "P_conv2", None, None)
+    assert spec.axes["out.weight"] == (None, "P_fc")
+    assert_same_function(model, spec, torch.randn(3, 3, 8, 8))
+
+
+def test_split_along_channels():
+    class Split(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(3, 8), nn.Linear(4, 5), nn.Linear(4, 5)
+
+        def forward(self, x):
+            left, right = torch.split(torch.relu(self.a(x)), 4, dim=1)
+            return self.b(left) + self.c(right)
+
+    with pytest.raises(TraceError, match=r"torch\.split .*splits axis 1"):
+        trace_model(Split(), torch.randn(2, 3), composite="raise")
+    result = trace_model(Split(), torch.randn(2, 3))
+    assert result.spec.sizes == {} and "torch.split" in result.composites[0]
 
 
 def test_inputs_and_outputs_are_never_permuted():
@@ -596,7 +653,8 @@ class Lambda(nn.Module):
 
 
 def test_error_multihead_reshape_splits_channels():
-    with pytest.raises(TraceError, match=r"unsupported reshape Tensor\.view \(graph node 'view', module '<model>'\).*splits"):
+    where = r"Tensor\.view \(graph node 'view', module '<model>'\)"
+    with pytest.raises(TraceError, match=r"unsupported reshape " + where + ".*splits"):
         trace_model(MultiHead(), torch.randn(2, 3, 8))
 
 

@@ -156,7 +156,9 @@ def _spec_groups(spec: PermutationSpec, traced: PermutationSpec) -> dict[str, st
     if set(spec.axes) != set(traced.axes):
         missing = [k for k in traced.axes if k not in spec.axes]
         extra = [k for k in spec.axes if k not in traced.axes]
-        raise ValueError(f"spec does not match the models' state_dict: missing keys {missing[:5]}, unexpected {extra[:5]}")
+        raise ValueError(
+            f"spec does not match the models' state_dict: missing keys {missing[:5]}, unexpected {extra[:5]}"
+        )
     theirs = {frozenset(where): g for g, where in traced.group_axes.items()}
     out = {}
     for g, where in spec.group_axes.items():

@@ -160,9 +160,37 @@ def _tensor_leaves(value: Any, label: Any) -> list[tuple[torch.Tensor, _TL]]:
     return out
 
 
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``fn`` of every tensor in ``value``; tuples (named ones too) and lists become tuples, dicts dicts."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(_map_tensors(v, fn) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return None
+
+
 def _invariant_label(value: Any) -> Any:
     """A label with every tensor axis invariant, mirroring ``value``'s structure."""
-    return pytree.tree_map(lambda v: _TL((None,) * v.ndim) if isinstance(v, torch.Tensor) else None, value)
+    return _map_tensors(value, lambda v: _TL((None,) * v.ndim))
+
+
+def _has_atoms(label: Any) -> bool:
+    return any(a is not None for leaf in pytree.tree_leaves(label, is_leaf=_is_tl) if _is_tl(leaf) for a in leaf)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside ``value`` (tuples, named tuples, lists and dicts are searched)."""
+    found: list[torch.Tensor] = []
+    _map_tensors(value, found.append)
+    return found
+
+
+def _nodes_in(arg: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(arg, lambda n: found.append(n) or n)
+    return found
 
 
 class _UnionFind:
@@ -447,12 +475,11 @@ class _Labeler(fx.Interpreter):
         self.kind[n] = _KIND_OTHER
         label = self._label(ctx)
         self.labels[n] = label
-        if dep:
+        if dep:  # these classes reach an activation: they are units, not just parameter axes
             for leaf in pytree.tree_leaves(label, is_leaf=_is_tl):
-                if _is_tl(leaf):
-                    for a in leaf:
-                        if a is not None:
-                            self.uf.active[self.uf.find(a)] = True
+                for a in leaf if _is_tl(leaf) else ():
+                    if a is not None:
+                        self.uf.active[self.uf.find(a)] = True
         return result
 
     def _label(self, c: _Ctx) -> Any:
@@ -466,7 +493,7 @@ class _Labeler(fx.Interpreter):
         if n.op == "output":
             self.fix_label(c.largs)  # the model's outputs are never permuted
             return None
-        if not any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(c.result)):
+        if not _tensors(c.result):
             return None  # sizes, dtypes, Python numbers: nothing to permute
         handler = self._handler(c)
         if handler is not None:
@@ -480,9 +507,7 @@ class _Labeler(fx.Interpreter):
         ]
         for node_arg, value, lab in inputs:
             leaves = _tensor_leaves(value, lab)
-            nodes = [a for a in fx.node.map_aggregate(node_arg, lambda x: x) if isinstance(a, fx.Node)] if isinstance(
-                node_arg, (list, tuple)) else [node_arg]  # fmt: skip
-            dep = any(isinstance(a, fx.Node) and self.dep.get(a, False) for a in nodes)
+            dep = any(self.dep.get(a, False) for a in _nodes_in(node_arg))
             if dep and any(a is not None for _, l in leaves for a in l):
                 raise TraceError(
                     f"unsupported operation {c.where()}: it acts on permuted units and the tracer does not know "
@@ -502,8 +527,7 @@ class _Labeler(fx.Interpreter):
     # ---- dispatch
     def _handler(self, c: _Ctx) -> Callable[[_Ctx], Any] | None:
         n, m = c.node, c.module
-        if n.op == "call_module":
-            assert m is not None
+        if m is not None:
             if isinstance(m, nn.Linear):
                 return self._linear_module
             if isinstance(m, _CONV_MODULES):
@@ -668,9 +692,7 @@ class _Labeler(fx.Interpreter):
 
     def _label_like(self, result: Any, label: _TL) -> Any:
         """``label`` for every tensor of ``result`` of the same rank (ops returning (values, indices))."""
-        return pytree.tree_map(
-            lambda v: (label if v.ndim == len(label) else _TL((None,) * v.ndim)) if isinstance(v, torch.Tensor)
-            else None, result)  # fmt: skip
+        return _map_tensors(result, lambda v: label if v.ndim == len(label) else _TL((None,) * v.ndim))
 
     # ---- elementwise
     def _elementwise(self, c: _Ctx, kind: str) -> Any:
@@ -693,18 +715,21 @@ class _Labeler(fx.Interpreter):
         return lab
 
     def _member(self, c: _Ctx) -> Any:
-        """The label of an element picked out of a container (tuple, namedtuple, dict)."""
-        values = pytree.tree_leaves(c.args[0])
-        labels = pytree.tree_leaves(c.largs[0], is_leaf=_is_tl)
-        if len(values) == len(labels):
-            picked = pytree.tree_leaves(c.result)
-            out = []
-            for v in picked:
-                idx = next((i for i, w in enumerate(values) if w is v), None)
-                out.append(labels[idx] if idx is not None and _is_tl(labels[idx]) else None)
-            if isinstance(c.result, torch.Tensor):
-                return out[0] if out[0] is not None else _invariant_label(c.result)
-            return pytree.tree_unflatten(out, pytree.tree_structure(c.result))
+        """The label of an element picked out of a container (tuple, named tuple, list, dict)."""
+        obj, lobj = c.args[0], c.largs[0]
+        key = c.args[1] if len(c.args) > 1 else None
+        if isinstance(obj, (tuple, list)) and isinstance(lobj, tuple) and len(lobj) == len(obj):
+            if isinstance(key, slice) and c.node.target is operator.getitem:
+                return lobj[key]
+            for i, v in enumerate(obj):
+                if v is c.result:
+                    return lobj[i]
+        if isinstance(obj, Mapping) and isinstance(lobj, Mapping):
+            for k, v in obj.items():
+                if v is c.result and k in lobj:
+                    return lobj[k]
+        if _has_atoms(lobj):
+            raise TraceError(f"{c.where()} picks something out of a container the tracer cannot follow")
         return _invariant_label(c.result)
 
     def _getattr(self, c: _Ctx) -> Any:
@@ -789,7 +814,7 @@ class _Labeler(fx.Interpreter):
               transposed: bool, wdep: bool) -> _TL:  # fmt: skip
         if w is None:
             raise TraceError(f"{c.where()}: the weight is not a tensor the tracer can follow")
-        wt = _get(c.args, c.kwargs, 1, "weight") if c.node.op != "call_module" else c.module.weight  # type: ignore[union-attr]
+        wt = c.module.weight if c.module is not None else _get(c.args, c.kwargs, 1, "weight")
         spatial = wt.ndim - 2
         ch = x.ndim - spatial - 1  # 1 for batched input, 0 for unbatched
         if any(a is not None for a in lx[ch + 1 :]):
@@ -865,7 +890,8 @@ class _Labeler(fx.Interpreter):
 
     def _bn_function(self, c: _Ctx) -> _TL:
         _, lx = self._first(c)
-        params = [self._arg_label(c, i, k)[0] for i, k in enumerate(("running_mean", "running_var", "weight", "bias"), 1)]
+        names = ("running_mean", "running_var", "weight", "bias")
+        params = [self._arg_label(c, i, k)[0] for i, k in enumerate(names, 1)]
         return self._channel_norm(c, lx, params)
 
     def _ln(self, c: _Ctx, lx: _TL, k: int, params: Sequence[_TL | None]) -> _TL:
@@ -1022,7 +1048,8 @@ class _Labeler(fx.Interpreter):
             elif len(bj) == 1:
                 others = [src[i] for i in bi if lx[i] is None]
                 what = (f"merges an axis of permuted units with axes of sizes {others} into one axis (blocks of "
-                        f"{math.prod(others)} features per unit: flatten of a convolution output larger than 1x1?)")  # fmt: skip
+                        f"{math.prod(others)} features per unit: flatten of a convolution output larger "
+                        "than 1x1?)")  # fmt: skip
                 self._composite_or_raise(c, what, atoms)
             else:
                 raise TraceError(
@@ -1199,15 +1226,15 @@ class _Labeler(fx.Interpreter):
             if lx[d] is not None:
                 self._composite_or_raise(c, f"unbinds axis {d}, which carries permuted units", [lx[d]])
             piece = _TL(a for i, a in enumerate(lx) if i != d)
-            return pytree.tree_map(lambda v: piece if isinstance(v, torch.Tensor) else None, c.result)
+            return _map_tensors(c.result, lambda v: piece)
         d = int(_get(c.args, c.kwargs, 2, "dim", 0)) % x.ndim
         lab = lx
-        pieces = pytree.tree_leaves(c.result)
+        pieces = _tensors(c.result)
         if lx[d] is not None and any(isinstance(p, torch.Tensor) and p.shape[d] != x.shape[d] for p in pieces):
             self._composite_or_raise(c, f"splits axis {d}, which carries permuted units", [lx[d]])
             lab = _TL(None if i == d else a for i, a in enumerate(lx))
         self.kind[c.node] = _KIND_PASS
-        return pytree.tree_map(lambda v: lab if isinstance(v, torch.Tensor) else None, c.result)
+        return _map_tensors(c.result, lambda v: lab)
 
     def _getitem(self, c: _Ctx) -> Any:
         obj, idx = c.args[0], c.args[1]
@@ -1286,8 +1313,9 @@ def _find_sites(labeler: _Labeler, group_roots: Mapping[str, int]) -> tuple[dict
 
         def next_node(cur: fx.Node, kinds: tuple[str, ...]) -> fx.Node | None:
             users = list(cur.users)
-            if len(users) == 1 and labeler.kind.get(users[0]) in kinds and _carries(labeler, users[0], root) is not None:
-                return users[0]
+            if len(users) == 1 and labeler.kind.get(users[0]) in kinds:
+                if _carries(labeler, users[0], root) is not None:
+                    return users[0]
             return None
 
         cur = node
@@ -1342,7 +1370,8 @@ def _as_args(example_input: Any) -> tuple:
     if isinstance(example_input, (tuple, list)):
         return tuple(example_input)
     raise TypeError(
-        f"example_input must be a tensor or a tuple of the model's positional inputs, got {type(example_input).__name__}"
+        "example_input must be a tensor or a tuple of the model's positional inputs, "
+        f"got {type(example_input).__name__}"
     )
 
 
