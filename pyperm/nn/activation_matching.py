@@ -262,6 +262,16 @@ def activation_matching(
     pyperm.nn.TraceError
         The model cannot be traced (see :func:`~pyperm.nn.trace_model`).
 
+    Notes
+    -----
+    The models are run through their traced graphs (``torch.fx``), which hand every
+    site's output to the accumulators as soon as it is computed, so an in-place
+    operation after a site (``ReLU(inplace=True)`` after a pre-activation) cannot alter
+    it. Model A's site activations of one batch are held (as CPU copies) until model B
+    produces the matching ones; then both go into the group's
+    :class:`pyperm.CrossCorrelation` and are released. Accumulation runs on the CPU in
+    float64 (``dtype``): activations of CUDA models are copied to the host, batch by batch.
+
     See Also
     --------
     pyperm.nn.apply_permutation : apply ``result.perms`` to model B's state dict.

@@ -307,7 +307,6 @@ _MATMUL_FUNCS = {torch.matmul, operator.matmul, torch.mm, torch.bmm}
 _LIKE_FUNCS = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
                torch.randn_like}  # fmt: skip
 _NEW_METHODS = {"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
-_NONTENSOR_GETATTR = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"}
 
 _KIND_PRODUCER = "producer"  # opens the units of a group (Linear, convolution, embedding, x @ W)
 _KIND_NORM = "norm"  # BatchNorm, LayerNorm, ...: still a pre-activation
