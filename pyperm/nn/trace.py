@@ -31,7 +31,11 @@ With ``composite="fix"`` (the default) every group that enters such an axis is f
 which keeps the spec exact (the permuted model computes the same function) at the price
 of leaving those units unaligned; with ``composite="raise"`` the operation raises
 :class:`TraceError`. A flatten whose spatial extent is 1 (global pooling, then
-flatten: the common case) is not composite: the features are the channels.
+flatten: the common case) is not composite: the features are the channels. The same
+policy covers a group that would act on two axes of one tensor (a layer applied to its
+own output, or weights tied across layers: ``P W P^T``), which a spec cannot name either,
+and a grouped convolution of the model input (its units may only be permuted within
+their channel group). Every group fixed this way is listed in ``TraceResult.composites``.
 
 Operations that cannot be handled at all (a reshape that splits a channel axis, an
 order-dependent operation such as ``sort``/``cumsum``/``flip`` along channels, an
