@@ -8,12 +8,22 @@ from pyperm import _core
 from pyperm._bvn import birkhoff_decomposition, project_doubly_stochastic, sample_permutations, sinkhorn
 from pyperm._device import cuda_available, cuda_built
 from pyperm._lap import batch_linear_sum_assignment, linear_sum_assignment
+from pyperm._xcorr import (
+    CrossCorrelation,
+    CrossCorrelationSet,
+    all_reduce_cross_correlation,
+    conv_to_samples,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CrossCorrelation",
+    "CrossCorrelationSet",
+    "all_reduce_cross_correlation",
     "batch_linear_sum_assignment",
     "birkhoff_decomposition",
+    "conv_to_samples",
     "cuda_available",
     "cuda_built",
     "linear_sum_assignment",

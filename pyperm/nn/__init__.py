@@ -5,7 +5,18 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError("pyperm.nn needs PyTorch: pip install torch (CPU-only: pip install torch==2.13.0)") from exc
 
+from pyperm.nn.activation_matching import ActivationMatchingResult, activation_matching
 from pyperm.nn.permute import apply_permutation
 from pyperm.nn.spec import PermutationSpec
+from pyperm.nn.trace import ActivationSite, TraceError, TraceResult, trace_model
 
-__all__ = ["PermutationSpec", "apply_permutation"]
+__all__ = [
+    "ActivationMatchingResult",
+    "ActivationSite",
+    "PermutationSpec",
+    "TraceError",
+    "TraceResult",
+    "activation_matching",
+    "apply_permutation",
+    "trace_model",
+]

@@ -103,6 +103,91 @@ class PermutationSpec:
                         f"{name}[{key!r}] axis {axis} has size {shape[axis]}; group {g!r} has size {self.sizes[g]}"
                     )
 
+    @classmethod
+    def from_model(cls, model: Any, example_input: Any, *, composite: str = "fix") -> PermutationSpec:
+        """Build the spec of ``model`` by tracing it with :mod:`torch.fx`.
+
+        Parameters
+        ----------
+        model : torch.nn.Module
+            The model; it is run once in eval mode under ``torch.no_grad`` on
+            ``example_input`` and left as it was.
+        example_input : torch.Tensor or tuple
+            One input batch, or a tuple of the forward's positional inputs.
+        composite : {"fix", "raise"}, default "fix"
+            An axis built out of several groups (``torch.cat`` or ``F.pad`` along
+            channels, channel slicing, flatten of a convolution output larger than
+            1x1) cannot be named by a spec: leave the units involved unpermuted, or
+            raise.
+
+        Returns
+        -------
+        PermutationSpec
+            One group per set of hidden units that can be permuted freely; the
+            model's inputs and outputs are never permuted. Groups are named ``P_`` +
+            the path of the first layer producing their units.
+
+        Raises
+        ------
+        TypeError
+            ``model`` is not a module or ``example_input`` not a tensor or tuple.
+        pyperm.nn.TraceError
+            The model cannot be traced, or an operation acts on permutable units in a
+            way the tracer cannot follow; the message names the operation and its
+            module path.
+
+        See Also
+        --------
+        pyperm.nn.trace_model : the same trace, with the activation sites of every group.
+
+        Examples
+        --------
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> spec = PermutationSpec.from_model(model, torch.randn(3, 4))
+        >>> spec.axes["0.weight"], spec.axes["2.weight"], spec.axes["2.bias"]
+        (('P_0', None), (None, 'P_0'), (None,))
+        """
+        from pyperm.nn.trace import trace_model
+
+        return trace_model(model, example_input, composite=composite).spec
+
+    def group_correspondence(self, other: PermutationSpec) -> dict[str, str] | None:
+        """Map each group to the group of ``other`` acting on exactly the same axes.
+
+        Returns ``None`` unless the two specs are :meth:`equivalent`.
+        """
+        if not isinstance(other, PermutationSpec):
+            raise TypeError(f"other must be a PermutationSpec, got {type(other).__name__}")
+        if set(self.axes) != set(other.axes):
+            return None
+        if any(len(groups) != len(other.axes[key]) for key, groups in self.axes.items()):
+            return None
+        theirs = {frozenset(where): g for g, where in other.group_axes.items()}
+        mapping: dict[str, str] = {}
+        for g, where in self.group_axes.items():
+            h = theirs.get(frozenset(where))
+            if h is None or other.sizes[h] != self.sizes[g]:
+                return None
+            mapping[g] = h
+        return mapping if len(mapping) == len(other.sizes) else None
+
+    def equivalent(self, other: PermutationSpec) -> bool:
+        """True when both specs describe the same permutation symmetry, whatever the group names.
+
+        Two specs are equivalent when they cover the same ``state_dict`` keys with the
+        same number of axes, and their groups partition the (key, axis) pairs the same
+        way with the same sizes (so every axis one leaves unpermuted, the other does too).
+
+        Examples
+        --------
+        >>> a = PermutationSpec({"w1": ("h", None), "w2": (None, "h")}, {"h": 3})
+        >>> b = PermutationSpec({"w1": ("P_0", None), "w2": (None, "P_0")}, {"P_0": 3})
+        >>> a.equivalent(b), a == b
+        (True, False)
+        """
+        return self.group_correspondence(other) is not None
+
     def identity(self) -> dict[str, Any]:
         """The identity permutation of every group (int64 torch tensors)."""
         import torch

@@ -1,0 +1,435 @@
+r"""Activation matching: align model B's units to model A's by the statistics of their activations.
+
+Both models see the same inputs; for every permutation group, the activations of its
+units in A and in B are compared through :class:`pyperm.CrossCorrelation`, and one
+linear assignment per group picks the permutation of B's units that best matches A's:
+
+- ``cost="correlation"``: the Pearson correlation of every unit of A with every unit of
+  B (Tatro et al. 2020, eq. 3 and Algorithm 1), post-activation by default;
+- ``cost="ols"``: the uncentred product :math:`Z^{(A)} Z^{(B)\top}` of Git Re-Basin
+  (Ainsworth et al. 2023, eq. 1), whose maximiser is the least-squares match
+  :math:`\arg\min_P \|Z^{(A)} - P Z^{(B)}\|_F^2`.
+
+Where the units of a group appear is found by tracing (:func:`pyperm.nn.trace_model`):
+after the nonlinearity by default, or the Linear/convolution/BatchNorm output with
+``pre_activation=True``. A group that appears in several places, the residual stream of a
+ResNet stage for instance, is matched once on the average of its sites' matrices (Tatro
+et al., appendix D). Unlike weight matching, the groups are independent: one pass over
+the data, one assignment per group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import pyperm
+from pyperm.nn.spec import PermutationSpec
+from pyperm.nn.trace import ActivationSite, TraceError, symbolic_trace, trace_model
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ActivationMatchingResult", "activation_matching"]
+
+_COSTS = ("correlation", "ols")
+
+
+@dataclass
+class ActivationMatchingResult:
+    """What :func:`activation_matching` found.
+
+    Attributes
+    ----------
+    perms : dict of str to (n,) int64 torch.Tensor
+        One permutation per group of ``spec`` (on the CPU), to be used with
+        :func:`~pyperm.nn.apply_permutation` on model B: unit ``i`` of the permuted
+        model is unit ``perms[g][i]`` of B.
+    spec : PermutationSpec
+        The spec the permutations belong to (the one passed in, or the traced one).
+    similarity : dict of str to float
+        Per group, the mean over units of the matched entries of the (site-averaged)
+        similarity matrix: correlation in [-1, 1], or the mean product
+        :math:`\\frac{1}{n}\\sum_s a_{si} b_{s\\pi(i)}` for ``"ols"``.
+    identity_similarity : dict of str to float
+        The same before matching (B's units in their own order).
+    sites : dict of str to tuple of ActivationSite
+        Where each group's activations were read.
+    num_batches : int
+        Batches of ``data`` used.
+    num_samples : dict of str to int
+        Activation samples per group and site (batch times spatial positions or tokens),
+        summed over the group's sites.
+    """
+
+    perms: dict[str, torch.Tensor]
+    spec: PermutationSpec
+    similarity: dict[str, float] = field(default_factory=dict)
+    identity_similarity: dict[str, float] = field(default_factory=dict)
+    sites: dict[str, tuple[ActivationSite, ...]] = field(default_factory=dict)
+    num_batches: int = 0
+    num_samples: dict[str, int] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _model_inputs(batch: Any, index: int) -> tuple:
+    """The positional inputs of one batch: a tensor, or (input, target, ...) with input first."""
+    if isinstance(batch, torch.Tensor):
+        return (batch,)
+    if isinstance(batch, (tuple, list)) and batch:
+        first = batch[0]
+        if isinstance(first, torch.Tensor):
+            return (first,)
+        if isinstance(first, (tuple, list)) and first and all(isinstance(t, torch.Tensor) for t in first):
+            return tuple(first)
+    raise TypeError(
+        f"data[{index}] must be a tensor of inputs or a sequence (inputs, targets, ...) whose first element is a "
+        f"tensor or a tuple of tensors, got {type(batch).__name__}"
+    )
+
+
+def _device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def _samples(x: Any, axis: int, site: str) -> torch.Tensor:
+    """Activations as a C-contiguous CPU (samples, units) tensor that no later op can modify."""
+    if not isinstance(x, torch.Tensor):
+        raise TraceError(f"the activations at node {site!r} are a {type(x).__name__}, not a tensor")
+    x = x.detach()
+    z = x.movedim(axis, -1).reshape(-1, x.shape[axis])
+    if z.dtype in (torch.float16, torch.bfloat16):
+        z = z.float()
+    if z.device.type != "cpu":
+        return z.cpu()  # a copy
+    if z.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        z = z.clone()  # an in-place op later in the graph (ReLU(inplace=True)) would overwrite it
+    return z.contiguous()
+
+
+class _SiteReader(fx.Interpreter):
+    """Runs a traced model and hands the output of every watched node to ``sink``."""
+
+    def __init__(self, gm: fx.GraphModule, watch: Mapping[str, list[tuple[Any, int]]], sink) -> None:
+        super().__init__(gm)
+        self.watch = watch
+        self.sink = sink
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        for key, axis in self.watch.get(n.name, ()):
+            self.sink(key, _samples(out, axis, n.name))
+        return out
+
+
+def _check_models(model_a: Any, model_b: Any) -> None:
+    for name, m in (("model_a", model_a), ("model_b", model_b)):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"{name} must be a torch.nn.Module, got {type(m).__name__}")
+    sa, sb = model_a.state_dict(), model_b.state_dict()
+    missing = [k for k in sa if k not in sb]
+    extra = [k for k in sb if k not in sa]
+    if missing or extra:
+        raise ValueError(
+            f"model_a and model_b have different state_dict keys: only in model_a {missing[:5]}, "
+            f"only in model_b {extra[:5]}"
+        )
+    for k, t in sa.items():
+        if t.shape != sb[k].shape:
+            raise ValueError(f"model_a and model_b differ in {k!r}: shapes {tuple(t.shape)} and {tuple(sb[k].shape)}")
+
+
+def _spec_groups(spec: PermutationSpec, traced: PermutationSpec) -> dict[str, str]:
+    """Maps each group of ``spec`` to the traced group acting on exactly the same axes."""
+    if set(spec.axes) != set(traced.axes):
+        missing = [k for k in traced.axes if k not in spec.axes]
+        extra = [k for k in spec.axes if k not in traced.axes]
+        raise ValueError(
+            f"spec does not match the models' state_dict: missing keys {missing[:5]}, unexpected {extra[:5]}"
+        )
+    theirs = {frozenset(where): g for g, where in traced.group_axes.items()}
+    out = {}
+    for g, where in spec.group_axes.items():
+        h = theirs.get(frozenset(where))
+        if h is None:
+            raise ValueError(
+                f"spec group {g!r} (acting on {list(where)[:3]}...) matches no group of the traced model: "
+                "activation matching needs each group of spec to be one of the groups PermutationSpec.from_model "
+                "finds (it may leave some out)"
+            )
+        out[g] = h
+    return out
+
+
+def _progress_bar(enabled: bool, total: int | None):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        logger.warning("progress=True needs tqdm (pip install tqdm); continuing without a progress bar")
+        return None
+    return tqdm(total=total, desc="activation matching", unit="batch")
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def activation_matching(
+    model_a: nn.Module,
+    model_b: nn.Module,
+    data: Iterable[Any],
+    spec: PermutationSpec | None = None,
+    cost: str = "correlation",
+    *,
+    pre_activation: bool = False,
+    max_batches: int | None = None,
+    progress: bool = False,
+    composite: str = "fix",
+    dtype: Any = np.float64,
+) -> ActivationMatchingResult:
+    r"""Permute model B's units to match model A's activations (Tatro et al. Alg. 1; Git Re-Basin eq. 1).
+
+    For every group ``g`` with sites :math:`s = 1..S_g` (the places its units appear as
+    activations), the permutation maximises
+
+    .. math::
+
+        \pi_g = \arg\max_{\pi} \sum_i M_{i\,\pi(i)}, \qquad
+        M = \frac{1}{S_g} \sum_{s} M^{(s)},
+
+    where :math:`M^{(s)}_{ij}` is the Pearson correlation of unit ``i`` of A with unit
+    ``j`` of B at site ``s`` (``cost="correlation"``), or their mean product
+    :math:`\frac{1}{n}\sum_t a_{ti} b_{tj}` (``cost="ols"``, :math:`Z^{(A)} Z^{(B)\top}`
+    up to the sample count). Every sample of the data is one row; a convolution's
+    activations contribute one row per image and spatial position, a sequence model's
+    one per token.
+
+    Parameters
+    ----------
+    model_a, model_b : torch.nn.Module
+        Two models of one architecture (the same traced graph and state_dict shapes).
+        Both run in eval mode under ``torch.no_grad``; their training flags are restored
+        afterwards and their state is not modified. B is the model to be permuted.
+    data : iterable
+        Batches of inputs: each a tensor, or a sequence ``(inputs, targets, ...)`` whose
+        first element is a tensor or a tuple of the forward's positional inputs (what a
+        ``DataLoader`` yields). Iterated once; batches are moved to each model's device.
+    spec : PermutationSpec, optional
+        The groups to match (e.g. a bundled model's ``permutation_spec()``); each must be
+        a group of the traced spec, under any name. Default: the traced spec.
+    cost : {"correlation", "ols"}, default "correlation"
+        The similarity of two units (see above).
+    pre_activation : bool, default False
+        Read the units before the nonlinearity (the Linear/convolution output, or the
+        BatchNorm after it) instead of after it.
+    max_batches : int, optional
+        Use at most this many batches of ``data``.
+    progress : bool, default False
+        Show a tqdm progress bar over the batches.
+    composite : {"fix", "raise"}, default "fix"
+        Passed to :func:`~pyperm.nn.trace_model`.
+    dtype : {numpy.float64, numpy.float32}, default float64
+        Accumulator precision of the cross-correlation matrices.
+
+    Returns
+    -------
+    ActivationMatchingResult
+        ``perms`` (int64 CPU tensors, one per group of ``spec``), the ``spec``, the
+        matched and identity similarities, the sites read, and the batches and samples used.
+
+    Raises
+    ------
+    TypeError
+        A model is not a module, ``data`` is not iterable or yields something that is not
+        a batch, or an argument has the wrong type.
+    ValueError
+        The models differ in state_dict keys, shapes or traced graph; ``data`` is empty or
+        holds no samples; ``cost``, ``max_batches`` or ``composite`` is invalid; ``spec``
+        names a group the tracer does not find; or an activation is not finite.
+    pyperm.nn.TraceError
+        The model cannot be traced (see :func:`~pyperm.nn.trace_model`).
+
+    Notes
+    -----
+    The models are run through their traced graphs (``torch.fx``), which hand every
+    site's output to the accumulators as soon as it is computed, so an in-place
+    operation after a site (``ReLU(inplace=True)`` after a pre-activation) cannot alter
+    it. Model A's site activations of one batch are held (as CPU copies) until model B
+    produces the matching ones; then both go into the group's
+    :class:`pyperm.CrossCorrelation` and are released. Accumulation runs on the CPU in
+    float64 (``dtype``): activations of CUDA models are copied to the host, batch by batch.
+
+    See Also
+    --------
+    pyperm.nn.apply_permutation : apply ``result.perms`` to model B's state dict.
+    pyperm.CrossCorrelation : the streaming statistics behind the matrices.
+
+    References
+    ----------
+    N. J. Tatro et al., "Optimizing Mode Connectivity via Neuron Alignment", NeurIPS 2020,
+    eq. 3, Algorithm 1 and appendix D. S. K. Ainsworth, J. Hayase, S. Srinivasa, "Git
+    Re-Basin: Merging Models modulo Permutation Symmetries", ICLR 2023, eq. 1.
+
+    Examples
+    --------
+    >>> import copy, torch
+    >>> from pyperm.nn import PermutationSpec, activation_matching, apply_permutation
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> a = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    >>> spec = PermutationSpec.from_model(a, torch.randn(1, 4))
+    >>> b = copy.deepcopy(a)
+    >>> b.load_state_dict(apply_permutation(spec, {"P_0": torch.randperm(16)}, a.state_dict()))
+    <All keys matched successfully>
+    >>> data = [torch.randn(64, 4) for _ in range(4)]
+    >>> result = activation_matching(a, b, data)
+    >>> aligned = apply_permutation(result.spec, result.perms, b.state_dict())
+    >>> all(torch.equal(aligned[k], v) for k, v in a.state_dict().items())
+    True
+    """
+    _check_models(model_a, model_b)
+    if cost not in _COSTS:
+        raise ValueError(f"cost must be one of {_COSTS}, got {cost!r}")
+    if not isinstance(pre_activation, bool):
+        raise TypeError(f"pre_activation must be a bool, got {type(pre_activation).__name__}")
+    if max_batches is not None:
+        if isinstance(max_batches, bool) or not isinstance(max_batches, int):
+            raise TypeError(f"max_batches must be a positive int or None, got {type(max_batches).__name__}")
+        if max_batches < 1:
+            raise ValueError(f"max_batches must be at least 1, got {max_batches}")
+    if spec is not None and not isinstance(spec, PermutationSpec):
+        raise TypeError(f"spec must be a PermutationSpec or None, got {type(spec).__name__}")
+    try:
+        batches = iter(data)
+    except TypeError:
+        raise TypeError(f"data must be an iterable of batches, got {type(data).__name__}") from None
+    try:
+        first = next(batches)
+    except StopIteration:
+        raise ValueError("data yielded no batches") from None
+
+    dev_a, dev_b = _device(model_a), _device(model_b)
+    inputs = _model_inputs(first, 0)
+    traced = trace_model(model_a, tuple(t.to(dev_a) for t in inputs), composite=composite)
+    gm_b = symbolic_trace(model_b)
+    if str(gm_b.graph) != str(traced.graph_module.graph):
+        raise ValueError("model_a and model_b trace to different graphs: activation matching needs one architecture")
+    if spec is None:
+        spec = traced.spec
+        names = {g: g for g in spec.groups}
+    else:
+        names = _spec_groups(spec, traced.spec)
+    all_sites = traced.sites(pre_activation)
+    sites = {g: all_sites[names[g]] for g in spec.groups}
+    for g, where in sites.items():
+        if not where:  # pragma: no cover - every traced group has a producer, hence a site
+            raise ValueError(f"group {g!r} has no activation site")
+
+    if not spec.sizes:
+        return ActivationMatchingResult(perms={}, spec=spec)
+
+    # One accumulator per (group, site); the watch lists say which node feeds which.
+    keys = [(g, i) for g in spec.groups for i in range(len(sites[g]))]
+    accs = {key: pyperm.CrossCorrelation(spec.sizes[key[0]], spec.sizes[key[0]], dtype=dtype) for key in keys}
+    watch: dict[str, list[tuple[Any, int]]] = {}
+    for g, i in keys:
+        watch.setdefault(sites[g][i].node, []).append(((g, i), sites[g][i].axis))
+
+    held: dict[Any, torch.Tensor] = {}
+
+    def keep_a(key: Any, z: torch.Tensor) -> None:
+        held[key] = z
+
+    def update_b(key: Any, z: torch.Tensor) -> None:
+        # Streaming: B's activations meet A's as soon as they exist, so at most one
+        # model's activations of one batch are held at a time.
+        za = held.pop(key)
+        try:
+            accs[key].update(za, z)
+        except ValueError as exc:
+            g, i = key
+            raise ValueError(f"activations of group {g!r} at {sites[g][i].node!r}: {exc}") from None
+
+    reader_a = _SiteReader(traced.graph_module, watch, keep_a)
+    reader_b = _SiteReader(gm_b, watch, update_b)
+    modes = [(m, m.training) for model in (model_a, model_b) for m in model.modules()]
+    total = max_batches
+    if total is None and hasattr(data, "__len__"):
+        try:
+            total = len(data)  # type: ignore[arg-type]
+        except TypeError:
+            total = None
+    bar = _progress_bar(progress, total)
+    num_batches = 0
+    try:
+        model_a.eval()
+        model_b.eval()
+        with torch.no_grad():
+            batch: Any = first
+            while True:
+                inputs = _model_inputs(batch, num_batches)
+                reader_a.run(*(t.to(dev_a) for t in inputs))
+                reader_b.run(*(t.to(dev_b) for t in inputs))
+                held.clear()
+                num_batches += 1
+                if bar is not None:
+                    bar.update(1)
+                if max_batches is not None and num_batches >= max_batches:
+                    break
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    break
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        if bar is not None:
+            bar.close()
+
+    perms: dict[str, torch.Tensor] = {}
+    similarity: dict[str, float] = {}
+    identity: dict[str, float] = {}
+    num_samples: dict[str, int] = {}
+    for g in spec.groups:
+        group_accs = [accs[(g, i)] for i in range(len(sites[g]))]
+        num_samples[g] = sum(acc.count for acc in group_accs)
+        if any(acc.count == 0 for acc in group_accs):
+            raise ValueError(f"data held no samples for group {g!r}: every batch was empty")
+        if cost == "correlation":
+            mats = [acc.correlation() for acc in group_accs]
+        else:
+            # Per-sample means, so that sites with more positions do not outweigh the others.
+            mats = [acc.cross_product() / acc.count for acc in group_accs]
+        m = np.mean(np.stack(mats), axis=0) if len(mats) > 1 else mats[0]
+        m = np.asarray(m, dtype=np.float64)
+        _, col = pyperm.linear_sum_assignment(m, maximize=True)
+        perms[g] = torch.from_numpy(np.asarray(col, dtype=np.int64))
+        n = m.shape[0]
+        similarity[g] = float(m[np.arange(n), col].mean())
+        identity[g] = float(np.trace(m) / n)
+    logger.debug(
+        "activation_matching: %d groups, %d batches, mean similarity %.4g -> %.4g",
+        len(perms), num_batches, np.mean(list(identity.values()) or [0.0]), np.mean(list(similarity.values()) or [0.0]),
+    )  # fmt: skip
+    return ActivationMatchingResult(
+        perms=perms,
+        spec=spec,
+        similarity=similarity,
+        identity_similarity=identity,
+        sites=sites,
+        num_batches=num_batches,
+        num_samples=num_samples,
+    )
