@@ -355,3 +355,19 @@ def test_concurrent_calls_from_python_threads():
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_large_problems_take_the_parallel_path():
+    """Above 2^20 entries the whole-matrix passes run on several threads: same answers."""
+    rng = np.random.default_rng(12)
+    for shape in [(1100, 1100), (1500, 800), (800, 1500)]:
+        for family in (uniform, integers_with_ties, offsets):
+            cost = family(rng, *shape)
+            _assert_optimal(cost, *pyperm.linear_sum_assignment(cost))
+    rows, cols = pyperm.linear_sum_assignment(np.ones((1100, 1100)))
+    np.testing.assert_array_equal(cols, np.arange(1100))
+    for shape in [(1100, 1100), (900, 1300)]:
+        cost = rng.random(shape)
+        cost[shape[0] - 3, 5] = np.nan  # in the last thread's band
+        with pytest.raises(ValueError, match="invalid numeric entries"):
+            pyperm.linear_sum_assignment(cost)

@@ -12,13 +12,13 @@ namespace pyperm::cpu {
 namespace {
 
 template <typename T>
-Status dispatch(Isa isa, const T* cost, int64_t n, int64_t m, int64_t* col_of_row) {
+Status dispatch(Isa isa, const T* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads) {
 #if defined(PYPERM_X86)
-  if (isa == Isa::Avx512) return avx512::solve_dense(cost, n, m, col_of_row);
-  if (isa == Isa::Avx2) return avx2::solve_dense(cost, n, m, col_of_row);
+  if (isa == Isa::Avx512) return avx512::solve_dense(cost, n, m, col_of_row, threads);
+  if (isa == Isa::Avx2) return avx2::solve_dense(cost, n, m, col_of_row, threads);
 #endif
   (void)isa;
-  return baseline::solve_dense(cost, n, m, col_of_row);
+  return baseline::solve_dense(cost, n, m, col_of_row, threads);
 }
 
 // The kernel wants a minimisation with n <= m and only +inf as a forbidden mark. When
@@ -75,7 +75,7 @@ Status solve_square_warm(const T* cost, int64_t n, T* v, int64_t* col_of_row, Is
 
 template <typename T>
 Status linear_sum_assignment(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize,
-                             int64_t* row_ind, int64_t* col_ind, Isa isa) {
+                             int64_t* row_ind, int64_t* col_ind, Isa isa, int threads) {
   if (n_rows == 0 || n_cols == 0) return Status::Ok;
   std::vector<T> work;
   const T* c = nullptr;
@@ -84,7 +84,7 @@ Status linear_sum_assignment(const T* cost, int64_t n_rows, int64_t n_cols, bool
   const bool transposed = n_rows > n_cols;
   const int64_t n = transposed ? n_cols : n_rows, m = transposed ? n_rows : n_cols;
   std::vector<int64_t> col_of_row(n);
-  s = dispatch(isa, c, n, m, col_of_row.data());
+  s = dispatch(isa, c, n, m, col_of_row.data(), threads);
   if (s != Status::Ok) return s;
   if (!transposed) {
     for (int64_t i = 0; i < n; ++i) { row_ind[i] = i; col_ind[i] = col_of_row[i]; }
@@ -106,16 +106,17 @@ Status batch_linear_sum_assignment(const T* costs, int64_t batch, int64_t n_rows
   const int64_t k = std::min(n_rows, n_cols), stride = n_rows * n_cols;
   std::vector<Status> status(static_cast<size_t>(batch), Status::Ok);
   parallel_for(batch, threads, [&](int64_t b) {
+    // One thread per problem: the batch is already spread over the threads.
     status[b] = linear_sum_assignment(costs + b * stride, n_rows, n_cols, maximize, row_ind + b * k,
-                                      col_ind + b * k, isa);
+                                      col_ind + b * k, isa, 1);
   });
   for (int64_t b = 0; b < batch; ++b)
     if (status[b] != Status::Ok) { *failed = b; return status[b]; }
   return Status::Ok;
 }
 
-template Status linear_sum_assignment<float>(const float*, int64_t, int64_t, bool, int64_t*, int64_t*, Isa);
-template Status linear_sum_assignment<double>(const double*, int64_t, int64_t, bool, int64_t*, int64_t*, Isa);
+template Status linear_sum_assignment<float>(const float*, int64_t, int64_t, bool, int64_t*, int64_t*, Isa, int);
+template Status linear_sum_assignment<double>(const double*, int64_t, int64_t, bool, int64_t*, int64_t*, Isa, int);
 template Status solve_square_warm<float>(const float*, int64_t, float*, int64_t*, Isa);
 template Status solve_square_warm<double>(const double*, int64_t, double*, int64_t*, Isa);
 template Status batch_linear_sum_assignment<float>(const float*, int64_t, int64_t, int64_t, bool, int64_t*,

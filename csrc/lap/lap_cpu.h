@@ -15,10 +15,11 @@ namespace pyperm::cpu {
 //   row_ind   [out] min(n_rows, n_cols) row indices, increasing.
 //   col_ind   [out] the matching column of each row_ind entry.
 //   isa       [in]  kernel variant (Isa from best_isa() unless testing).
+//   threads   [in]  threads for the passes over a large matrix (<= 0: all cores).
 // Returns Ok, Infeasible or Invalid; the outputs are written only on Ok.
 template <typename T>
 Status linear_sum_assignment(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize,
-                             int64_t* row_ind, int64_t* col_ind, Isa isa);
+                             int64_t* row_ind, int64_t* col_ind, Isa isa, int threads = 0);
 
 // Square minimisation warm-started from column duals (for sequences of similar problems,
 // e.g. the terms of a Birkhoff-von Neumann decomposition).

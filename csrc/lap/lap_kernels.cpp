@@ -29,6 +29,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/thread_pool.h"
 #include "lap/lap_kernels.h"
 
 #if defined(__SSE2__)
@@ -101,6 +102,9 @@ constexpr int kCache = 8;
 // Below this many entries (about 181 x 181) a problem sits in L2 and full row scans beat
 // the caches' bookkeeping (measured against lapjvr at n = 32-512).
 constexpr int64_t kCacheFromSize = int64_t(1) << 15;
+// From this many entries (8 MiB of doubles) the passes over the whole matrix are split
+// across threads: they are bound by memory bandwidth, which one core does not saturate.
+constexpr int64_t kParallelFromSize = int64_t(1) << 20;
 
 // The columns of the kCache smallest values of row[j] - v[j] (ascending; ties: lowest j)
 // into cols, their costs row[j] into costs, returning how many are finite. *invalid
@@ -320,8 +324,9 @@ class Solver {
  public:
   using Index = typename Lanes<T>::Index;
 
-  Solver(const T* cost, int64_t n, int64_t m)
-      : c_(cost), n_(n), m_(m), cached_(n * m >= kCacheFromSize), v_(m, T(0)), vscan_(m), d_(m), pred_(m),
+  Solver(const T* cost, int64_t n, int64_t m, int threads)
+      : c_(cost), n_(n), m_(m), cached_(n * m >= kCacheFromSize),
+        threads_(n * m >= kParallelFromSize ? (threads > 0 ? threads : hardware_threads()) : 1), v_(m, T(0)), vscan_(m), d_(m), pred_(m),
         free_(m), x_(n, -1), y_(m, -1) {
     if (cached_) {
       cache_cols_.resize(n * kCache);
@@ -363,11 +368,15 @@ class Solver {
   const T* row(int64_t i) const { return c_ + i * m_; }
 
   // Scans row i in full and caches its smallest reduced-cost columns.
-  void build_cache(int64_t i) {
+  void build_cache(int64_t i) { invalid_ |= scan_row(i); }
+
+  // Fills row i's cache; returns whether the row held NaN or -inf. Touches only row i's
+  // slots, so rows can be scanned in parallel.
+  bool scan_row(int64_t i) {
     bool invalid = false;
     cache_count_[i] = k_smallest(row(i), v_.data(), m_, &cache_cols_[i * kCache], &cache_cost_[i * kCache],
                                  &cache_bound_[i], &invalid);
-    invalid_ |= invalid;
+    return invalid;
   }
 
   // The two smallest reduced costs of row i (ties: lowest column), from its cache when
@@ -405,6 +414,53 @@ class Solver {
     return -1;
   }
 
+  // Minima of the columns over rows [r0, r1) into v and the row of each into arg; among
+  // tied rows a column prefers its own index (so a constant matrix gives the identity),
+  // else the first. Returns whether an entry was NaN or -inf: the first pass checks input.
+  bool column_minima(int64_t r0, int64_t r1, T* v, Index* arg) const {
+    using L = Lanes<T>;
+    using Vec = typename L::Vec;
+    using IVec = typename L::IVec;
+    constexpr int W = sizeof(Vec) / sizeof(T);
+    const int64_t n = n_;
+    std::fill(v, v + n, kInf<T>);
+    std::fill(arg, arg + n, Index(r0));
+    IVec bad{};
+    bool tail_bad = false;
+    for (int64_t i = r0; i < r1; ++i) {
+      const T* r = row(i);
+      const IVec iv = splat<IVec>(Index(i));
+      int64_t j = 0;
+      for (; j + W <= n; j += W) {
+        Vec cv = load<Vec>(r + j), vv = load<Vec>(v + j);
+        bad |= ~(cv > splat<Vec>(-kInf<T>));
+        auto lt = cv < vv;
+        store(v + j, lt ? cv : vv);
+        store(arg + j, lt ? iv : load<IVec>(arg + j));
+      }
+      for (; j < n; ++j) {
+        tail_bad |= !(r[j] > -kInf<T>);
+        if (r[j] < v[j]) { v[j] = r[j]; arg[j] = Index(i); }
+      }
+      if (r[i] == v[i]) arg[i] = Index(i);
+    }
+    return tail_bad || any(bad);
+  }
+
+  // Scans rows in full, in parallel when the problem is large, caching each one.
+  void build_caches(const std::vector<int64_t>& rows) {
+    if (!cached_ || threads_ == 1) return;  // built on demand instead
+    const int bands = threads_;
+    std::vector<char> band_bad(bands, 0);
+    parallel_for(bands, bands, [&](int64_t b) {
+      const int64_t k0 = int64_t(rows.size()) * b / bands, k1 = int64_t(rows.size()) * (b + 1) / bands;
+      bool bad = false;
+      for (int64_t k = k0; k < k1; ++k) bad |= scan_row(rows[k]);
+      band_bad[b] = bad;
+    });
+    for (char b : band_bad) invalid_ |= b != 0;
+  }
+
   // Column reduction (v = column minima) with reduction transfer. Square only.
   bool column_reduction(std::vector<int64_t>& free_rows) {
     using L = Lanes<T>;
@@ -413,28 +469,24 @@ class Solver {
     constexpr int W = sizeof(Vec) / sizeof(T);
     const int64_t n = n_;
     std::vector<Index> arg(n, 0);
-    std::fill(v_.begin(), v_.end(), kInf<T>);
-    IVec bad{};  // the first pass over the input also checks it: NaN or -inf is invalid
-    for (int64_t i = 0; i < n; ++i) {
-      const T* r = row(i);
-      const IVec iv = splat<IVec>(Index(i));
-      int64_t j = 0;
-      for (; j + W <= n; j += W) {
-        Vec cv = load<Vec>(r + j), vv = load<Vec>(v_.data() + j);
-        bad |= ~(cv > splat<Vec>(-kInf<T>));
-        auto lt = cv < vv;
-        store(v_.data() + j, lt ? cv : vv);
-        store(arg.data() + j, lt ? iv : load<IVec>(arg.data() + j));
-      }
-      for (; j < n; ++j) {
-        invalid_ |= !(r[j] > -kInf<T>);
-        if (r[j] < v_[j]) { v_[j] = r[j]; arg[j] = Index(i); }
-      }
-      // Among tied rows, a column prefers its own index: a constant matrix gives the identity.
-      if (r[i] == v_[i]) arg[i] = Index(i);
-    }
-    invalid_ |= any(bad);
+    // Each thread reduces a band of rows; the bands' minima are merged below.
+    const int bands = threads_;
+    std::vector<std::vector<T>> band_v(bands - 1, std::vector<T>(n));
+    std::vector<std::vector<Index>> band_arg(bands - 1, std::vector<Index>(n));
+    std::vector<char> band_bad(bands, 0);
+    parallel_for(bands, bands, [&](int64_t b) {
+      T* v = b == 0 ? v_.data() : band_v[b - 1].data();
+      Index* a = b == 0 ? arg.data() : band_arg[b - 1].data();
+      band_bad[b] = column_minima(n * b / bands, n * (b + 1) / bands, v, a);
+    });
+    for (int b = 0; b < bands; ++b) invalid_ |= band_bad[b] != 0;
     if (invalid_) return false;
+    for (int b = 1; b < bands; ++b) {
+      const T* v = band_v[b - 1].data();
+      const Index* a = band_arg[b - 1].data();
+      for (int64_t j = 0; j < n; ++j)  // later bands hold later rows: they win only if smaller,
+        if (v[j] < v_[j] || (v[j] == v_[j] && a[j] == j)) { v_[j] = v[j]; arg[j] = a[j]; }  // or diagonal
+    }
     for (int64_t j = 0; j < n; ++j)
       if (v_[j] == kInf<T>) return false;  // a column with every entry forbidden
     std::vector<int> matches(n, 0);
@@ -448,6 +500,10 @@ class Solver {
       }
     }
     // Reduction transfer: move each singly matched row's slack onto its column.
+    std::vector<int64_t> single;
+    for (int64_t i = 0; i < n; ++i)
+      if (matches[i] == 1) single.push_back(i);
+    build_caches(single);  // caches built with these duals stay valid as they decrease
     for (int64_t i = 0; i < n; ++i) {
       if (matches[i] == 0) {
         free_rows.push_back(i);
@@ -496,6 +552,10 @@ class Solver {
 
   // Wide problems: each row takes its cheapest column if still free (v stays 0).
   void greedy_rows(std::vector<int64_t>& free_rows) {
+    std::vector<int64_t> all(n_);
+    for (int64_t i = 0; i < n_; ++i) all[i] = i;
+    build_caches(all);
+    if (invalid_) return;
     for (int64_t i = 0; i < n_; ++i) {
       TwoSmallest<T> t = two_smallest(i);
       if (std::isfinite(t.u1) && y_[t.j1] < 0) { x_[i] = t.j1; y_[t.j1] = i; }
@@ -628,6 +688,7 @@ class Solver {
   const T* c_;
   int64_t n_, m_;
   bool cached_;           // row caches on (large problems)
+  int threads_;           // threads for the whole-matrix passes
   std::vector<T> v_;      // column duals
   std::vector<T> vscan_;  // v_ with the columns finished in the current search set to -inf
   std::vector<T> d_;
@@ -648,25 +709,25 @@ class Solver {
 };
 
 template <typename T>
-Status solve(const T* cost, int64_t n, int64_t m, int64_t* col_of_row, T* v_inout = nullptr) {
+Status solve(const T* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads, T* v_inout = nullptr) {
   if (n == 0) return Status::Ok;
-  Solver<T> solver(cost, n, m);
+  Solver<T> solver(cost, n, m, threads);
   return solver.run(col_of_row, v_inout);
 }
 
 }  // namespace
 
-Status solve_dense(const double* cost, int64_t n, int64_t m, int64_t* col_of_row) {
-  return solve(cost, n, m, col_of_row);
+Status solve_dense(const double* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads) {
+  return solve(cost, n, m, col_of_row, threads);
 }
-Status solve_dense(const float* cost, int64_t n, int64_t m, int64_t* col_of_row) {
-  return solve(cost, n, m, col_of_row);
+Status solve_dense(const float* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads) {
+  return solve(cost, n, m, col_of_row, threads);
 }
 Status solve_square_warm(const double* cost, int64_t n, double* v, int64_t* col_of_row) {
-  return solve(cost, n, n, col_of_row, v);
+  return solve(cost, n, n, col_of_row, 1, v);
 }
 Status solve_square_warm(const float* cost, int64_t n, float* v, int64_t* col_of_row) {
-  return solve(cost, n, n, col_of_row, v);
+  return solve(cost, n, n, col_of_row, 1, v);
 }
 
 }  // namespace pyperm::cpu::PYPERM_ISA

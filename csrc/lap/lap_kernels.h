@@ -7,10 +7,11 @@
 
 #define PYPERM_DECLARE_LAP_KERNELS(ISA)                                                        \
   namespace pyperm::cpu::ISA {                                                                 \
-  /* Minimum-cost assignment of every row of a row-major n x m matrix (n <= m, finite or */    \
-  /* +inf entries only). col_of_row: output, n entries. Returns Ok or Infeasible. */           \
-  Status solve_dense(const double* cost, int64_t n, int64_t m, int64_t* col_of_row);           \
-  Status solve_dense(const float* cost, int64_t n, int64_t m, int64_t* col_of_row);            \
+  /* Minimum-cost assignment of every row of a row-major n x m matrix (n <= m). NaN or -inf */ \
+  /* give Invalid; +inf forbids a pair. col_of_row: output, n entries. threads: for the */      \
+  /* passes over large matrices (<= 0: all cores). Returns Ok, Infeasible or Invalid. */         \
+  Status solve_dense(const double* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads); \
+  Status solve_dense(const float* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads);  \
   /* Square n x n, warm-started from the column duals v (m entries), updated in place. */      \
   Status solve_square_warm(const double* cost, int64_t n, double* v, int64_t* col_of_row);     \
   Status solve_square_warm(const float* cost, int64_t n, float* v, int64_t* col_of_row);       \
