@@ -723,6 +723,16 @@ def _update_many(accs: list[CrossCorrelation], pairs: list[Any], threads: int, s
         names += [f"{prefix}xa", f"{prefix}xb"]
     # Validates finiteness while it centres: raises before any accumulator changes.
     moments = _core.xcorr_moments(xs, centred, names, threads)
+    for k, (_, a, _, prefix) in enumerate(work):
+        # |(centred_a^T centred_b)_ij| <= sqrt(sum_s a_si^2 sum_s b_sj^2) bounds every partial sum
+        # of the product (Cauchy-Schwarz); refuse a batch whose product could overflow.
+        sq_a = moments[2 * k][0][_M2].max() + (moments[2 * k][1] ** 2).max() / a.shape[0]
+        sq_b = moments[2 * k + 1][0][_M2].max() + (moments[2 * k + 1][1] ** 2).max() / a.shape[0]
+        if np.sqrt(sq_a) * np.sqrt(sq_b) > np.finfo(a.dtype).max / 4:
+            raise ValueError(
+                f"{prefix}xa and {prefix}xb have values too large to accumulate in {a.dtype}: their product "
+                "would overflow; pass float64 data or rescale it"
+            )
 
     jobs = []
     for k, (acc, a, b, prefix) in enumerate(work):

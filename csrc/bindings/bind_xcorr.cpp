@@ -17,8 +17,10 @@ namespace {
 using cpu::Real;
 
 Real real_of(const py::array& a, const std::string& what) {
-  if (a.dtype().is(py::dtype::of<double>())) return Real::F64;
-  if (a.dtype().is(py::dtype::of<float>())) return Real::F32;
+  // isinstance on array_t compares dtypes by equivalence (PyArray_EquivTypes), not identity:
+  // an unpickled or foreign float64 array has an equal but distinct dtype object.
+  if (py::isinstance<py::array_t<double>>(a)) return Real::F64;
+  if (py::isinstance<py::array_t<float>>(a)) return Real::F32;
   throw py::type_error(what + " must be float32 or float64");
 }
 
