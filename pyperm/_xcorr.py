@@ -42,6 +42,10 @@ __all__ = [
 # Rows of the (4, dim) moment block the core keeps per side.
 _MEAN, _M2, _MIN, _MAX = 0, 1, 2, 3
 
+# Instruction set of the core's loops: "auto" picks the widest this CPU runs. Tests set it
+# to compare the variants.
+_ISA = "auto"
+
 
 # --------------------------------------------------------------------------- validation
 
@@ -501,7 +505,7 @@ class CrossCorrelation:
             raise ValueError(f"ddof must be non-negative, got {ddof}")
         self._require_samples("covariance", int(ddof) + 1)
         scale = np.full(self._dim_a, 1.0 / (self._count - int(ddof)))
-        return _core.xcorr_scale(self._comoment, scale, np.ones(self._dim_b), None, None, False, self._threads)
+        return _core.xcorr_scale(self._comoment, scale, np.ones(self._dim_b), None, None, False, self._threads, _ISA)
 
     def correlation(self) -> np.ndarray:
         r"""The (dim_a, dim_b) Pearson correlation of every channel of A with every channel of B.
@@ -524,7 +528,7 @@ class CrossCorrelation:
         """
         self._require_samples("correlation")
         return _core.xcorr_scale(
-            self._comoment, _inverse_std(self._mom_a), _inverse_std(self._mom_b), None, None, True, self._threads
+            self._comoment, _inverse_std(self._mom_a), _inverse_std(self._mom_b), None, None, True, self._threads, _ISA
         )
 
     def cross_product(self) -> np.ndarray:
@@ -552,6 +556,7 @@ class CrossCorrelation:
             self._mom_b[_MEAN],
             False,
             self._threads,
+            _ISA,
         )
 
     # ----------------------------------------------------------------- state as arrays
@@ -722,7 +727,7 @@ def _update_many(accs: list[CrossCorrelation], pairs: list[Any], threads: int, s
         centred += [acc._ws.get("centred_a", a.shape, a.dtype), acc._ws.get("centred_b", b.shape, b.dtype)]
         names += [f"{prefix}xa", f"{prefix}xb"]
     # Validates finiteness while it centres: raises before any accumulator changes.
-    moments = _core.xcorr_moments(xs, centred, names, threads)
+    moments = _core.xcorr_moments(xs, centred, names, threads, _ISA)
     for k, (_, a, _, prefix) in enumerate(work):
         # |(centred_a^T centred_b)_ij| <= sqrt(sum_s a_si^2 sum_s b_sj^2) bounds every partial sum
         # of the product (Cauchy-Schwarz); refuse a batch whose product could overflow.
@@ -744,7 +749,7 @@ def _update_many(accs: list[CrossCorrelation], pairs: list[Any], threads: int, s
         jobs.append(
             (acc._count, acc._mom_a, acc._mom_b, acc._comoment, a.shape[0], mom_a, mom_b, product, resid_a, resid_b)
         )
-    _core.xcorr_merge(jobs, [prefix.strip() or "batch" for _, _, _, prefix in work], threads)
+    _core.xcorr_merge(jobs, [prefix.strip() or "batch" for _, _, _, prefix in work], threads, _ISA)
     for acc, a, _, _ in work:
         acc._count += a.shape[0]
 
@@ -769,7 +774,7 @@ def _merge_many(targets: list[CrossCorrelation], sources: list[Any], threads: in
         names.append(f"merge[{k}]" if len(targets) > 1 else "merge")
     if not jobs:
         return
-    _core.xcorr_merge(jobs, names, threads)
+    _core.xcorr_merge(jobs, names, threads, _ISA)
     for acc, other in zip(targets, sources):
         # `other is acc` doubles the count, as the data was merged twice over.
         acc._count += other._count if other is not acc else acc._count

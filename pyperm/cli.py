@@ -10,6 +10,7 @@ import sys
 # add_arguments(parser) and run(args) -> int; listed here by sub-command name.
 BENCHMARKS = {
     "lap": ("pyperm.benchmarks.lap", "assignment solvers: pyperm vs scipy vs lap/lapx/lapjv"),
+    "xcorr": ("pyperm.benchmarks.xcorr", "CrossCorrelation.update vs the bare BLAS product xa.T @ xb"),
 }
 
 

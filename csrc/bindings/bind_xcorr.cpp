@@ -42,7 +42,8 @@ std::string reason(cpu::XcorrError e) {
 
 // xs[k] (rows x cols) -> centred[k] written in place; returns [(moments (4, cols), resid (cols,))].
 py::list moments(const std::vector<py::array>& xs, std::vector<py::array> centred,
-                 const std::vector<std::string>& names, int threads) {
+                 const std::vector<std::string>& names, int threads, const std::string& isa_name) {
+  const cpu::Isa isa = cpu::parse_isa(isa_name);
   const size_t n = xs.size();
   if (centred.size() != n || names.size() != n) throw py::value_error("xs, centred and names differ in length");
   std::vector<cpu::MomentsJob> jobs(n);
@@ -72,7 +73,7 @@ py::list moments(const std::vector<py::array>& xs, std::vector<py::array> centre
   Status s;
   {
     py::gil_scoped_release release;
-    s = cpu::batch_moments(jobs.data(), static_cast<int64_t>(n), threads, &failed);
+    s = cpu::batch_moments(jobs.data(), static_cast<int64_t>(n), threads, isa, &failed);
   }
   if (s != Status::Ok) {
     if (failed < 0) throw std::runtime_error("cross-correlation moments failed");
@@ -83,7 +84,9 @@ py::list moments(const std::vector<py::array>& xs, std::vector<py::array> centre
 
 // Each job: (n, moments_a, moments_b, comoment, m, in_moments_a, in_moments_b, in_comoment,
 // resid_a | None, resid_b | None). The accumulator arrays are updated in place.
-void merge(const std::vector<py::tuple>& jobs_in, const std::vector<std::string>& names, int threads) {
+void merge(const std::vector<py::tuple>& jobs_in, const std::vector<std::string>& names, int threads,
+           const std::string& isa_name) {
+  const cpu::Isa isa = cpu::parse_isa(isa_name);
   const size_t n = jobs_in.size();
   if (names.size() != n) throw py::value_error("jobs and names differ in length");
   std::vector<cpu::MergeJob> jobs(n);
@@ -130,7 +133,7 @@ void merge(const std::vector<py::tuple>& jobs_in, const std::vector<std::string>
   Status s;
   {
     py::gil_scoped_release release;
-    s = cpu::merge_comoments(jobs.data(), static_cast<int64_t>(n), threads, &failed);
+    s = cpu::merge_comoments(jobs.data(), static_cast<int64_t>(n), threads, isa, &failed);
   }
   if (s != Status::Ok) {
     if (failed < 0) throw std::runtime_error("cross-correlation merge failed");
@@ -141,7 +144,8 @@ void merge(const std::vector<py::tuple>& jobs_in, const std::vector<std::string>
 // out = diag(row_scale) src diag(col_scale) + row_add col_add^T, optionally clipped to [-1, 1].
 py::array scale(const py::array& src, const py::array_t<double, py::array::c_style>& row_scale,
                 const py::array_t<double, py::array::c_style>& col_scale, const py::object& row_add,
-                const py::object& col_add, bool clip, int threads) {
+                const py::object& col_add, bool clip, int threads, const std::string& isa_name) {
+  const cpu::Isa isa = cpu::parse_isa(isa_name);
   if (src.ndim() != 2) throw py::value_error("comoment must be 2-D");
   const Real dt = real_of(src, "comoment");
   const py::ssize_t rows = src.shape(0), cols = src.shape(1);
@@ -164,7 +168,7 @@ py::array scale(const py::array& src, const py::array_t<double, py::array::c_sty
   const double *rs = row_scale.data(), *cs = col_scale.data();
   {
     py::gil_scoped_release release;
-    cpu::scale_comoment(s, o, dt, rows, cols, rs, cs, ra, ca, clip, threads);
+    cpu::scale_comoment(s, o, dt, rows, cols, rs, cs, ra, ca, clip, threads, isa);
   }
   return out;
 }
@@ -173,11 +177,11 @@ py::array scale(const py::array& src, const py::array_t<double, py::array::c_sty
 
 void register_xcorr(py::module_& m) {
   m.def("xcorr_moments", &moments, py::arg("xs"), py::arg("centred"), py::arg("names"), py::arg("threads"),
-        "Batch means, m2, ranges and centring residuals; writes the centred batches.");
-  m.def("xcorr_merge", &merge, py::arg("jobs"), py::arg("names"), py::arg("threads"),
+        py::arg("isa") = "auto", "Batch means, m2, ranges and shift residuals; writes the shifted batches.");
+  m.def("xcorr_merge", &merge, py::arg("jobs"), py::arg("names"), py::arg("threads"), py::arg("isa") = "auto",
         "Chan's pairwise merge of co-moments into accumulators, in place.");
   m.def("xcorr_scale", &scale, py::arg("comoment"), py::arg("row_scale"), py::arg("col_scale"),
-        py::arg("row_add"), py::arg("col_add"), py::arg("clip"), py::arg("threads"),
+        py::arg("row_add"), py::arg("col_add"), py::arg("clip"), py::arg("threads"), py::arg("isa") = "auto",
         "diag(r) C diag(c) + a b^T, optionally clipped to [-1, 1].");
 }
 
