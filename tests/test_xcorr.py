@@ -89,6 +89,22 @@ def test_large_mean_small_spread_float32():
     np.testing.assert_allclose(acc.covariance(), cov, rtol=1e-4, atol=1e-4 * np.abs(cov).max())
 
 
+def test_float32_drifting_and_sorted_batches():
+    # The stream's mean jumps between batches and inside a batch (a batch sorted by class):
+    # centring per batch about a centre spread over the batch keeps float32 accurate.
+    rng = np.random.default_rng(20)
+    batches = []
+    for offset in (0.0, 5e3, -2e3):
+        za = rng.standard_normal((400, 6))
+        zb = za[:, :4] + 0.3 * rng.standard_normal((400, 4))
+        shift = np.where(np.arange(400) < 200, 0.0, 50.0)[:, None]  # sorted: two clusters
+        batches.append(((za + offset + shift).astype(np.float32), (zb - offset + shift).astype(np.float32)))
+    acc = _accumulate(batches, 6, 4)
+    _, _, corr, cov = _reference(batches)
+    np.testing.assert_allclose(acc.correlation(), corr, atol=1e-5)
+    np.testing.assert_allclose(acc.covariance(), cov, rtol=1e-5, atol=1e-5 * np.abs(cov).max())
+
+
 @pytest.mark.parametrize("sizes", [[200, 200], [17, 300, 1]])
 def test_float32_inputs(sizes):
     rng = np.random.default_rng(3)

@@ -204,7 +204,8 @@ PYPERM_XCORR_VARIANTS(PYPERM_TARGET_AVX512, avx512)
 // ------------------------------------------------------------------ moments
 
 // Rows averaged for the provisional centre: enough that it sits well inside the batch's
-// spread (|mean - K| ~ sigma / sqrt(32)), few enough to cost nothing.
+// spread (|mean - K| ~ sigma / sqrt(32)), few enough to cost nothing. They are spread over
+// the whole batch, so a batch sorted by class (or drifting) still gets a central K.
 constexpr int64_t kShiftRows = 32;
 
 // Per-job scratch: per-row-block partials, so each tile writes its own slots.
@@ -214,14 +215,16 @@ struct MomentsScratch {
   std::vector<double> shift;            // cols
 };
 
-// K_c = x_0c + mean_{i < p}(x_ic - x_0c): exactly x_0c for a constant column.
+// K_c = x_0c + mean_i (x_ic - x_0c) over kShiftRows rows spread evenly over the batch:
+// exactly x_0c for a constant column.
 template <typename T>
 void provisional_centre(const T* x, int64_t rows, int64_t cols, double* shift) {
   const int64_t p = std::min(rows, kShiftRows);
   for (int64_t c = 0; c < cols; ++c) shift[c] = 0.0;
-  for (int64_t r = 1; r < p; ++r)
-    for (int64_t c = 0; c < cols; ++c)
-      shift[c] += static_cast<double>(x[r * cols + c]) - static_cast<double>(x[c]);
+  for (int64_t i = 1; i < p; ++i) {
+    const T* row = x + (i * rows / p) * cols;
+    for (int64_t c = 0; c < cols; ++c) shift[c] += static_cast<double>(row[c]) - static_cast<double>(x[c]);
+  }
   for (int64_t c = 0; c < cols; ++c) shift[c] = static_cast<double>(x[c]) + shift[c] / static_cast<double>(p);
 }
 

@@ -12,8 +12,8 @@
 // One update is three steps; the middle one is a plain GEMM that the caller does with
 // whatever BLAS it has (this core links none):
 //   1. batch_moments: per side, one pass that writes the batch shifted by a provisional
-//      centre K (the mean of its first rows) and sums the shifted values, their squares
-//      and the channel ranges, checking finiteness on the way;
+//      centre K (the mean of a few rows spread over it) and sums the shifted values, their
+//      squares and the channel ranges, checking finiteness on the way;
 //   2. G = shifted_a^T shifted_b (caller, in the input precision);
 //   3. merge_comoments: folds G into C with Chan, Golub and LeVeque's pairwise update
 //        C <- C + G - r_a r_b^T / m + (n m / (n + m)) delta_a delta_b^T,
