@@ -23,6 +23,7 @@ Data-parallel workers each accumulate their share and combine with
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -151,7 +152,7 @@ class _Workspace:
         self._bufs: dict[str, np.ndarray] = {}
 
     def get(self, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        size = int(np.prod(shape))
+        size = math.prod(shape)
         buf = self._bufs.get(key)
         if buf is None or buf.dtype != dtype or buf.size < size:
             buf = np.empty(size, dtype=dtype)
@@ -729,11 +730,9 @@ def _update_many(accs: list[CrossCorrelation], pairs: list[Any], threads: int, s
     # Validates finiteness while it centres: raises before any accumulator changes.
     moments = _core.xcorr_moments(xs, centred, names, threads, _ISA)
     for k, (_, a, _, prefix) in enumerate(work):
-        # |(centred_a^T centred_b)_ij| <= sqrt(sum_s a_si^2 sum_s b_sj^2) bounds every partial sum
+        # |(shifted_a^T shifted_b)_ij| <= sqrt(sum_s a_si^2 sum_s b_sj^2) bounds every partial sum
         # of the product (Cauchy-Schwarz); refuse a batch whose product could overflow.
-        sq_a = moments[2 * k][0][_M2].max() + (moments[2 * k][1] ** 2).max() / a.shape[0]
-        sq_b = moments[2 * k + 1][0][_M2].max() + (moments[2 * k + 1][1] ** 2).max() / a.shape[0]
-        if np.sqrt(sq_a) * np.sqrt(sq_b) > np.finfo(a.dtype).max / 4:
+        if math.sqrt(moments[2 * k][2]) * math.sqrt(moments[2 * k + 1][2]) > float(np.finfo(a.dtype).max) / 4:
             raise ValueError(
                 f"{prefix}xa and {prefix}xb have values too large to accumulate in {a.dtype}: their product "
                 "would overflow; pass float64 data or rescale it"
@@ -745,7 +744,7 @@ def _update_many(accs: list[CrossCorrelation], pairs: list[Any], threads: int, s
         product = acc._ws.get("product", (acc._dim_a, acc._dim_b), a.dtype)
         # The only O(samples * dim_a * dim_b) step: BLAS, in the input precision, GIL released.
         np.matmul(ca.T, cb, out=product)
-        (mom_a, resid_a), (mom_b, resid_b) = moments[2 * k], moments[2 * k + 1]
+        (mom_a, resid_a, _), (mom_b, resid_b, _) = moments[2 * k], moments[2 * k + 1]
         jobs.append(
             (acc._count, acc._mom_a, acc._mom_b, acc._comoment, a.shape[0], mom_a, mom_b, product, resid_a, resid_b)
         )

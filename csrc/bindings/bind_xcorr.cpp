@@ -40,7 +40,8 @@ std::string reason(cpu::XcorrError e) {
   return " has values too large to accumulate (its moments overflow); pass float64 data or rescale it";
 }
 
-// xs[k] (rows x cols) -> centred[k] written in place; returns [(moments (4, cols), resid (cols,))].
+// xs[k] (rows x cols) -> centred[k] written in place;
+// returns [(moments (4, cols), resid (cols,), max column sum of squares of centred[k])].
 py::list moments(const std::vector<py::array>& xs, std::vector<py::array> centred,
                  const std::vector<std::string>& names, int threads, const std::string& isa_name) {
   const cpu::Isa isa = cpu::parse_isa(isa_name);
@@ -67,7 +68,6 @@ py::list moments(const std::vector<py::array>& xs, std::vector<py::array> centre
     j.centred = centred[k].mutable_data();
     j.moments = mom.back().mutable_data();
     j.resid = resid.back().mutable_data();
-    out.append(py::make_tuple(mom.back(), resid.back()));
   }
   int64_t failed = -1;
   Status s;
@@ -79,6 +79,7 @@ py::list moments(const std::vector<py::array>& xs, std::vector<py::array> centre
     if (failed < 0) throw std::runtime_error("cross-correlation moments failed");
     throw py::value_error(names[static_cast<size_t>(failed)] + reason(jobs[static_cast<size_t>(failed)].error));
   }
+  for (size_t k = 0; k < n; ++k) out.append(py::make_tuple(mom[k], resid[k], jobs[k].max_sumsq));
   return out;
 }
 

@@ -264,6 +264,7 @@ XcorrError finish_moments(MomentsJob& j, const MomentsScratch& s) {
       err = XcorrError::Overflow;
       continue;
     }
+    j.max_sumsq = std::max(j.max_sumsq, sq);
     j.resid[c] = sum;
     j.moments[kMean * j.cols + c] = s.shift[c] + sum / rows;
     // The corrected two-pass formula (Chan, Golub and LeVeque): exact up to the rounding of
@@ -286,6 +287,7 @@ Status batch_moments(MomentsJob* jobs, int64_t n_jobs, int threads, Isa isa, int
   for (int64_t k = 0; k < n_jobs; ++k) {
     MomentsJob& j = jobs[k];
     j.error = XcorrError::None;
+    j.max_sumsq = 0.0;
     MomentsScratch& s = scratch[k];
     s.row_blocks = ceil_div(j.rows, kRowBlock);
     s.col_blocks = ceil_div(j.cols, kColBlock);

@@ -62,6 +62,8 @@ struct MomentsJob {
   void* centred = nullptr;   // [out] rows x cols: x minus the provisional centre, rounded to dtype
   double* moments = nullptr; // [out] 4 x cols: mean, m2, min, max of the batch
   double* resid = nullptr;   // [out] cols: column sums of `centred` (feeds merge_comoments)
+  double max_sumsq = 0.0;    // [out] largest column sum of squares of `centred`: with the other
+                             //       side's, it bounds every entry of the product (Cauchy-Schwarz)
   XcorrError error = XcorrError::None;  // [out]
 };
 
