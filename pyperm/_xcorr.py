@@ -114,6 +114,8 @@ def _samples(x: Any, name: str, dim: int | None, dim_name: str) -> np.ndarray:
         arr = arr.astype(np.float32)
     elif arr.dtype not in (np.float32, np.float64):
         arr = arr.astype(np.float64)
+    if not arr.flags.aligned or arr.dtype.byteorder not in "=|":
+        arr = arr.astype(arr.dtype.newbyteorder("="))  # an aligned, native-order copy
     return np.ascontiguousarray(arr)
 
 

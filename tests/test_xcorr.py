@@ -131,6 +131,21 @@ def test_integer_bool_and_mixed_dtypes_use_float64():
     np.testing.assert_allclose(acc.correlation(), corr, atol=1e-12)
 
 
+def test_non_native_layouts():
+    # big-endian, misaligned, non-contiguous and Fortran-ordered inputs are copied, not misread
+    x = np.random.default_rng(21).standard_normal((50, 3))
+    raw = np.zeros(x.size * 8 + 1, dtype=np.uint8)
+    misaligned = np.frombuffer(raw.data, dtype=np.float64, count=x.size, offset=1).reshape(x.shape)
+    misaligned[...] = x
+    assert not misaligned.flags.aligned
+    wide = np.zeros((50, 6))
+    wide[:, ::2] = x
+    want = np.corrcoef(x.T)
+    for xa, xb in [(x.astype(">f8"), misaligned), (wide[:, ::2], np.asfortranarray(x)), (x.astype(">f4"), x)]:
+        acc = CrossCorrelation(3, 3).update(xa, xb)
+        np.testing.assert_allclose(acc.correlation(), want, atol=1e-6 if xa.dtype.itemsize == 4 else 1e-12)
+
+
 def test_accumulator_float32():
     rng = np.random.default_rng(5)
     batches = _batches(rng, [64, 64], 6, 5)

@@ -28,6 +28,8 @@ Real real_of(const py::array& a, const std::string& what) {
 void require(const py::array& a, const std::vector<py::ssize_t>& shape, const std::string& what,
              bool writable, const Real* dtype = nullptr) {
   if (!(a.flags() & py::array::c_style)) throw py::value_error(what + " must be C-contiguous");
+  // The vectorised loops assume naturally aligned elements.
+  if (!(a.flags() & py::detail::npy_api::NPY_ARRAY_ALIGNED_)) throw py::value_error(what + " must be aligned");
   if (writable && !a.writeable()) throw py::value_error(what + " must be writable");
   if (a.ndim() != static_cast<py::ssize_t>(shape.size())) throw py::value_error(what + " has the wrong rank");
   for (size_t k = 0; k < shape.size(); ++k)
@@ -38,6 +40,12 @@ void require(const py::array& a, const std::vector<py::ssize_t>& shape, const st
 std::string reason(cpu::XcorrError e) {
   if (e == cpu::XcorrError::NonFinite) return " contains NaN or infinity";
   return " has values too large to accumulate (its moments overflow); pass float64 data or rescale it";
+}
+
+// An ndarray itself, never a converted copy: the merge writes into these arrays.
+py::array ndarray(const py::handle& h, const std::string& what) {
+  if (!py::isinstance<py::array>(h)) throw py::type_error(what + " must be a numpy array");
+  return py::reinterpret_borrow<py::array>(h);
 }
 
 // xs[k] (rows x cols) -> centred[k] written in place;
@@ -95,8 +103,10 @@ void merge(const std::vector<py::tuple>& jobs_in, const std::vector<std::string>
     const py::tuple& t = jobs_in[k];
     if (t.size() != 10) throw py::value_error("a merge job is a 10-tuple");
     const std::string& nm = names[k];
-    auto ma = t[1].cast<py::array>(), mb = t[2].cast<py::array>(), c = t[3].cast<py::array>();
-    auto ia = t[5].cast<py::array>(), ib = t[6].cast<py::array>(), g = t[7].cast<py::array>();
+    py::array ma = ndarray(t[1], nm + ": moments_a"), mb = ndarray(t[2], nm + ": moments_b");
+    py::array c = ndarray(t[3], nm + ": comoment");
+    py::array ia = ndarray(t[5], nm + ": incoming moments_a"), ib = ndarray(t[6], nm + ": incoming moments_b");
+    py::array g = ndarray(t[7], nm + ": incoming comoment");
     if (c.ndim() != 2) throw py::value_error(nm + ": comoment must be 2-D");
     const py::ssize_t da = c.shape(0), db = c.shape(1);
     const Real f64 = Real::F64;
@@ -123,7 +133,7 @@ void merge(const std::vector<py::tuple>& jobs_in, const std::vector<std::string>
     j.in_dtype = gt;
     if (!t[8].is_none() || !t[9].is_none()) {
       if (t[8].is_none() || t[9].is_none()) throw py::value_error(nm + ": pass both residuals or neither");
-      auto ra = t[8].cast<py::array>(), rb = t[9].cast<py::array>();
+      py::array ra = ndarray(t[8], nm + ": resid_a"), rb = ndarray(t[9], nm + ": resid_b");
       require(ra, {da}, nm + ": resid_a", false, &f64);
       require(rb, {db}, nm + ": resid_b", false, &f64);
       j.resid_a = static_cast<const double*>(ra.data());

@@ -430,7 +430,8 @@ Status merge_comoments(MergeJob* jobs, int64_t n_jobs, int threads, Isa isa, int
     work += j.dim_a * j.dim_b;
   }
 
-  parallel_for(blocks.total(), clamp_threads(threads, work), [&](int64_t t) {
+  // Memory-bound: a thread pays off only with a few megabytes of its own to stream.
+  parallel_for(blocks.total(), clamp_threads(threads, work / 4), [&](int64_t t) {
     const auto [k, b] = blocks.locate(t);
     const MergeJob& j = jobs[k];
     const MergeScratch& s = scratch[k];
