@@ -511,7 +511,8 @@ def test_recentred_sum_equals_single_stream():
     n = sum(s["count"] for s in states)
     mean_a = sum(s["count"] * s["mean_a"] for s in states) / n
     mean_b = sum(s["count"] * s["mean_b"] for s in states) / n
-    comoment = sum(s["comoment"] + s["count"] * np.outer(s["mean_a"] - mean_a, s["mean_b"] - mean_b) for s in states)
+    comoment = sum(s["comoment"] + s["count"] * np.outer(s["mean_a"] - mean_a, s["mean_b"] - mean_b)
+                   for s in states)
     m2_a = sum(s["m2_a"] + s["count"] * (s["mean_a"] - mean_a) ** 2 for s in states)
     m2_b = sum(s["m2_b"] + s["count"] * (s["mean_b"] - mean_b) ** 2 for s in states)
     glob = CrossCorrelation.from_state(n, mean_a, mean_b, comoment, m2_a, m2_b)
@@ -576,12 +577,14 @@ def test_all_reduce_needs_initialised_torch_distributed():
 @pytest.mark.parametrize(
     ("xa", "xb", "error", "match"),
     [
-        (np.zeros(5), np.zeros((5, 2)), ValueError, r"xa must be a 2-D \(samples, dim_a\) array, got shape \(5,\)"),
+        (np.zeros(5), np.zeros((5, 2)), ValueError,
+         r"xa must be a 2-D \(samples, dim_a\) array, got shape \(5,\)"),
         (np.zeros((5, 3)), np.zeros((5, 2, 1)), ValueError, r"xb must be a 2-D \(samples, dim_b\) array"),
         (np.zeros((2, 3, 4, 4)), np.zeros((2, 2)), ValueError, "use pyperm.conv_to_samples"),
         (np.zeros((5, 4)), np.zeros((5, 2)), ValueError, r"xa has 4 channels \(shape \(5, 4\)\) but dim_a is 3"),
         (np.zeros((5, 3)), np.zeros((5, 3)), ValueError, "xb has 3 channels .* but dim_b is 2"),
-        (np.zeros((5, 3)), np.zeros((4, 2)), ValueError, "xa and xb must hold the same number of samples.*5 and 4"),
+        (np.zeros((5, 3)), np.zeros((4, 2)), ValueError,
+         "xa and xb must hold the same number of samples.*5 and 4"),
         (np.full((5, 3), "a"), np.zeros((5, 2)), TypeError, "xa must hold real numbers, got non-numeric dtype"),
         (np.zeros((5, 3)), np.zeros((5, 2), dtype=complex), TypeError, "xb must hold real numbers, got complex"),
         (np.array([[None] * 3] * 5), np.zeros((5, 2)), TypeError, "xa must hold real numbers"),
@@ -669,7 +672,7 @@ def test_covariance_ddof_errors():
 
 def test_merge_errors():
     acc = CrossCorrelation(3, 2)
-    with pytest.raises(ValueError, match=r"cannot merge a CrossCorrelation of dims \(2, 3\) into one of dims \(3, 2\)"):
+    with pytest.raises(ValueError, match=r"of dims \(2, 3\) into one of dims \(3, 2\)"):
         acc.merge(CrossCorrelation(2, 3).update(np.ones((2, 2)), np.ones((2, 3))))
     with pytest.raises(TypeError, match="can only merge a CrossCorrelation, got dict"):
         acc.merge({})

@@ -131,10 +131,12 @@ PYPERM_ALWAYS_INLINE void merge_rows_body(TC* __restrict c, const TG* __restrict
     const double pi = p[i], ui = u[i];
     if (fresh) {
       // The accumulator is empty: write without reading it.
-      for (int64_t j = 0; j < n; ++j) crow[j] = static_cast<TC>(static_cast<double>(grow[j]) + pi * q[j] + ui * v[j]);
+      for (int64_t j = 0; j < n; ++j)
+        crow[j] = static_cast<TC>(static_cast<double>(grow[j]) + pi * q[j] + ui * v[j]);
     } else {
       for (int64_t j = 0; j < n; ++j)
-        crow[j] = static_cast<TC>(static_cast<double>(crow[j]) + static_cast<double>(grow[j]) + pi * q[j] + ui * v[j]);
+        crow[j] = static_cast<TC>(static_cast<double>(crow[j]) + static_cast<double>(grow[j]) + pi * q[j] +
+                                  ui * v[j]);
     }
   }
 }

@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot(results: list[dict[str, float]], dims: list[int], batches: list[int], path: str, dtype: np.dtype) -> None:
+def _plot(results: list[dict[str, float]], dims: list[int], batches: list[int], path: str,
+          dtype: np.dtype) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
