@@ -184,8 +184,8 @@ class CrossCorrelation:
         Channels of the two streams (units of a dense layer, filters of a convolution).
     dtype : {numpy.float64, numpy.float32}, default float64
         Precision of the ``dim_a x dim_b`` co-moment accumulator. The per-channel moments are
-        always float64. float32 halves the memory of very wide layers at the cost of about
-        seven significant digits.
+        always float64. float32 halves the memory of very wide layers and keeps about seven
+        significant digits.
     threads : int, optional
         Threads for the centring and merge kernels (default: all cores). The batch product
         itself runs in numpy's BLAS, with the threads that BLAS is configured for.
