@@ -11,6 +11,7 @@ import sys
 BENCHMARKS = {
     "lap": ("pyperm.benchmarks.lap", "assignment solvers: pyperm vs scipy vs lap/lapx/lapjv"),
     "bvn": ("pyperm.benchmarks.bvn", "Birkhoff-von Neumann decomposition: pyperm vs a scipy-based greedy"),
+    "xcorr": ("pyperm.benchmarks.xcorr", "CrossCorrelation.update vs the bare BLAS product xa.T @ xb"),
 }
 
 

@@ -17,8 +17,10 @@ namespace {
 using cpu::Real;
 
 Real real_of(const py::array& a, const std::string& what) {
-  if (a.dtype().is(py::dtype::of<double>())) return Real::F64;
-  if (a.dtype().is(py::dtype::of<float>())) return Real::F32;
+  // isinstance on array_t compares dtypes by equivalence (PyArray_EquivTypes), not identity:
+  // an unpickled or foreign float64 array has an equal but distinct dtype object.
+  if (py::isinstance<py::array_t<double>>(a)) return Real::F64;
+  if (py::isinstance<py::array_t<float>>(a)) return Real::F32;
   throw py::type_error(what + " must be float32 or float64");
 }
 
@@ -26,6 +28,8 @@ Real real_of(const py::array& a, const std::string& what) {
 void require(const py::array& a, const std::vector<py::ssize_t>& shape, const std::string& what,
              bool writable, const Real* dtype = nullptr) {
   if (!(a.flags() & py::array::c_style)) throw py::value_error(what + " must be C-contiguous");
+  // The vectorised loops assume naturally aligned elements.
+  if (!(a.flags() & py::detail::npy_api::NPY_ARRAY_ALIGNED_)) throw py::value_error(what + " must be aligned");
   if (writable && !a.writeable()) throw py::value_error(what + " must be writable");
   if (a.ndim() != static_cast<py::ssize_t>(shape.size())) throw py::value_error(what + " has the wrong rank");
   for (size_t k = 0; k < shape.size(); ++k)
@@ -38,9 +42,17 @@ std::string reason(cpu::XcorrError e) {
   return " has values too large to accumulate (its moments overflow); pass float64 data or rescale it";
 }
 
-// xs[k] (rows x cols) -> centred[k] written in place; returns [(moments (4, cols), resid (cols,))].
+// An ndarray itself, never a converted copy: the merge writes into these arrays.
+py::array ndarray(const py::handle& h, const std::string& what) {
+  if (!py::isinstance<py::array>(h)) throw py::type_error(what + " must be a numpy array");
+  return py::reinterpret_borrow<py::array>(h);
+}
+
+// xs[k] (rows x cols) -> centred[k] written in place;
+// returns [(moments (4, cols), resid (cols,), max column sum of squares of centred[k])].
 py::list moments(const std::vector<py::array>& xs, std::vector<py::array> centred,
-                 const std::vector<std::string>& names, int threads) {
+                 const std::vector<std::string>& names, int threads, const std::string& isa_name) {
+  const cpu::Isa isa = cpu::parse_isa(isa_name);
   const size_t n = xs.size();
   if (centred.size() != n || names.size() != n) throw py::value_error("xs, centred and names differ in length");
   std::vector<cpu::MomentsJob> jobs(n);
@@ -64,24 +76,26 @@ py::list moments(const std::vector<py::array>& xs, std::vector<py::array> centre
     j.centred = centred[k].mutable_data();
     j.moments = mom.back().mutable_data();
     j.resid = resid.back().mutable_data();
-    out.append(py::make_tuple(mom.back(), resid.back()));
   }
   int64_t failed = -1;
   Status s;
   {
     py::gil_scoped_release release;
-    s = cpu::batch_moments(jobs.data(), static_cast<int64_t>(n), threads, &failed);
+    s = cpu::batch_moments(jobs.data(), static_cast<int64_t>(n), threads, isa, &failed);
   }
   if (s != Status::Ok) {
     if (failed < 0) throw std::runtime_error("cross-correlation moments failed");
     throw py::value_error(names[static_cast<size_t>(failed)] + reason(jobs[static_cast<size_t>(failed)].error));
   }
+  for (size_t k = 0; k < n; ++k) out.append(py::make_tuple(mom[k], resid[k], jobs[k].max_sumsq));
   return out;
 }
 
 // Each job: (n, moments_a, moments_b, comoment, m, in_moments_a, in_moments_b, in_comoment,
 // resid_a | None, resid_b | None). The accumulator arrays are updated in place.
-void merge(const std::vector<py::tuple>& jobs_in, const std::vector<std::string>& names, int threads) {
+void merge(const std::vector<py::tuple>& jobs_in, const std::vector<std::string>& names, int threads,
+           const std::string& isa_name) {
+  const cpu::Isa isa = cpu::parse_isa(isa_name);
   const size_t n = jobs_in.size();
   if (names.size() != n) throw py::value_error("jobs and names differ in length");
   std::vector<cpu::MergeJob> jobs(n);
@@ -89,8 +103,10 @@ void merge(const std::vector<py::tuple>& jobs_in, const std::vector<std::string>
     const py::tuple& t = jobs_in[k];
     if (t.size() != 10) throw py::value_error("a merge job is a 10-tuple");
     const std::string& nm = names[k];
-    auto ma = t[1].cast<py::array>(), mb = t[2].cast<py::array>(), c = t[3].cast<py::array>();
-    auto ia = t[5].cast<py::array>(), ib = t[6].cast<py::array>(), g = t[7].cast<py::array>();
+    py::array ma = ndarray(t[1], nm + ": moments_a"), mb = ndarray(t[2], nm + ": moments_b");
+    py::array c = ndarray(t[3], nm + ": comoment");
+    py::array ia = ndarray(t[5], nm + ": incoming moments_a"), ib = ndarray(t[6], nm + ": incoming moments_b");
+    py::array g = ndarray(t[7], nm + ": incoming comoment");
     if (c.ndim() != 2) throw py::value_error(nm + ": comoment must be 2-D");
     const py::ssize_t da = c.shape(0), db = c.shape(1);
     const Real f64 = Real::F64;
@@ -117,7 +133,7 @@ void merge(const std::vector<py::tuple>& jobs_in, const std::vector<std::string>
     j.in_dtype = gt;
     if (!t[8].is_none() || !t[9].is_none()) {
       if (t[8].is_none() || t[9].is_none()) throw py::value_error(nm + ": pass both residuals or neither");
-      auto ra = t[8].cast<py::array>(), rb = t[9].cast<py::array>();
+      py::array ra = ndarray(t[8], nm + ": resid_a"), rb = ndarray(t[9], nm + ": resid_b");
       require(ra, {da}, nm + ": resid_a", false, &f64);
       require(rb, {db}, nm + ": resid_b", false, &f64);
       j.resid_a = static_cast<const double*>(ra.data());
@@ -128,7 +144,7 @@ void merge(const std::vector<py::tuple>& jobs_in, const std::vector<std::string>
   Status s;
   {
     py::gil_scoped_release release;
-    s = cpu::merge_comoments(jobs.data(), static_cast<int64_t>(n), threads, &failed);
+    s = cpu::merge_comoments(jobs.data(), static_cast<int64_t>(n), threads, isa, &failed);
   }
   if (s != Status::Ok) {
     if (failed < 0) throw std::runtime_error("cross-correlation merge failed");
@@ -139,7 +155,8 @@ void merge(const std::vector<py::tuple>& jobs_in, const std::vector<std::string>
 // out = diag(row_scale) src diag(col_scale) + row_add col_add^T, optionally clipped to [-1, 1].
 py::array scale(const py::array& src, const py::array_t<double, py::array::c_style>& row_scale,
                 const py::array_t<double, py::array::c_style>& col_scale, const py::object& row_add,
-                const py::object& col_add, bool clip, int threads) {
+                const py::object& col_add, bool clip, int threads, const std::string& isa_name) {
+  const cpu::Isa isa = cpu::parse_isa(isa_name);
   if (src.ndim() != 2) throw py::value_error("comoment must be 2-D");
   const Real dt = real_of(src, "comoment");
   const py::ssize_t rows = src.shape(0), cols = src.shape(1);
@@ -162,7 +179,7 @@ py::array scale(const py::array& src, const py::array_t<double, py::array::c_sty
   const double *rs = row_scale.data(), *cs = col_scale.data();
   {
     py::gil_scoped_release release;
-    cpu::scale_comoment(s, o, dt, rows, cols, rs, cs, ra, ca, clip, threads);
+    cpu::scale_comoment(s, o, dt, rows, cols, rs, cs, ra, ca, clip, threads, isa);
   }
   return out;
 }
@@ -171,11 +188,11 @@ py::array scale(const py::array& src, const py::array_t<double, py::array::c_sty
 
 void register_xcorr(py::module_& m) {
   m.def("xcorr_moments", &moments, py::arg("xs"), py::arg("centred"), py::arg("names"), py::arg("threads"),
-        "Batch means, m2, ranges and centring residuals; writes the centred batches.");
-  m.def("xcorr_merge", &merge, py::arg("jobs"), py::arg("names"), py::arg("threads"),
+        py::arg("isa") = "auto", "Batch means, m2, ranges and shift residuals; writes the shifted batches.");
+  m.def("xcorr_merge", &merge, py::arg("jobs"), py::arg("names"), py::arg("threads"), py::arg("isa") = "auto",
         "Chan's pairwise merge of co-moments into accumulators, in place.");
   m.def("xcorr_scale", &scale, py::arg("comoment"), py::arg("row_scale"), py::arg("col_scale"),
-        py::arg("row_add"), py::arg("col_add"), py::arg("clip"), py::arg("threads"),
+        py::arg("row_add"), py::arg("col_add"), py::arg("clip"), py::arg("threads"), py::arg("isa") = "auto",
         "diag(r) C diag(c) + a b^T, optionally clipped to [-1, 1].");
 }
 

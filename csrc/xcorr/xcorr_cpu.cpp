@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common/thread_pool.h"
@@ -46,56 +47,187 @@ struct TaskMap {
   }
 };
 
-// ------------------------------------------------------------------ moments
+// ------------------------------------------------------------------ kernels
+//
+// The loops below are memory- or conversion-bound; each is compiled three times (x86-64
+// baseline, AVX2+FMA, AVX-512) through target attributes and chosen at run time, so the
+// build never needs -march=native. Bodies are always-inlined into the attributed wrappers,
+// which is what makes the vectoriser see the wider instruction set.
+#if defined(PYPERM_X86) && (defined(__GNUC__) || defined(__clang__))
+#define PYPERM_XCORR_MULTI_ISA 1
+#define PYPERM_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define PYPERM_TARGET_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma")))
+#else
+#define PYPERM_XCORR_MULTI_ISA 0
+#endif
+#if defined(__GNUC__) || defined(__clang__)
+#define PYPERM_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define PYPERM_ALWAYS_INLINE inline
+#endif
 
-// Per-job scratch: per-row-block partial sums, so each tile writes its own slots.
-struct MomentsScratch {
-  int64_t row_blocks = 0, col_blocks = 0;
-  std::vector<double> part0, part1, part2;  // row_blocks x cols each
-  std::vector<double> shift;                // cols
-  std::vector<int32_t> error;               // col_blocks
+// One tile of the moments pass: shifts by K, stores, and sums in double what was stored.
+template <typename T>
+struct TileArgs {
+  const T* x;
+  T* out;
+  int64_t cols, r0, r1, c0, c1;
+  const double* shift;                   // cols c0..c1
+  double *sum, *sq, *mn, *mx;            // cols c0..c1 of this row block's partials
 };
 
-// Pass 1 over one tile: column sums, minima and maxima.
+// Pointer arguments (not struct fields) so that __restrict reaches the vectoriser.
 template <typename T>
-void tile_range(const T* __restrict x, int64_t cols, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
-                double* __restrict sum, double* __restrict mn, double* __restrict mx) {
-  const int64_t w = c1 - c0;
+PYPERM_ALWAYS_INLINE void tile_moments_body(const T* __restrict x, T* __restrict out, int64_t cols, int64_t r0,
+                                            int64_t r1, int64_t w, const double* __restrict shift,
+                                            double* __restrict sum, double* __restrict sq, double* __restrict mn,
+                                            double* __restrict mx) {
   for (int64_t c = 0; c < w; ++c) {
-    sum[c] = 0.0;
+    sum[c] = sq[c] = 0.0;
     mn[c] = std::numeric_limits<double>::infinity();
     mx[c] = -std::numeric_limits<double>::infinity();
   }
   for (int64_t r = r0; r < r1; ++r) {
-    const T* __restrict row = x + r * cols + c0;
+    const T* __restrict row = x + r * cols;
+    T* __restrict dst = out + r * cols;
     for (int64_t c = 0; c < w; ++c) {
       const double v = static_cast<double>(row[c]);
-      sum[c] += v;
+      const T d = static_cast<T>(v - shift[c]);
+      dst[c] = d;
+      const double e = static_cast<double>(d);
+      sum[c] += e;
+      sq[c] += e * e;
+      // `v < m ? v : m` is exactly x86 min/max semantics, so it vectorises without
+      // -ffast-math. NaN slips past both; the sums catch it.
       mn[c] = v < mn[c] ? v : mn[c];
       mx[c] = v > mx[c] ? v : mx[c];
     }
   }
 }
 
-// Pass 2 over one tile: writes x - shift in T and sums the stored values and their squares.
-// The sums use the rounded values, so that they describe exactly what the GEMM will see.
 template <typename T>
-void tile_centre(const T* __restrict x, T* __restrict out, int64_t cols, int64_t r0, int64_t r1,
-                 int64_t c0, int64_t c1, const double* __restrict shift, double* __restrict sum,
-                 double* __restrict sq) {
-  const int64_t w = c1 - c0;
-  for (int64_t c = 0; c < w; ++c) sum[c] = sq[c] = 0.0;
-  for (int64_t r = r0; r < r1; ++r) {
-    const T* __restrict row = x + r * cols + c0;
-    T* __restrict dst = out + r * cols + c0;
-    for (int64_t c = 0; c < w; ++c) {
-      const T d = static_cast<T>(static_cast<double>(row[c]) - shift[c]);
-      dst[c] = d;
-      const double e = static_cast<double>(d);
-      sum[c] += e;
-      sq[c] += e * e;
+PYPERM_ALWAYS_INLINE void tile_moments_body(const TileArgs<T>& a) {
+  tile_moments_body(a.x + a.c0, a.out + a.c0, a.cols, a.r0, a.r1, a.c1 - a.c0, a.shift, a.sum, a.sq, a.mn, a.mx);
+}
+
+// rows i0..i1 of C += G + p q^T + u v^T (or C = ... when the accumulator is empty).
+template <typename TC, typename TG>
+struct MergeArgs {
+  TC* c;
+  const TG* g;
+  int64_t i0, i1, dim_b;
+  bool fresh;
+  const double *p, *q, *u, *v;
+};
+
+template <typename TC, typename TG>
+PYPERM_ALWAYS_INLINE void merge_rows_body(TC* __restrict c, const TG* __restrict g, int64_t i0, int64_t i1,
+                                          int64_t n, bool fresh, const double* __restrict p,
+                                          const double* __restrict q, const double* __restrict u,
+                                          const double* __restrict v) {
+  for (int64_t i = i0; i < i1; ++i) {
+    TC* __restrict crow = c + i * n;
+    const TG* __restrict grow = g + i * n;
+    const double pi = p[i], ui = u[i];
+    if (fresh) {
+      // The accumulator is empty: write without reading it.
+      for (int64_t j = 0; j < n; ++j)
+        crow[j] = static_cast<TC>(static_cast<double>(grow[j]) + pi * q[j] + ui * v[j]);
+    } else {
+      for (int64_t j = 0; j < n; ++j)
+        crow[j] = static_cast<TC>(static_cast<double>(crow[j]) + static_cast<double>(grow[j]) + pi * q[j] +
+                                  ui * v[j]);
     }
   }
+}
+
+template <typename TC, typename TG>
+PYPERM_ALWAYS_INLINE void merge_rows_body(const MergeArgs<TC, TG>& a) {
+  merge_rows_body(a.c, a.g, a.i0, a.i1, a.dim_b, a.fresh, a.p, a.q, a.u, a.v);
+}
+
+// rows i0..i1 of out = diag(rs) src diag(cs) + ra ca^T, optionally clipped to [-1, 1].
+template <typename T>
+struct ScaleArgs {
+  const T* src;
+  T* out;
+  int64_t i0, i1, cols;
+  const double *rs, *cs, *ra, *ca;
+  bool clip;
+};
+
+template <typename T>
+PYPERM_ALWAYS_INLINE void scale_rows_body(const T* __restrict src, T* __restrict out, int64_t i0, int64_t i1,
+                                          int64_t n, const double* __restrict rs, const double* __restrict cs,
+                                          const double* __restrict ra, const double* __restrict ca, bool clip) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const T* __restrict s = src + i * n;
+    T* __restrict o = out + i * n;
+    const double r = rs[i], add = ra ? ra[i] : 0.0;
+    if (ca) {
+      for (int64_t j = 0; j < n; ++j) o[j] = static_cast<T>(r * static_cast<double>(s[j]) * cs[j] + add * ca[j]);
+    } else {
+      for (int64_t j = 0; j < n; ++j) o[j] = static_cast<T>(r * static_cast<double>(s[j]) * cs[j]);
+    }
+    if (clip) {
+      // Rounding can push |r| of (nearly) collinear channels past 1; numpy.corrcoef clips too.
+      for (int64_t j = 0; j < n; ++j) o[j] = std::min(T(1), std::max(T(-1), o[j]));
+    }
+  }
+}
+
+template <typename T>
+PYPERM_ALWAYS_INLINE void scale_rows_body(const ScaleArgs<T>& a) {
+  scale_rows_body(a.src, a.out, a.i0, a.i1, a.cols, a.rs, a.cs, a.ra, a.ca, a.clip);
+}
+
+#define PYPERM_XCORR_VARIANTS(ATTR, SUFFIX)                                                       \
+  template <typename T>                                                                        \
+  ATTR void tile_moments_##SUFFIX(const TileArgs<T>& a) { tile_moments_body(a); }              \
+  template <typename TC, typename TG>                                                          \
+  ATTR void merge_rows_##SUFFIX(const MergeArgs<TC, TG>& a) { merge_rows_body(a); }            \
+  template <typename T>                                                                        \
+  ATTR void scale_rows_##SUFFIX(const ScaleArgs<T>& a) { scale_rows_body(a); }
+
+PYPERM_XCORR_VARIANTS(, baseline)
+#if PYPERM_XCORR_MULTI_ISA
+PYPERM_XCORR_VARIANTS(PYPERM_TARGET_AVX2, avx2)
+PYPERM_XCORR_VARIANTS(PYPERM_TARGET_AVX512, avx512)
+#define PYPERM_XCORR_DISPATCH(NAME, isa, args)          \
+  do {                                                  \
+    if ((isa) == Isa::Avx512) NAME##_avx512(args);      \
+    else if ((isa) == Isa::Avx2) NAME##_avx2(args);     \
+    else NAME##_baseline(args);                         \
+  } while (0)
+#else
+#define PYPERM_XCORR_DISPATCH(NAME, isa, args) NAME##_baseline(args)
+#endif
+
+// ------------------------------------------------------------------ moments
+
+// Rows averaged for the provisional centre: enough that it sits well inside the batch's
+// spread (|mean - K| ~ sigma / sqrt(32)), few enough to cost nothing. They are spread over
+// the whole batch, so a batch sorted by class (or drifting) still gets a central K.
+constexpr int64_t kShiftRows = 32;
+
+// Per-job scratch: per-row-block partials, so each tile writes its own slots.
+struct MomentsScratch {
+  int64_t row_blocks = 0, col_blocks = 0;
+  std::vector<double> sum, sq, mn, mx;  // row_blocks x cols each
+  std::vector<double> shift;            // cols
+};
+
+// K_c = x_0c + mean_i (x_ic - x_0c) over kShiftRows rows spread evenly over the batch:
+// exactly x_0c for a constant column.
+template <typename T>
+void provisional_centre(const T* x, int64_t rows, int64_t cols, double* shift) {
+  const int64_t p = std::min(rows, kShiftRows);
+  for (int64_t c = 0; c < cols; ++c) shift[c] = 0.0;
+  for (int64_t i = 1; i < p; ++i) {
+    const T* row = x + (i * rows / p) * cols;
+    for (int64_t c = 0; c < cols; ++c) shift[c] += static_cast<double>(row[c]) - static_cast<double>(x[c]);
+  }
+  for (int64_t c = 0; c < cols; ++c) shift[c] = static_cast<double>(x[c]) + shift[c] / static_cast<double>(p);
 }
 
 template <typename T>
@@ -105,148 +237,94 @@ bool column_has_nonfinite(const T* x, int64_t rows, int64_t cols, int64_t c) {
   return false;
 }
 
+template <typename F>
+void with_type(const MomentsJob& j, F&& f) {
+  if (j.dtype == Real::F32) f(static_cast<const float*>(j.x), static_cast<float*>(j.centred));
+  else f(static_cast<const double*>(j.x), static_cast<double*>(j.centred));
+}
+
+// Combines one job's partials over row blocks (in order, so independent of the threads) and
+// writes its moments; returns its error.
+XcorrError finish_moments(MomentsJob& j, const MomentsScratch& s) {
+  const double rows = static_cast<double>(j.rows);
+  XcorrError err = XcorrError::None;
+  for (int64_t c = 0; c < j.cols; ++c) {
+    double sum = 0.0, sq = 0.0, mn = std::numeric_limits<double>::infinity(), mx = -mn;
+    for (int64_t rb = 0; rb < s.row_blocks; ++rb) {
+      const int64_t at = rb * j.cols + c;
+      sum += s.sum[at];
+      sq += s.sq[at];
+      mn = std::min(mn, s.mn[at]);
+      mx = std::max(mx, s.mx[at]);
+    }
+    if (!std::isfinite(mn) || !std::isfinite(mx)) return XcorrError::NonFinite;
+    if (!std::isfinite(sum) || !std::isfinite(sq)) {
+      // NaN hides from min/max; finite values can still overflow the shifted sums.
+      bool nonfinite = false;
+      with_type(j, [&](const auto* x, auto*) { nonfinite = column_has_nonfinite(x, j.rows, j.cols, c); });
+      if (nonfinite) return XcorrError::NonFinite;
+      err = XcorrError::Overflow;
+      continue;
+    }
+    j.max_sumsq = std::max(j.max_sumsq, sq);
+    j.resid[c] = sum;
+    j.moments[kMean * j.cols + c] = s.shift[c] + sum / rows;
+    // The corrected two-pass formula (Chan, Golub and LeVeque): exact up to the rounding of
+    // the squares themselves, and sum is small because K is near the mean.
+    j.moments[kM2 * j.cols + c] = std::max(0.0, sq - sum * sum / rows);
+    j.moments[kMin * j.cols + c] = mn;
+    j.moments[kMax * j.cols + c] = mx;
+  }
+  return err;
+}
+
 }  // namespace
 
-Status batch_moments(MomentsJob* jobs, int64_t n_jobs, int threads, int64_t* failed) {
+Status batch_moments(MomentsJob* jobs, int64_t n_jobs, int threads, Isa isa, int64_t* failed) {
   if (failed) *failed = -1;
   if (n_jobs <= 0) return Status::Ok;
   std::vector<MomentsScratch> scratch(static_cast<size_t>(n_jobs));
-  TaskMap tiles(static_cast<size_t>(n_jobs)), colblocks(static_cast<size_t>(n_jobs));
+  TaskMap tiles(static_cast<size_t>(n_jobs));
   int64_t work = 0;
   for (int64_t k = 0; k < n_jobs; ++k) {
     MomentsJob& j = jobs[k];
     j.error = XcorrError::None;
+    j.max_sumsq = 0.0;
     MomentsScratch& s = scratch[k];
     s.row_blocks = ceil_div(j.rows, kRowBlock);
     s.col_blocks = ceil_div(j.cols, kColBlock);
     const size_t part = static_cast<size_t>(s.row_blocks * j.cols);
-    s.part0.resize(part);
-    s.part1.resize(part);
-    s.part2.resize(part);
+    for (auto* v : {&s.sum, &s.sq, &s.mn, &s.mx}) v->resize(part);
     s.shift.resize(static_cast<size_t>(j.cols));
-    s.error.assign(static_cast<size_t>(s.col_blocks), 0);
+    with_type(j, [&](const auto* x, auto*) { provisional_centre(x, j.rows, j.cols, s.shift.data()); });
     tiles.start[k + 1] = tiles.start[k] + s.row_blocks * s.col_blocks;
-    colblocks.start[k + 1] = colblocks.start[k] + s.col_blocks;
     work += j.rows * j.cols;
   }
-  const int nthreads = clamp_threads(threads, work);
 
-  auto dispatch = [&](const MomentsJob& j, auto&& f32, auto&& f64) {
-    if (j.dtype == Real::F32) f32(static_cast<const float*>(j.x), static_cast<float*>(j.centred));
-    else f64(static_cast<const double*>(j.x), static_cast<double*>(j.centred));
-  };
-
-  // Pass 1: partial sums and ranges per tile.
-  parallel_for(tiles.total(), nthreads, [&](int64_t t) {
+  // The one pass over the data.
+  parallel_for(tiles.total(), clamp_threads(threads, work), [&](int64_t t) {
     const auto [k, local] = tiles.locate(t);
     const MomentsJob& j = jobs[k];
     MomentsScratch& s = scratch[k];
     const int64_t rb = local / s.col_blocks, cb = local % s.col_blocks;
     const int64_t r0 = rb * kRowBlock, r1 = std::min(j.rows, r0 + kRowBlock);
     const int64_t c0 = cb * kColBlock, c1 = std::min(j.cols, c0 + kColBlock);
-    double* sum = s.part0.data() + rb * j.cols + c0;
-    double* mn = s.part1.data() + rb * j.cols + c0;
-    double* mx = s.part2.data() + rb * j.cols + c0;
-    auto run = [&](const auto* x, auto*) { tile_range(x, j.cols, r0, r1, c0, c1, sum, mn, mx); };
-    dispatch(j, run, run);
+    const int64_t at = rb * j.cols + c0;
+    with_type(j, [&](const auto* x, auto* out) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(x)>>;
+      const TileArgs<T> args{x, out, j.cols, r0, r1, c0, c1, s.shift.data() + c0,
+                             s.sum.data() + at, s.sq.data() + at, s.mn.data() + at, s.mx.data() + at};
+      PYPERM_XCORR_DISPATCH(tile_moments, isa, args);
+    });
   });
 
-  // Reduce pass 1 over row blocks, in order; choose each column's shift. An exactly
-  // constant column is shifted by its value, so its centred values, sums and m2 are
-  // exactly zero and its correlation can be reported as 0 rather than rounding noise.
-  // (rows/kRowBlock * cols work: cheaper on this thread than starting others.)
-  parallel_for(colblocks.total(), 1, [&](int64_t t) {
-    const auto [k, cb] = colblocks.locate(t);
-    MomentsJob& j = jobs[k];
-    MomentsScratch& s = scratch[k];
-    const int64_t c0 = cb * kColBlock, c1 = std::min(j.cols, c0 + kColBlock);
-    int32_t err = 0;
-    for (int64_t c = c0; c < c1; ++c) {
-      double sum = 0.0, mn = std::numeric_limits<double>::infinity(), mx = -mn;
-      for (int64_t rb = 0; rb < s.row_blocks; ++rb) {
-        sum += s.part0[rb * j.cols + c];
-        mn = std::min(mn, s.part1[rb * j.cols + c]);
-        mx = std::max(mx, s.part2[rb * j.cols + c]);
-      }
-      if (!std::isfinite(sum) || !std::isfinite(mn) || !std::isfinite(mx)) {
-        // NaN hides from min/max, and finite values can sum past the largest double.
-        bool nonfinite = !std::isfinite(mn) || !std::isfinite(mx);
-        if (!nonfinite) {
-          auto scan = [&](const auto* x, auto*) { nonfinite = column_has_nonfinite(x, j.rows, j.cols, c); };
-          dispatch(j, scan, scan);
-        }
-        err = std::max<int32_t>(err, nonfinite ? static_cast<int32_t>(XcorrError::NonFinite)
-                                               : static_cast<int32_t>(XcorrError::Overflow));
-        s.shift[c] = 0.0;
-        continue;
-      }
-      s.shift[c] = (mn == mx) ? mn : sum / static_cast<double>(j.rows);
-      j.moments[kMin * j.cols + c] = mn;
-      j.moments[kMax * j.cols + c] = mx;
-    }
-    s.error[cb] = err;
-  });
-
+  // rows / kRowBlock * cols work per job: cheaper on this thread than starting others.
   for (int64_t k = 0; k < n_jobs; ++k) {
-    // NonFinite outranks Overflow: it names the actual fault in the data.
-    XcorrError err = XcorrError::None;
-    for (int32_t e : scratch[k].error) {
-      if (e == static_cast<int32_t>(XcorrError::NonFinite)) err = XcorrError::NonFinite;
-      else if (e != 0 && err == XcorrError::None) err = XcorrError::Overflow;
-    }
+    const XcorrError err = finish_moments(jobs[k], scratch[k]);
     if (err != XcorrError::None) {
       jobs[k].error = err;
       if (failed) *failed = k;
       return Status::Invalid;
-    }
-  }
-
-  // Pass 2: centre, and sum what was stored.
-  parallel_for(tiles.total(), nthreads, [&](int64_t t) {
-    const auto [k, local] = tiles.locate(t);
-    const MomentsJob& j = jobs[k];
-    MomentsScratch& s = scratch[k];
-    const int64_t rb = local / s.col_blocks, cb = local % s.col_blocks;
-    const int64_t r0 = rb * kRowBlock, r1 = std::min(j.rows, r0 + kRowBlock);
-    const int64_t c0 = cb * kColBlock, c1 = std::min(j.cols, c0 + kColBlock);
-    double* sum = s.part0.data() + rb * j.cols + c0;
-    double* sq = s.part1.data() + rb * j.cols + c0;
-    auto run = [&](const auto* x, auto* out) {
-      tile_centre(x, out, j.cols, r0, r1, c0, c1, s.shift.data() + c0, sum, sq);
-    };
-    dispatch(j, run, run);
-  });
-
-  // Reduce pass 2. With r = sum of the stored centred values, the batch mean is
-  // shift + r/rows and m2 = sum sq - r^2/rows (the corrected two-pass formula of
-  // Chan, Golub and LeVeque), exact up to the rounding of the products themselves.
-  parallel_for(colblocks.total(), 1, [&](int64_t t) {
-    const auto [k, cb] = colblocks.locate(t);
-    MomentsJob& j = jobs[k];
-    MomentsScratch& s = scratch[k];
-    const int64_t c0 = cb * kColBlock, c1 = std::min(j.cols, c0 + kColBlock);
-    const double rows = static_cast<double>(j.rows);
-    int32_t err = 0;
-    for (int64_t c = c0; c < c1; ++c) {
-      double r = 0.0, sq = 0.0;
-      for (int64_t rb = 0; rb < s.row_blocks; ++rb) {
-        r += s.part0[rb * j.cols + c];
-        sq += s.part1[rb * j.cols + c];
-      }
-      if (!std::isfinite(sq)) err = static_cast<int32_t>(XcorrError::Overflow);
-      j.resid[c] = r;
-      j.moments[kMean * j.cols + c] = s.shift[c] + r / rows;
-      j.moments[kM2 * j.cols + c] = std::max(0.0, sq - r * r / rows);
-    }
-    s.error[cb] = err;
-  });
-  for (int64_t k = 0; k < n_jobs; ++k) {
-    for (int32_t e : scratch[k].error) {
-      if (e != 0) {
-        jobs[k].error = XcorrError::Overflow;
-        if (failed) *failed = k;
-        return Status::Invalid;
-      }
     }
   }
   return Status::Ok;
@@ -263,36 +341,20 @@ struct MergeScratch {
 };
 
 template <typename TC, typename TG>
-void merge_rows(TC* __restrict c, const TG* __restrict g, int64_t i0, int64_t i1, int64_t dim_b,
-                bool fresh, const double* __restrict p, const double* __restrict q,
-                const double* __restrict u, const double* __restrict v) {
-  for (int64_t i = i0; i < i1; ++i) {
-    TC* __restrict crow = c + i * dim_b;
-    const TG* __restrict grow = g + i * dim_b;
-    const double pi = p[i], ui = u[i];
-    if (fresh) {
-      // The accumulator is empty: write without reading it.
-      for (int64_t j = 0; j < dim_b; ++j)
-        crow[j] = static_cast<TC>(static_cast<double>(grow[j]) + pi * q[j] + ui * v[j]);
-    } else {
-      for (int64_t j = 0; j < dim_b; ++j)
-        crow[j] = static_cast<TC>(static_cast<double>(crow[j]) + static_cast<double>(grow[j]) + pi * q[j] +
-                                  ui * v[j]);
-    }
-  }
+void merge_typed(TC* c, const TG* g, const MergeJob& j, const MergeScratch& s, int64_t i0, int64_t i1, Isa isa) {
+  const MergeArgs<TC, TG> args{c, g, i0, i1, j.dim_b, j.n == 0, s.p.data(), s.q.data(), s.u.data(), s.v.data()};
+  PYPERM_XCORR_DISPATCH(merge_rows, isa, args);
 }
 
-void merge_block(const MergeJob& j, const MergeScratch& s, int64_t i0, int64_t i1) {
-  const bool fresh = j.n == 0;
-  const double *p = s.p.data(), *q = s.q.data(), *u = s.u.data(), *v = s.v.data();
+void merge_block(const MergeJob& j, const MergeScratch& s, int64_t i0, int64_t i1, Isa isa) {
   if (j.comoment_dtype == Real::F64) {
     auto* c = static_cast<double*>(j.comoment);
-    if (j.in_dtype == Real::F64) merge_rows(c, static_cast<const double*>(j.in_comoment), i0, i1, j.dim_b, fresh, p, q, u, v);
-    else merge_rows(c, static_cast<const float*>(j.in_comoment), i0, i1, j.dim_b, fresh, p, q, u, v);
+    if (j.in_dtype == Real::F64) merge_typed(c, static_cast<const double*>(j.in_comoment), j, s, i0, i1, isa);
+    else merge_typed(c, static_cast<const float*>(j.in_comoment), j, s, i0, i1, isa);
   } else {
     auto* c = static_cast<float*>(j.comoment);
-    if (j.in_dtype == Real::F64) merge_rows(c, static_cast<const double*>(j.in_comoment), i0, i1, j.dim_b, fresh, p, q, u, v);
-    else merge_rows(c, static_cast<const float*>(j.in_comoment), i0, i1, j.dim_b, fresh, p, q, u, v);
+    if (j.in_dtype == Real::F64) merge_typed(c, static_cast<const double*>(j.in_comoment), j, s, i0, i1, isa);
+    else merge_typed(c, static_cast<const float*>(j.in_comoment), j, s, i0, i1, isa);
   }
 }
 
@@ -337,7 +399,7 @@ double merge_side(int64_t dim, double n, double m, const double* mom, const doub
 
 }  // namespace
 
-Status merge_comoments(MergeJob* jobs, int64_t n_jobs, int threads, int64_t* failed) {
+Status merge_comoments(MergeJob* jobs, int64_t n_jobs, int threads, Isa isa, int64_t* failed) {
   if (failed) *failed = -1;
   if (n_jobs <= 0) return Status::Ok;
   std::vector<MergeScratch> scratch(static_cast<size_t>(n_jobs));
@@ -370,12 +432,13 @@ Status merge_comoments(MergeJob* jobs, int64_t n_jobs, int threads, int64_t* fai
     work += j.dim_a * j.dim_b;
   }
 
-  parallel_for(blocks.total(), clamp_threads(threads, work), [&](int64_t t) {
+  // Memory-bound: a thread pays off only with a few megabytes of its own to stream.
+  parallel_for(blocks.total(), clamp_threads(threads, work / 4), [&](int64_t t) {
     const auto [k, b] = blocks.locate(t);
     const MergeJob& j = jobs[k];
     const MergeScratch& s = scratch[k];
     const int64_t i0 = b * s.row_block, i1 = std::min(j.dim_a, i0 + s.row_block);
-    merge_block(j, s, i0, i1);
+    merge_block(j, s, i0, i1, isa);
   });
 
   for (int64_t k = 0; k < n_jobs; ++k) {
@@ -387,44 +450,24 @@ Status merge_comoments(MergeJob* jobs, int64_t n_jobs, int threads, int64_t* fai
 }
 
 // ------------------------------------------------------------------ output
-namespace {
-
-template <typename T>
-void scale_rows(const T* __restrict src, T* __restrict out, int64_t i0, int64_t i1, int64_t cols,
-                const double* __restrict rs, const double* __restrict cs, const double* __restrict ra,
-                const double* __restrict ca, bool clip) {
-  for (int64_t i = i0; i < i1; ++i) {
-    const T* __restrict s = src + i * cols;
-    T* __restrict o = out + i * cols;
-    const double r = rs[i], a = ra ? ra[i] : 0.0;
-    if (ca) {
-      for (int64_t j = 0; j < cols; ++j) o[j] = static_cast<T>(r * static_cast<double>(s[j]) * cs[j] + a * ca[j]);
-    } else {
-      for (int64_t j = 0; j < cols; ++j) o[j] = static_cast<T>(r * static_cast<double>(s[j]) * cs[j]);
-    }
-    if (clip) {
-      // Rounding can push |r| of (nearly) collinear channels past 1; numpy.corrcoef clips too.
-      for (int64_t j = 0; j < cols; ++j) o[j] = std::min(T(1), std::max(T(-1), o[j]));
-    }
-  }
-}
-
-}  // namespace
 
 void scale_comoment(const void* src, void* out, Real dtype, int64_t rows, int64_t cols, const double* row_scale,
                     const double* col_scale, const double* row_add, const double* col_add, bool clip,
-                    int threads) {
+                    int threads, Isa isa) {
   if (rows <= 0 || cols <= 0) return;
   if (!row_add || !col_add) row_add = col_add = nullptr;
   const int64_t row_block = std::max<int64_t>(1, kTask / cols);
   parallel_for(ceil_div(rows, row_block), clamp_threads(threads, rows * cols), [&](int64_t b) {
     const int64_t i0 = b * row_block, i1 = std::min(rows, i0 + row_block);
-    if (dtype == Real::F64)
-      scale_rows(static_cast<const double*>(src), static_cast<double*>(out), i0, i1, cols, row_scale, col_scale,
-                 row_add, col_add, clip);
-    else
-      scale_rows(static_cast<const float*>(src), static_cast<float*>(out), i0, i1, cols, row_scale, col_scale,
-                 row_add, col_add, clip);
+    if (dtype == Real::F64) {
+      const ScaleArgs<double> args{static_cast<const double*>(src), static_cast<double*>(out), i0, i1, cols,
+                                   row_scale, col_scale, row_add, col_add, clip};
+      PYPERM_XCORR_DISPATCH(scale_rows, isa, args);
+    } else {
+      const ScaleArgs<float> args{static_cast<const float*>(src), static_cast<float*>(out), i0, i1, cols,
+                                  row_scale, col_scale, row_add, col_add, clip};
+      PYPERM_XCORR_DISPATCH(scale_rows, isa, args);
+    }
   });
 }
 

@@ -11,15 +11,22 @@
 //
 // One update is three steps; the middle one is a plain GEMM that the caller does with
 // whatever BLAS it has (this core links none):
-//   1. batch_moments: per side, one read pass for means/ranges/finiteness and one pass that
-//      writes the batch centred on its own mean and sums the centred values and squares;
-//   2. G = centred_a^T centred_b (caller, in the input precision);
+//   1. batch_moments: per side, one pass that writes the batch shifted by a provisional
+//      centre K (the mean of a few rows spread over it) and sums the shifted values, their
+//      squares and the channel ranges, checking finiteness on the way;
+//   2. G = shifted_a^T shifted_b (caller, in the input precision);
 //   3. merge_comoments: folds G into C with Chan, Golub and LeVeque's pairwise update
-//        C <- C + G + (n m / (n + m)) delta_a delta_b^T,   delta = batch mean - running mean,
-//      plus the "corrected two-pass" term -r_a r_b^T / m, where r = sum of the centred batch
-//      as actually stored (float32 rounding of the centring included), so that G is exact
-//      about the batch mean. This touches the dim_a x dim_b accumulator once per update.
-// Merging two accumulators (data-parallel workers) is step 3 with G = the other C.
+//        C <- C + G - r_a r_b^T / m + (n m / (n + m)) delta_a delta_b^T,
+//      where r = the column sums of the shifted batch as actually stored (its rounding
+//      included), so that G - r_a r_b^T / m is the co-moment about the exact batch mean,
+//      and delta = batch mean - running mean. This touches the dim_a x dim_b accumulator
+//      once per update.
+// Merging two accumulators (data-parallel workers) is step 3 with G = the other C, r = 0.
+//
+// K within the batch's own spread keeps the shifted product free of cancellation (a shift
+// far from the mean is what makes the textbook one-pass formula unstable); an exactly
+// constant channel is shifted by its value, so its shifted values, sums and m2 are exactly
+// zero and its correlation can be reported as 0 rather than rounding noise.
 //
 // References: T. F. Chan, G. H. Golub, R. J. LeVeque, "Algorithms for computing the sample
 // variance: analysis and recommendations", The American Statistician 37(3), 1983 (the
@@ -29,6 +36,7 @@
 #pragma once
 #include <cstdint>
 
+#include "common/cpu_features.h"
 #include "common/status.h"
 
 namespace pyperm::cpu {
@@ -51,16 +59,18 @@ struct MomentsJob {
   Real dtype = Real::F64;    // [in]  element type of x and centred
   int64_t rows = 0;          // [in]  samples (>= 1)
   int64_t cols = 0;          // [in]  channels (>= 1)
-  void* centred = nullptr;   // [out] rows x cols: x minus the batch shift, rounded to dtype
+  void* centred = nullptr;   // [out] rows x cols: x minus the provisional centre, rounded to dtype
   double* moments = nullptr; // [out] 4 x cols: mean, m2, min, max of the batch
   double* resid = nullptr;   // [out] cols: column sums of `centred` (feeds merge_comoments)
+  double max_sumsq = 0.0;    // [out] largest column sum of squares of `centred`: with the other
+                             //       side's, it bounds every entry of the product (Cauchy-Schwarz)
   XcorrError error = XcorrError::None;  // [out]
 };
 
-// Runs every job, on up to `threads` threads (<= 0: all hardware threads). The result is
-// the same for any thread count. Returns Invalid when a job's input is non-finite or
-// overflows (its index in *failed, its reason in its `error`), else Ok.
-Status batch_moments(MomentsJob* jobs, int64_t n_jobs, int threads, int64_t* failed);
+// Runs every job, on up to `threads` threads (<= 0: all hardware threads), with the loops
+// compiled for `isa`. The result is the same for any thread count. Returns Invalid when a
+// job's input is non-finite or overflows (its index in *failed, its reason in its `error`).
+Status batch_moments(MomentsJob* jobs, int64_t n_jobs, int threads, Isa isa, int64_t* failed);
 
 // Folds `in` (m samples) into an accumulator (n samples), in place.
 struct MergeJob {
@@ -86,13 +96,13 @@ struct MergeJob {
 // written: when the merged moments would overflow the accumulator type (or `in` already
 // overflowed its own), returns Invalid with that job's index in *failed and nothing changed.
 // The result is the same for any thread count.
-Status merge_comoments(MergeJob* jobs, int64_t n_jobs, int threads, int64_t* failed);
+Status merge_comoments(MergeJob* jobs, int64_t n_jobs, int threads, Isa isa, int64_t* failed);
 
 // out_ij = row_scale_i * src_ij * col_scale_j + row_add_i * col_add_j, clipped to [-1, 1]
 // when `clip`. src is the accumulator (dtype), out has the same dtype; both rows x cols.
 // row_add/col_add may be null (no outer-product term).
 void scale_comoment(const void* src, void* out, Real dtype, int64_t rows, int64_t cols,
                     const double* row_scale, const double* col_scale, const double* row_add,
-                    const double* col_add, bool clip, int threads);
+                    const double* col_add, bool clip, int threads, Isa isa);
 
 }  // namespace pyperm::cpu

@@ -1,0 +1,145 @@
+"""``pyperm bench xcorr``: one CrossCorrelation.update against the bare BLAS product it contains.
+
+For each (dim, batch) it times ``acc.update(xa, xb)`` on a (batch, dim) x (batch, dim) pair
+and numpy's ``xa.T @ xb`` of the same data, alternating the two so that both see the same
+machine load, and prints the medians and their ratio. The update does strictly more work
+(centring, the product, the float64 merge), so the ratio is its overhead; the goal is at
+most 1.5. Also runnable as ``python -m pyperm.benchmarks.xcorr``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+DEFAULT_DIMS = (512, 1024, 2048, 4096)
+DEFAULT_BATCHES = (256, 1024, 4096)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dims", type=int, nargs="+", default=list(DEFAULT_DIMS),
+                        help="channels of both streams (dim_a = dim_b)")
+    parser.add_argument("--batches", type=int, nargs="+", default=list(DEFAULT_BATCHES),
+                        help="samples per update")
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="input precision")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs of each (median reported)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads of pyperm's kernels (default: all cores; BLAS uses its own setting)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="dims 512 1024, batches 256 1024, 3 repeats")
+    parser.add_argument("--plot", metavar="PNG", default=None, help="also save a plot of the ratios")
+
+
+def _median_ms(samples: list[float]) -> float:
+    return 1e3 * statistics.median(samples)
+
+
+def _check(acc_cls: Any, xa: np.ndarray, xb: np.ndarray, threads: int | None) -> float:
+    """Relative error of one update's co-moment against a float64 reference (a few rows)."""
+    acc = acc_cls(xa.shape[1], xb.shape[1], threads=threads).update(xa, xb)
+    rows = min(8, xa.shape[1])
+    a = xa[:, :rows].astype(np.float64)
+    b = xb.astype(np.float64)
+    ref = (a - a.mean(0)).T @ (b - b.mean(0))
+    got = acc.covariance(ddof=0)[:rows] * xa.shape[0]
+    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-300))
+
+
+def measure(dim: int, batch: int, dtype: np.dtype, repeats: int, threads: int | None,
+            rng: np.random.Generator) -> dict[str, float]:
+    from pyperm import CrossCorrelation
+
+    xa = rng.standard_normal((batch, dim), dtype=np.float32).astype(dtype, copy=False)
+    xb = (0.5 * xa[:, ::-1] + rng.standard_normal((batch, dim), dtype=np.float32)).astype(dtype)
+    error = _check(CrossCorrelation, xa[: min(batch, 512)], xb[: min(batch, 512)], threads)
+    acc = CrossCorrelation(dim, dim, threads=threads)
+    acc.update(xa, xb)  # first update allocates the accumulator and the workspace
+    xa.T @ xb
+    upd, blas = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        acc.update(xa, xb)
+        t1 = time.perf_counter()
+        xa.T @ xb
+        t2 = time.perf_counter()
+        upd.append(t1 - t0)
+        blas.append(t2 - t1)
+    u, b = _median_ms(upd), _median_ms(blas)
+    return {"dim": dim, "batch": batch, "update_ms": u, "blas_ms": b, "ratio": u / b,
+            "min_ratio": min(upd) / min(blas), "gflops": 2.0 * batch * dim * dim / (u * 1e6), "check": error}
+
+
+def run(args: argparse.Namespace) -> int:
+    import pyperm
+    from pyperm import _core
+
+    dims = [512, 1024] if args.quick else args.dims
+    batches = [256, 1024] if args.quick else args.batches
+    repeats = 3 if args.quick else args.repeats
+    if repeats < 1 or min(dims) < 1 or min(batches) < 1:
+        print("dims, batches and repeats must be positive", file=sys.stderr)
+        return 2
+    dtype = np.dtype(args.dtype)
+    rng = np.random.default_rng(args.seed)
+    print(f"pyperm {pyperm.__version__}  numpy {np.__version__}  hardware threads {_core.hardware_threads()}  "
+          f"kernel threads {args.threads or 'all'}  dtype {dtype}  repeats {repeats}")
+    print("update = CrossCorrelation.update(xa, xb); blas = xa.T @ xb on the same (batch, dim) data; "
+          "median ms, alternating runs;\nratio = median update / median blas; (min) = fastest update / fastest "
+          "blas, steadier on a busy machine; GFLOP/s of the update")
+    header = (f"{'dim':>6} {'batch':>6} {'update ms':>10} {'blas ms':>10} {'ratio':>6} {'(min)':>6} "
+              f"{'GFLOP/s':>8} {'check':>9}")
+    print(header)
+    print("-" * len(header))
+    results = []
+    for dim in dims:
+        for batch in batches:
+            r = measure(dim, batch, dtype, repeats, args.threads, rng)
+            results.append(r)
+            print(f"{dim:>6} {batch:>6} {r['update_ms']:>10.2f} {r['blas_ms']:>10.2f} {r['ratio']:>6.2f} "
+                  f"{r['min_ratio']:>6.2f} {r['gflops']:>8.1f} {r['check']:>9.1e}", flush=True)
+    worst = max(results, key=lambda r: r["ratio"])
+    print(f"worst ratio {worst['ratio']:.2f} at dim {worst['dim']}, batch {worst['batch']} "
+          f"(check: max relative error of the co-moment against float64 numpy)")
+    if args.plot:
+        _plot(results, dims, batches, args.plot, dtype)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _plot(results: list[dict[str, float]], dims: list[int], batches: list[int], path: str,
+          dtype: np.dtype) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for batch in batches:
+        rows = [r for r in results if r["batch"] == batch]
+        ax.plot([r["dim"] for r in rows], [r["ratio"] for r in rows], marker="o", label=f"batch {batch}")
+    ax.axhline(1.5, color="grey", linestyle="--", linewidth=1, label="goal 1.5")
+    ax.axhline(1.0, color="black", linewidth=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(dims, [str(d) for d in dims])
+    ax.set_xlabel("dim (dim_a = dim_b)")
+    ax.set_ylabel("update time / (xa.T @ xb) time")
+    ax.set_title(f"CrossCorrelation.update overhead over BLAS ({dtype})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pyperm.benchmarks.xcorr", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
