@@ -215,9 +215,11 @@ void relax(const T* row, const T* v, T* d, typename Lanes<T>::Index* pred,
   }
 }
 
-// Smallest d[k] into best/best_j (best_j = -1 when every d is +inf). When that column
-// is assigned, every other column as near is appended to `level`, a free one ending the
-// collection and becoming best_j (the path can end there). free[k]: all ones if free.
+// Smallest d[k] into best/best_j (best_j = -1 when every d is +inf), a free column when
+// one is as near (the path can end there). Otherwise, when the minimum shows up in more
+// than one lane (tied costs, as integer costs give), every other column as near is
+// appended to `level`, so the search settles the whole level before its next O(m) pass.
+// free[k]: all ones if column k is free, else 0.
 template <typename T>
 void argmin(const T* d, const typename Lanes<T>::Index* free, int64_t m, T& best, int64_t& best_j,
             std::vector<int64_t>& level) {
@@ -225,8 +227,9 @@ void argmin(const T* d, const typename Lanes<T>::Index* free, int64_t m, T& best
   using Vec = typename L::Vec;
   using IVec = typename L::IVec;
   constexpr int W = sizeof(Vec) / sizeof(T);
-  Vec bv = splat<Vec>(kInf<T>);
-  IVec bi = splat<IVec>(-1), idx = iota_vec<IVec>();
+  const Vec inf = splat<Vec>(kInf<T>);
+  Vec bv = inf, fv = inf;  // nearest of all columns, and of the free ones
+  IVec bi = splat<IVec>(-1), fi = bi, idx = iota_vec<IVec>();
   const IVec step = splat<IVec>(W);
   int64_t j = 0;
   for (; j + W <= m; j += W) {
@@ -234,31 +237,39 @@ void argmin(const T* d, const typename Lanes<T>::Index* free, int64_t m, T& best
     auto win = dj < bv;
     bv = win ? dj : bv;
     bi = win ? idx : bi;
+    Vec df = load<IVec>(free + j) ? dj : inf;
+    auto fwin = df < fv;
+    fv = fwin ? df : fv;
+    fi = fwin ? idx : fi;
     idx += step;
   }
   best = kInf<T>;
   best_j = -1;
-  for (int k = 0; k < W; ++k)
+  T fbest = kInf<T>;
+  int64_t fbest_j = -1;
+  int lanes_at_best = 0;
+  for (int k = 0; k < W; ++k) {
     if (bv[k] < best || (bv[k] == best && bi[k] >= 0 && bi[k] < best_j)) { best = bv[k]; best_j = bi[k]; }
-  for (; j < m; ++j)
-    if (d[j] < best) { best = d[j]; best_j = j; }
-  if (best_j < 0 || free[best_j]) return;
-  // Settle the whole level of equally near columns before the next O(m) pass: with tied
-  // (integer) costs a search goes through many columns per distinct distance.
+    if (fv[k] < fbest || (fv[k] == fbest && fi[k] >= 0 && fi[k] < fbest_j)) { fbest = fv[k]; fbest_j = fi[k]; }
+  }
+  for (int k = 0; k < W; ++k) lanes_at_best += bi[k] >= 0 && bv[k] == best;
+  for (; j < m; ++j) {
+    if (d[j] < best) { best = d[j]; best_j = j; lanes_at_best = 1; }
+    else if (d[j] == best) ++lanes_at_best;
+    if (free[j] && d[j] < fbest) { fbest = d[j]; fbest_j = j; }
+  }
+  if (best_j < 0) return;
+  if (fbest_j >= 0 && fbest == best) { best_j = fbest_j; return; }
+  if (lanes_at_best < 2) return;
   const Vec target = splat<Vec>(best);
-  auto take = [&](int64_t k) {
-    if (free[k]) { best_j = k; return true; }
-    if (k != best_j) level.push_back(k);
-    return false;
-  };
   for (j = 0; j + W <= m; j += W) {
     auto hit = load<Vec>(d + j) == target;
     if (any(hit))
       for (int k = 0; k < W; ++k)
-        if (hit[k] && take(j + k)) return;
+        if (hit[k] && j + k != best_j) level.push_back(j + k);
   }
   for (; j < m; ++j)
-    if (d[j] == best && take(j)) return;
+    if (d[j] == best && j != best_j) level.push_back(j);
 }
 
 // Whether any entry is NaN or -inf.
