@@ -59,6 +59,17 @@ def real_float_array(x: Any, name: str, ndim: int | tuple[int, ...]) -> np.ndarr
     return np.ascontiguousarray(arr)
 
 
+def check_threads(threads: Any) -> int:
+    """A ``threads=`` argument: None gives 0 (all hardware threads), else a positive int."""
+    if threads is None:
+        return 0
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)):
+        raise TypeError(f"threads must be a positive int or None, got {type(threads).__name__}")
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    return int(threads)
+
+
 def like(template: Any, *arrays: np.ndarray):
     """Returns ``arrays`` as torch tensors when ``template`` was one, else unchanged."""
     if is_torch_tensor(template):

@@ -7,17 +7,7 @@ from typing import Any
 import numpy as np
 
 from pyperm import _core
-from pyperm._arrays import is_cuda_array, like, real_float_array
-
-
-def _check_threads(threads: int | None) -> int:
-    if threads is None:
-        return 0
-    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)):
-        raise TypeError(f"threads must be a positive int or None, got {type(threads).__name__}")
-    if threads < 1:
-        raise ValueError(f"threads must be at least 1, got {threads}")
-    return int(threads)
+from pyperm._arrays import check_threads, is_cuda_array, like, real_float_array
 
 
 def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
@@ -105,7 +95,7 @@ def batch_linear_sum_assignment(
     >>> rows.shape, cols.shape
     ((8, 5), (8, 5))
     """
-    nthreads = _check_threads(threads)
+    nthreads = check_threads(threads)
     if is_cuda_array(costs):
         from pyperm._device import cuda_module
 

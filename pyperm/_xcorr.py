@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from pyperm import _core
-from pyperm._arrays import is_cuda_array, is_torch_tensor, to_numpy
+from pyperm._arrays import check_threads, is_cuda_array, is_torch_tensor, to_numpy
 
 __all__ = [
     "CrossCorrelation",
@@ -57,17 +57,6 @@ def _check_dim(value: Any, name: str) -> int:
     if value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}")
     return int(value)
-
-
-def _check_threads(threads: Any) -> int:
-    """None -> 0 (all hardware threads), else a positive int."""
-    if threads is None:
-        return 0
-    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)):
-        raise TypeError(f"threads must be a positive int or None, got {type(threads).__name__}")
-    if threads < 1:
-        raise ValueError(f"threads must be at least 1, got {threads}")
-    return int(threads)
 
 
 def _check_accumulator_dtype(dtype: Any) -> np.dtype:
@@ -249,7 +238,7 @@ class CrossCorrelation:
         self._dim_a = _check_dim(dim_a, "dim_a")
         self._dim_b = _check_dim(dim_b, "dim_b")
         self._dtype = _check_accumulator_dtype(dtype)
-        self._threads = _check_threads(threads)
+        self._threads = check_threads(threads)
         self._ws = _Workspace()
         self.reset()
 
@@ -388,7 +377,7 @@ class CrossCorrelation:
         >>> [a.count for a in accs]
         [10, 10]
         """
-        _update_many(list(accumulators), list(pairs), _check_threads(threads), single=False)
+        _update_many(list(accumulators), list(pairs), check_threads(threads), single=False)
 
     def merge(self, other: CrossCorrelation) -> CrossCorrelation:
         """Add the samples accumulated by ``other`` (exactly as if this one had seen them).
@@ -831,7 +820,7 @@ class CrossCorrelationSet:
 
     def __init__(self, dims: Mapping[Any, tuple[int, int]] | Sequence[tuple[int, int]], *, dtype: Any = np.float64,
                  threads: int | None = None) -> None:
-        self._threads = _check_threads(threads)
+        self._threads = check_threads(threads)
         if isinstance(dims, Mapping):
             items = list(dims.items())
         elif isinstance(dims, Sequence) and not isinstance(dims, (str, bytes)):
