@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from pyperm import _core
 from pyperm._arrays import check_threads, is_cuda_array, like, real_float_array
 
