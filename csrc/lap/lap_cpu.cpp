@@ -25,7 +25,7 @@ Status dispatch(Isa isa, const T* cost, int64_t n, int64_t m, int64_t* col_of_ro
 // the input is already that, it is used in place and the kernel's first pass checks it;
 // otherwise it is checked while being copied (negated and/or transposed).
 template <typename T>
-Status prepare(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, std::vector<T>& work,
+Status prepare(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, int threads, std::vector<T>& work,
                const T** out) {
   const bool transpose = n_rows > n_cols;
   if (!transpose && !maximize) {
@@ -35,22 +35,34 @@ Status prepare(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, std
   const int64_t total = n_rows * n_cols;
   work.resize(static_cast<size_t>(total));
   const T sign = maximize ? T(-1) : T(1);
-  if (transpose) {
-    // Blocked so both sides stay in cache.
-    constexpr int64_t B = 64;
-    for (int64_t i0 = 0; i0 < n_rows; i0 += B)
-      for (int64_t j0 = 0; j0 < n_cols; j0 += B)
-        for (int64_t i = i0; i < std::min(i0 + B, n_rows); ++i)
-          for (int64_t j = j0; j < std::min(j0 + B, n_cols); ++j)
-            work[j * n_rows + i] = sign * cost[i * n_cols + j];
-  } else {
-    for (int64_t k = 0; k < total; ++k) work[k] = sign * cost[k];
-  }
-  // Valid entries are now above -inf; NaN fails the comparison too. Branch-free so it vectorises.
   const T inf = std::numeric_limits<T>::infinity();
-  int bad = 0;
-  for (int64_t k = 0; k < total; ++k) bad |= !(work[k] > -inf);
-  if (bad) return Status::Invalid;
+  // Bands of 64 source rows, spread over threads when the matrix is large (the copy is
+  // bound by memory bandwidth, which one core does not saturate).
+  constexpr int64_t B = 64;
+  const int64_t bands = (n_rows + B - 1) / B;
+  std::vector<char> band_bad(static_cast<size_t>(bands), 0);
+  parallel_for(bands, total >= (int64_t(1) << 20) ? threads : 1, [&](int64_t band) {
+    const int64_t i0 = band * B, i1 = std::min(i0 + B, n_rows);
+    int bad = 0;  // valid entries end above -inf; NaN fails the comparison too (branch-free)
+    if (transpose) {
+      for (int64_t j0 = 0; j0 < n_cols; j0 += B)  // blocked so both sides stay in cache
+        for (int64_t i = i0; i < i1; ++i)
+          for (int64_t j = j0; j < std::min(j0 + B, n_cols); ++j) {
+            T c = sign * cost[i * n_cols + j];
+            work[j * n_rows + i] = c;
+            bad |= !(c > -inf);
+          }
+    } else {
+      for (int64_t k = i0 * n_cols; k < i1 * n_cols; ++k) {
+        T c = sign * cost[k];
+        work[k] = c;
+        bad |= !(c > -inf);
+      }
+    }
+    band_bad[band] = static_cast<char>(bad);
+  });
+  for (char b : band_bad)
+    if (b) return Status::Invalid;
   *out = work.data();
   return Status::Ok;
 }
@@ -79,7 +91,7 @@ Status linear_sum_assignment(const T* cost, int64_t n_rows, int64_t n_cols, bool
   if (n_rows == 0 || n_cols == 0) return Status::Ok;
   std::vector<T> work;
   const T* c = nullptr;
-  Status s = prepare(cost, n_rows, n_cols, maximize, work, &c);
+  Status s = prepare(cost, n_rows, n_cols, maximize, threads, work, &c);
   if (s != Status::Ok) return s;
   const bool transposed = n_rows > n_cols;
   const int64_t n = transposed ? n_cols : n_rows, m = transposed ? n_rows : n_cols;
