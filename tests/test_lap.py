@@ -364,6 +364,9 @@ def test_large_problems_take_the_parallel_path():
         for family in (uniform, integers_with_ties, offsets):
             cost = family(rng, *shape)
             _assert_optimal(cost, *pyperm.linear_sum_assignment(cost))
+    for shape in [(1100, 1100), (1500, 800)]:  # negated (and transposed) copies, made in bands
+        cost = rng.random(shape)
+        _assert_optimal(cost, *pyperm.linear_sum_assignment(cost, maximize=True), maximize=True)
     rows, cols = pyperm.linear_sum_assignment(np.ones((1100, 1100)))
     np.testing.assert_array_equal(cols, np.arange(1100))
     for shape in [(1100, 1100), (900, 1300)]:
