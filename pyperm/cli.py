@@ -10,6 +10,7 @@ import sys
 # add_arguments(parser) and run(args) -> int; listed here by sub-command name.
 BENCHMARKS = {
     "lap": ("pyperm.benchmarks.lap", "assignment solvers: pyperm vs scipy vs lap/lapx/lapjv"),
+    "match": ("pyperm.benchmarks.match", "weight matching (Git Re-Basin Algorithm 1): pyperm vs a reference"),
 }
 
 

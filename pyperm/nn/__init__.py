@@ -7,5 +7,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 
 from pyperm.nn.permute import apply_permutation
 from pyperm.nn.spec import PermutationSpec
+from pyperm.nn.weight_matching import WeightMatchingResult, matching_objective, weight_matching
 
-__all__ = ["PermutationSpec", "apply_permutation"]
+__all__ = ["PermutationSpec", "WeightMatchingResult", "apply_permutation", "matching_objective", "weight_matching"]
