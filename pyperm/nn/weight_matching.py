@@ -190,14 +190,13 @@ class _Group:
 
 
 def _check_state(spec: PermutationSpec, state: Any, name: str) -> dict[str, torch.Tensor]:
-    spec.check_state_dict(state, name)
-    out = {}
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{name} must be a mapping of names to tensors, got {type(state).__name__}")
     for key in spec.axes:
-        t = state[key]
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}[{key!r}] must be a torch.Tensor, got {type(t).__name__}")
-        out[key] = t.detach()
-    return out
+        if key in state and not isinstance(state[key], torch.Tensor):
+            raise TypeError(f"{name}[{key!r}] must be a torch.Tensor, got {type(state[key]).__name__}")
+    spec.check_state_dict(state, name)
+    return {key: state[key].detach() for key in spec.axes}
 
 
 def _objective_keys(spec: PermutationSpec, sa: Mapping[str, torch.Tensor], keys: Iterable[str] | None) -> list[str]:
@@ -479,10 +478,10 @@ def weight_matching(
                 for g in batch:
                     cost = groups[g].similarity(perms)
                     groups[g].stale = False
-                    job = pool.submit(_assign, cost, use_cuda) if pool is not None and len(batch) > 1 else None
+                    job = pool.submit(_assign, cost, use_cuda, g) if pool is not None and len(batch) > 1 else None
                     pending.append((g, cost, job))
                 for g, cost, job in pending:
-                    new = (job.result() if job is not None else _assign(cost, use_cuda)).to(device=device, dtype=torch.int64)
+                    new = (job.result() if job is not None else _assign(cost, use_cuda, g)).to(device=device, dtype=torch.int64)
                     old = perms[g]
                     if torch.equal(new, old):
                         continue
@@ -515,9 +514,16 @@ def weight_matching(
     )
 
 
-def _assign(cost: torch.Tensor, use_cuda: bool) -> torch.Tensor:
+def _assign(cost: torch.Tensor, use_cuda: bool, group: str) -> torch.Tensor:
     """The maximising assignment of ``cost`` (the column of each row)."""
-    _, col = pyperm.linear_sum_assignment(cost if use_cuda else cost.cpu(), maximize=True)
+    try:
+        _, col = pyperm.linear_sum_assignment(cost if use_cuda else cost.cpu(), maximize=True)
+    except ValueError as exc:
+        # The inputs were checked finite, so only the similarity can have overflowed.
+        raise ValueError(
+            f"the similarity matrix of group {group!r} is not finite ({exc}): the weights are too large "
+            f"for {cost.dtype}; rescale them or pass dtype=torch.float64"
+        ) from None
     return col
 
 
