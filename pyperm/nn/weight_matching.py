@@ -18,23 +18,24 @@ similarity matrix from every weight at every step):
 
 - every tensor is arranged once (group axis first, the other group's axis second,
   contiguous, float32) so a step only gathers and multiplies;
-- each group keeps its similarity matrix between visits. When a neighbouring group's
-  permutation changed in ``k`` of its ``m`` units, the matrix is updated by the rank-``k``
-  correction ``A[:, S] (B[:, new(S)] - B[:, old(S)])^T`` instead of being rebuilt, and
-  terms that involve no other group are computed once;
+- each group keeps the contribution of every (tensor, axis) pair between visits. When a
+  neighbouring group's permutation changed in ``k`` of its ``m`` units, a contribution is
+  updated by the rank-``k`` correction ``A[:, S] (B[:, new(S)] - B[:, old(S)])^T`` instead
+  of being recomputed, contributions that involve no other group are computed once, and
+  those whose other group did not move are reused as they are;
 - a group none of whose neighbours changed since its last assignment is not solved again
   (the answer could not change), so the last, confirming sweep is nearly free;
-- assignments go through pyperm's Jonker-Volgenant solver, on the GPU when the tensors
-  are CUDA tensors and pyperm's CUDA core is available.
+- consecutive groups of the visiting order that do not involve each other are solved
+  together by pyperm's batched Jonker-Volgenant solver, on all cores (the result is that
+  of visiting them one by one); on the GPU when the tensors are CUDA tensors and pyperm's
+  CUDA core is available.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +51,11 @@ __all__ = ["WeightMatchingResult", "weight_matching", "matching_objective"]
 logger = logging.getLogger(__name__)
 
 # A rank-k correction costs two gathers and a subtraction more per moved unit than a
-# recomputation; past this fraction of moved units a term is recomputed from scratch
-# (which also clears the rounding that corrections accumulate).
+# recomputation; past this fraction of moved units a term is recomputed from scratch, and
+# after _MAX_CORRECTIONS corrections too (recomputing clears the float rounding that
+# corrections accumulate).
 _REBUILD_FRACTION = 0.5
+_MAX_CORRECTIONS = 16
 
 
 @dataclass
@@ -92,7 +95,7 @@ class _Term:
     them changes. ``value`` is the (n, n) contribution at the permutations in ``snap``.
     """
 
-    __slots__ = ("axis", "other", "general_axes", "a", "b", "snap", "value")
+    __slots__ = ("axis", "other", "general_axes", "a", "b", "snap", "value", "corrections")
 
     def __init__(self, axis: int, groups: tuple, ta: torch.Tensor, tb: torch.Tensor) -> None:
         self.axis = axis
@@ -101,6 +104,7 @@ class _Term:
         self.general_axes: list[tuple[int, str]] | None = None
         self.snap: torch.Tensor | None = None
         self.value: torch.Tensor | None = None
+        self.corrections = 0  # rank-k corrections applied to value since it was computed whole
         n = ta.shape[axis]
         if len(others) <= 1:
             middle = [ax for ax, _ in others]
@@ -151,13 +155,15 @@ class _Term:
         if k == 0:
             return False
         n = self.a.shape[0]
-        if k > _REBUILD_FRACTION * self.a.shape[1]:
-            # Many units moved: recompute (exact, and clears the rounding deltas accumulate).
+        if k > _REBUILD_FRACTION * self.a.shape[1] or self.corrections >= _MAX_CORRECTIONS:
+            # Many units moved: recompute (exact, and clears the rounding corrections accumulate).
             self.value = self.full(perms)
+            self.corrections = 0
         else:
             # Only the k moved units of the other group: a rank-k (times r) correction.
             diff = self.b.index_select(1, cur[idx]) - self.b.index_select(1, self.snap[idx])
             self.value.addmm_(self.a.index_select(1, idx).reshape(n, -1), diff.reshape(n, -1).T)
+            self.corrections += 1
         self.snap = cur.clone()
         return True
 
@@ -178,15 +184,19 @@ class _Group:
         self.neighbours = {t.other for t in self.terms if t.other is not None}
         self.neighbours |= {g for t in self.terms if t.general_axes for _, g in t.general_axes}
         self.stale = True  # whether the neighbours moved since the last assignment
+        self.cost: torch.Tensor | None = None
 
     def similarity(self, perms: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The similarity matrix at the current permutations of the other groups."""
-        for t in self.terms:
-            t.update(perms)
-        cost = self.const.clone()
-        for t in self.terms:
-            cost += t.value
-        return cost
+        changed = [t.update(perms) for t in self.terms]
+        if self.cost is None or any(changed):
+            # Summed afresh from the terms (not corrected in place) so that it carries
+            # only their rounding, in the same order at every visit.
+            cost = self.const.clone()
+            for t in self.terms:
+                cost += t.value
+            self.cost = cost
+        return self.cost
 
 
 def _check_state(spec: PermutationSpec, state: Any, name: str) -> dict[str, torch.Tensor]:
@@ -327,7 +337,7 @@ def weight_matching(
     init: Mapping[str, Any] | None = None,
     progress: bool = False,
     keys: Iterable[str] | None = None,
-    tol: float = 1e-9,
+    tol: float = 1e-12,
     dtype: torch.dtype = torch.float32,
 ) -> WeightMatchingResult:
     r"""Permute model B into model A's basin by matching weights (Git Re-Basin, Algorithm 1).
@@ -367,9 +377,10 @@ def weight_matching(
         The state-dict entries that enter the objective (default: every floating-point
         entry, BatchNorm running statistics included). Entries without a permuted axis
         only add a constant.
-    tol : float, default 1e-9
-        A step counts as an improvement when it raises its group's similarity by more
-        than ``tol`` times its magnitude; guards against cycling on float32 rounding.
+    tol : float, default 1e-12
+        A step is taken only when it raises its group's similarity by more than ``tol``
+        times its magnitude (ties and float64 summation noise keep the current
+        permutation); a sweep without such a step ends the search.
     dtype : torch.dtype, default torch.float32
         Precision of the similarity matrices (float32 or float64).
 
@@ -453,12 +464,11 @@ def weight_matching(
     use_cuda = device.type == "cuda" and pyperm.cuda_available()
     adjacent = {g: groups[g].neighbours | set(dependents[g]) for g in names}
     # Consecutive groups of the visiting order whose similarities do not involve each other
-    # are solved concurrently: the result is exactly that of visiting them one by one.
-    workers = 1 if use_cuda else max(1, min(os.cpu_count() or 1, len(names)))
+    # are solved together (pyperm's batched solver runs them on all cores): the result is
+    # exactly that of visiting them one by one.
     bar = _progress_bar(progress, max_iter)
     converged = False
     sweeps = 0
-    pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
     try:
         for _ in range(max_iter):
             sweeps += 1
@@ -474,14 +484,13 @@ def weight_matching(
                     pos += 1
                     if groups[g].stale:  # else no neighbour moved since its last solve: same answer
                         batch.append(g)
-                pending = []
+                costs = []
                 for g in batch:
-                    cost = groups[g].similarity(perms)
+                    costs.append(groups[g].similarity(perms))
                     groups[g].stale = False
-                    job = pool.submit(_assign, cost, use_cuda, g) if pool is not None and len(batch) > 1 else None
-                    pending.append((g, cost, job))
-                for g, cost, job in pending:
-                    new = (job.result() if job is not None else _assign(cost, use_cuda, g)).to(device=device, dtype=torch.int64)
+                assignments = _assign_all(batch, costs, use_cuda)
+                for g, cost, col in zip(batch, costs, assignments):
+                    new = col.to(device=device, dtype=torch.int64)
                     old = perms[g]
                     if torch.equal(new, old):
                         continue
@@ -504,8 +513,6 @@ def weight_matching(
                 converged = True
                 break
     finally:
-        if pool is not None:
-            pool.shutdown(wait=True)
         if bar is not None:
             bar.close()
     logger.debug("weight_matching: %d sweeps, converged=%s, objective %.6g", sweeps, converged, history[-1])
@@ -514,17 +521,36 @@ def weight_matching(
     )
 
 
-def _assign(cost: torch.Tensor, use_cuda: bool, group: str) -> torch.Tensor:
-    """The maximising assignment of ``cost`` (the column of each row)."""
-    try:
-        _, col = pyperm.linear_sum_assignment(cost if use_cuda else cost.cpu(), maximize=True)
-    except ValueError as exc:
-        # The inputs were checked finite, so only the similarity can have overflowed.
-        raise ValueError(
-            f"the similarity matrix of group {group!r} is not finite ({exc}): the weights are too large "
-            f"for {cost.dtype}; rescale them or pass dtype=torch.float64"
-        ) from None
-    return col
+def _assign_all(names: list[str], costs: list[torch.Tensor], use_cuda: bool) -> list[torch.Tensor]:
+    """The maximising assignment (column of each row) of every similarity matrix.
+
+    Matrices of one size go to pyperm's batched solver together, which solves them in
+    parallel on the CPU cores (its threads run while this thread waits, so they do not
+    compete with torch's).
+    """
+    out: list[torch.Tensor | None] = [None] * len(costs)
+    by_size: dict[tuple, list[int]] = {}
+    for i, c in enumerate(costs):
+        by_size.setdefault(tuple(c.shape), []).append(i)
+    for idx in by_size.values():
+        try:
+            if len(idx) == 1 or use_cuda:
+                for i in idx:
+                    c = costs[i] if use_cuda else costs[i].cpu()
+                    out[i] = pyperm.linear_sum_assignment(c, maximize=True)[1]
+            else:
+                stack = torch.stack([costs[i].cpu() for i in idx])
+                cols = pyperm.batch_linear_sum_assignment(stack, maximize=True)[1]
+                for k, i in enumerate(idx):
+                    out[i] = cols[k]
+        except ValueError as exc:
+            # The inputs were checked finite, so only a similarity can have overflowed.
+            bad = [names[i] for i in idx if not bool(torch.isfinite(costs[i]).all())]
+            raise ValueError(
+                f"the similarity matrix of group {bad[0] if bad else names[idx[0]]!r} is not finite ({exc}): "
+                f"the weights are too large for {costs[idx[0]].dtype}; rescale them or pass dtype=torch.float64"
+            ) from None
+    return out  # type: ignore[return-value]
 
 
 def _progress_bar(enabled: bool, total: int):
