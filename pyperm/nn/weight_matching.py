@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 # corrections accumulate).
 _REBUILD_FRACTION = 0.5
 _MAX_CORRECTIONS = 16
+# Similarity matrices at least this wide are handed to the assignment solver in float64.
+_FLOAT64_SOLVE_FROM = 1024
 
 
 @dataclass
@@ -171,32 +173,37 @@ class _Term:
 class _Group:
     """A group's similarity matrix, kept in sync with its neighbours' permutations."""
 
-    def __init__(self, name: str, n: int, terms: list[_Term], device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, name: str, n: int, terms: list[_Term]) -> None:
         self.name = name
         self.n = n
-        self.const = torch.zeros(n, n, device=device, dtype=dtype)
+        self.const: torch.Tensor | None = None  # the sum of the terms that involve no other group
         self.terms: list[_Term] = []
         for t in terms:
             if t.other is None and t.general_axes is None:
-                self.const += t.full({})  # involves no other group: computed once
+                self.const = t.full({}) if self.const is None else self.const + t.full({})
             else:
                 self.terms.append(t)
         self.neighbours = {t.other for t in self.terms if t.other is not None}
         self.neighbours |= {g for t in self.terms if t.general_axes for _, g in t.general_axes}
         self.stale = True  # whether the neighbours moved since the last assignment
-        self.cost: torch.Tensor | None = None
 
-    def similarity(self, perms: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The similarity matrix at the current permutations of the other groups."""
-        changed = [t.update(perms) for t in self.terms]
-        if self.cost is None or any(changed):
-            # Summed afresh from the terms (not corrected in place) so that it carries
-            # only their rounding, in the same order at every visit.
-            cost = self.const.clone()
-            for t in self.terms:
-                cost += t.value
-            self.cost = cost
-        return self.cost
+    def similarity(self, perms: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Writes the similarity matrix at the current permutations into ``out``.
+
+        Summed afresh from the kept terms (never corrected in place), so that it carries
+        only their rounding, in the same order at every visit.
+        """
+        for t in self.terms:
+            t.update(perms)
+        parts = ([self.const] if self.const is not None else []) + [t.value for t in self.terms]
+        if not parts:
+            return out.zero_()
+        if len(parts) == 1:
+            return out.copy_(parts[0])
+        torch.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            out += part
+        return out
 
 
 def _check_state(spec: PermutationSpec, state: Any, name: str) -> dict[str, torch.Tensor]:
@@ -453,7 +460,7 @@ def weight_matching(
             for key, axis in spec.group_axes[g]
             if key in key_set
         ]
-        groups[g] = _Group(g, n, terms, device, dtype)
+        groups[g] = _Group(g, n, terms)
     # Every group is visited (in the seeded order), even one whose similarity is all zero:
     # its assignment then changes nothing, and the visiting order matches the reference
     # implementation's for a given seed.
@@ -484,11 +491,7 @@ def weight_matching(
                     pos += 1
                     if groups[g].stale:  # else no neighbour moved since its last solve: same answer
                         batch.append(g)
-                costs = []
-                for g in batch:
-                    costs.append(groups[g].similarity(perms))
-                    groups[g].stale = False
-                assignments = _assign_all(batch, costs, use_cuda)
+                costs, assignments = _solve_batch(batch, groups, perms, use_cuda, dtype, device)
                 for g, cost, col in zip(batch, costs, assignments):
                     new = col.to(device=device, dtype=torch.int64)
                     old = perms[g]
@@ -521,36 +524,54 @@ def weight_matching(
     )
 
 
-def _assign_all(names: list[str], costs: list[torch.Tensor], use_cuda: bool) -> list[torch.Tensor]:
-    """The maximising assignment (column of each row) of every similarity matrix.
+def _solve_batch(
+    batch: list[str],
+    groups: Mapping[str, _Group],
+    perms: Mapping[str, torch.Tensor],
+    use_cuda: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The similarity matrices of ``batch`` and the maximising assignment (column of each row) of each.
 
-    Matrices of one size go to pyperm's batched solver together, which solves them in
-    parallel on the CPU cores (its threads run while this thread waits, so they do not
-    compete with torch's).
+    Matrices of one size are written straight into one stack and handed to pyperm's
+    batched solver, which solves them in parallel on the CPU cores (its threads run while
+    this thread waits, so they do not compete with torch's).
     """
-    out: list[torch.Tensor | None] = [None] * len(costs)
-    by_size: dict[tuple, list[int]] = {}
-    for i, c in enumerate(costs):
-        by_size.setdefault(tuple(c.shape), []).append(i)
-    for idx in by_size.values():
+    by_size: dict[int, list[int]] = {}
+    for i, g in enumerate(batch):
+        by_size.setdefault(groups[g].n, []).append(i)
+    costs: list[torch.Tensor | None] = [None] * len(batch)
+    cols: list[torch.Tensor | None] = [None] * len(batch)
+    for n, idx in by_size.items():
+        stack = torch.empty((len(idx), n, n), dtype=dtype, device=device)
+        for k, i in enumerate(idx):
+            costs[i] = groups[batch[i]].similarity(perms, out=stack[k])
+            groups[batch[i]].stale = False
+        # float32 matrices of n >= 1024 are solved in float64: the same optimum (every
+        # float32 value is exact in float64), and the CPU solver's float32 path can stall
+        # on these near-degenerate matrices (MLP 784-[2048]x4-10: 9.2 s of solves in
+        # float32, 6.1 s in float64; below 1024 float32 is the faster one).
+        if not use_cuda:
+            stack = stack.cpu()
+            if n >= _FLOAT64_SOLVE_FROM:
+                stack = stack.double()
         try:
             if len(idx) == 1 or use_cuda:
-                for i in idx:
-                    c = costs[i] if use_cuda else costs[i].cpu()
-                    out[i] = pyperm.linear_sum_assignment(c, maximize=True)[1]
-            else:
-                stack = torch.stack([costs[i].cpu() for i in idx])
-                cols = pyperm.batch_linear_sum_assignment(stack, maximize=True)[1]
                 for k, i in enumerate(idx):
-                    out[i] = cols[k]
+                    cols[i] = pyperm.linear_sum_assignment(stack[k], maximize=True)[1]
+            else:
+                found = pyperm.batch_linear_sum_assignment(stack, maximize=True)[1]
+                for k, i in enumerate(idx):
+                    cols[i] = found[k]
         except ValueError as exc:
             # The inputs were checked finite, so only a similarity can have overflowed.
-            bad = [names[i] for i in idx if not bool(torch.isfinite(costs[i]).all())]
+            bad = [batch[i] for k, i in enumerate(idx) if not bool(torch.isfinite(stack[k]).all())]
             raise ValueError(
-                f"the similarity matrix of group {bad[0] if bad else names[idx[0]]!r} is not finite ({exc}): "
-                f"the weights are too large for {costs[idx[0]].dtype}; rescale them or pass dtype=torch.float64"
+                f"the similarity matrix of group {bad[0] if bad else batch[idx[0]]!r} is not finite ({exc}): "
+                f"the weights are too large for {dtype}; rescale them or pass dtype=torch.float64"
             ) from None
-    return out  # type: ignore[return-value]
+    return costs, cols  # type: ignore[return-value]
 
 
 def _progress_bar(enabled: bool, total: int):
