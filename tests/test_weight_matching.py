@@ -366,3 +366,23 @@ def test_error_keys_non_float():
     s = {"w": torch.zeros(2, 2), "n": torch.tensor(3)}
     with pytest.raises(ValueError, match="keys names 'n', whose dtype torch.int64 is not floating point"):
         weight_matching(spec, s, s, keys=["w", "n"])
+
+
+# ---------------------------------------------------------------------------------- the benchmark
+
+
+def test_bench_match_runs(capsys, tmp_path):
+    import argparse
+
+    from pyperm.benchmarks import match
+
+    parser = argparse.ArgumentParser()
+    match.add_arguments(parser)
+    code = match.run(parser.parse_args(["--models", "mlp512", "--repeat", "1", "--plot", str(tmp_path / "m.png")]))
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "MLP 784-512-512-512-10" in out and "True" in out  # same permutations as the reference
+    assert (tmp_path / "m.png").stat().st_size > 0
+    assert match.run(parser.parse_args(["--models", "mlp512,nope"])) == 2
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        match.build_model("nope", 0)

@@ -5,8 +5,16 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError("pyperm.nn needs PyTorch: pip install torch (CPU-only: pip install torch==2.13.0)") from exc
 
+from pyperm.nn import models
 from pyperm.nn.permute import apply_permutation
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.weight_matching import WeightMatchingResult, matching_objective, weight_matching
 
-__all__ = ["PermutationSpec", "WeightMatchingResult", "apply_permutation", "matching_objective", "weight_matching"]
+__all__ = [
+    "PermutationSpec",
+    "WeightMatchingResult",
+    "apply_permutation",
+    "matching_objective",
+    "models",
+    "weight_matching",
+]
