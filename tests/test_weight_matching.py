@@ -350,9 +350,21 @@ def test_error_devices(small):
         ({"dtype": torch.float16}, TypeError, "dtype must be torch.float32 or torch.float64"),
         ({"keys": "layers.0.weight"}, TypeError, "keys must be an iterable of state_dict keys"),
         ({"keys": ["layers.0.weight", "nope"]}, ValueError, "keys names 'nope', which is not in the spec"),
-        ({"init": {"hidden1": [0, 1, 2, 3, 3], "hidden2": [0, 1, 2, 3]}}, ValueError, r"init\['hidden1'\] is not a permutation"),
-        ({"init": {"hidden1": [0, 1, 2, 3, 4]}}, ValueError, r"init does not match the spec's groups: missing \['hidden2'\]"),
-        ({"init": {"hidden1": [0.0, 1, 2, 3, 4], "hidden2": [0, 1, 2, 3]}}, TypeError, r"init\['hidden1'\] must hold integers"),
+        (
+            {"init": {"hidden1": [0, 1, 2, 3, 3], "hidden2": [0, 1, 2, 3]}},
+            ValueError,
+            r"init\['hidden1'\] is not a permutation",
+        ),
+        (
+            {"init": {"hidden1": [0, 1, 2, 3, 4]}},
+            ValueError,
+            r"init does not match the spec's groups: missing \['hidden2'\]",
+        ),
+        (
+            {"init": {"hidden1": [0.0, 1, 2, 3, 4], "hidden2": [0, 1, 2, 3]}},
+            TypeError,
+            r"init\['hidden1'\] must hold integers",
+        ),
     ],
 )
 def test_error_arguments(small, kwargs, exc, match):

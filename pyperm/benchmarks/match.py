@@ -220,7 +220,8 @@ def _print_table(rows: list[Row]) -> None:
         target = TARGETS[r.name]
         met = "yes" if r.ours_s <= target else "no"
         print(
-            f"{DESCRIPTIONS[r.name]:<28}{r.params:>11,}{r.groups:>7}{sweeps:>9}{r.ours_s:10.3f}{r.ours_best:9.3f}{ref_s}{speed}"
+            f"{DESCRIPTIONS[r.name]:<28}{r.params:>11,}{r.groups:>7}{sweeps:>9}"
+            f"{r.ours_s:10.3f}{r.ours_best:9.3f}{ref_s}{speed}"
             f"{target:9.2f}{met:>5}{r.ours_obj:21.6f}{ref_obj}{same}"
         )
 

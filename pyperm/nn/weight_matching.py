@@ -447,7 +447,8 @@ def weight_matching(
     if len(devices) > 1:
         raise ValueError(f"state_a and state_b must be on one device, found {sorted(map(str, devices))}")
     device = devices.pop() if devices else torch.device("cpu")
-    perms = {g: p.to(device) for g, p in (as_permutations(spec, init, "init") if init is not None else spec.identity()).items()}
+    start = as_permutations(spec, init, "init") if init is not None else spec.identity()
+    perms = {g: p.to(device) for g, p in start.items()}
     # Validates shapes and finiteness of every matched entry in the same pass.
     objective = _objective(spec, sa, sb, perms, obj_keys)
 
