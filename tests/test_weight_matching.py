@@ -155,6 +155,13 @@ def test_identical_models_give_identity(name):
         assert torch.equal(result.perms[g], torch.arange(n))
 
 
+def test_no_groups():
+    model = MLP([6, 3])
+    spec = model.permutation_spec()
+    result = weight_matching(spec, model.state_dict(), model.state_dict())
+    assert result.perms == {} and result.converged and result.sweeps == 1
+
+
 def test_duplicate_units_keep_identity():
     """Ties (two identical hidden units) must not move the identity."""
     model = MLP([6, 4, 3])
