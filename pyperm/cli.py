@@ -12,6 +12,7 @@ BENCHMARKS = {
     "lap": ("pyperm.benchmarks.lap", "assignment solvers: pyperm vs scipy vs lap/lapx/lapjv"),
     "bvn": ("pyperm.benchmarks.bvn", "Birkhoff-von Neumann decomposition: pyperm vs a scipy-based greedy"),
     "xcorr": ("pyperm.benchmarks.xcorr", "CrossCorrelation.update vs the bare BLAS product xa.T @ xb"),
+    "match": ("pyperm.benchmarks.match", "weight matching (Git Re-Basin Algorithm 1): pyperm vs a reference"),
 }
 
 

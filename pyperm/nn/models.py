@@ -444,7 +444,9 @@ class TinyTen(nn.Module):
     output channels, its BatchNorm and the next layer's input channels.
     """
 
-    def __init__(self, num_classes: int = 10, width_multiplier: int = 1, bias: bool = True, in_channels: int = 3) -> None:
+    def __init__(
+        self, num_classes: int = 10, width_multiplier: int = 1, bias: bool = True, in_channels: int = 3
+    ) -> None:
         super().__init__()
         _positive_int(num_classes, "num_classes")
         _positive_int(width_multiplier, "width_multiplier")

@@ -1,0 +1,407 @@
+"""weight_matching: planted permutations, agreement with a plain implementation, properties, errors."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import pyperm
+from pyperm.benchmarks.match import reference_weight_matching
+from pyperm.nn import PermutationSpec, WeightMatchingResult, apply_permutation, matching_objective, weight_matching
+from pyperm.nn.models import MLP, VGG11, VGG16, ResNet20, TinyTen
+
+
+def _make(factory, seed: int) -> nn.Module:
+    """A model with seeded initialisation, leaving the global RNG state alone."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = factory()
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():  # BatchNorm defaults are constant: give them something to match
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape, generator=g))
+                m.bias.copy_(0.3 * torch.randn(m.bias.shape, generator=g))
+                m.running_mean.copy_(0.3 * torch.randn(m.running_mean.shape, generator=g))
+                m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
+    return model
+
+
+def _planted(spec: PermutationSpec, state: dict, seed: int, noise: float = 0.01):
+    """B = a random permutation of A plus Gaussian noise of ``noise`` times each tensor's std."""
+    g = torch.Generator().manual_seed(seed)
+    perms = {name: torch.randperm(n, generator=g) for name, n in spec.sizes.items()}
+    permuted = apply_permutation(spec, perms, state)
+    out = {}
+    for k, t in permuted.items():
+        if t.is_floating_point() and t.numel() > 1:
+            t = t + noise * t.std() * torch.randn(t.shape, generator=g)
+        out[k] = t
+    return perms, out
+
+
+def _inverse(p: torch.Tensor) -> torch.Tensor:
+    return torch.argsort(p)
+
+
+BUNDLED = {
+    "mlp": lambda: MLP([784, 512, 512, 512, 10]),
+    "vgg11": lambda: VGG11(),
+    "vgg16": lambda: VGG16(),
+    "resnet20-B": lambda: ResNet20(width_multiplier=2),
+    "resnet20-A": lambda: ResNet20(shortcut="A"),
+    "tinyten": lambda: TinyTen(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUNDLED))
+def test_recovers_planted_permutation_exactly(name):
+    model = _make(BUNDLED[name], 0)
+    spec = model.permutation_spec()
+    sa = model.state_dict()
+    planted, sb = _planted(spec, sa, seed=1)
+    result = weight_matching(spec, sa, sb, seed=0)
+    assert result.converged
+    # apply_permutation(perms, B) must undo the planted permutation
+    for g in spec.sizes:
+        assert torch.equal(result.perms[g], _inverse(planted[g])), g
+    # and the permuted B is within the noise of A
+    aligned = apply_permutation(spec, result.perms, sb)
+    for k, t in sa.items():
+        if t.is_floating_point() and t.numel() > 1:
+            assert (aligned[k] - t).abs().max() <= 0.1 * t.std() + 1e-6, k
+
+
+# Independently initialised models: the incremental algorithm must follow the plain one
+# step by step (same seeded order, same assignments), so the answers are identical.
+INDEPENDENT = {
+    "mlp": lambda: MLP([20, 48, 40, 32, 5]),
+    "resnet20-B": lambda: ResNet20(),
+    "resnet20-A": lambda: ResNet20(shortcut="A"),
+    "tinyten": lambda: TinyTen(),
+}
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet20-B", "resnet20-A", "tinyten"])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_matches_plain_implementation(name, seed):
+    a = _make(INDEPENDENT[name], 10)
+    b = _make(INDEPENDENT[name], 20)
+    spec = a.permutation_spec()
+    sa, sb = a.state_dict(), b.state_dict()
+    result = weight_matching(spec, sa, sb, seed=seed)
+    ref, sweeps = reference_weight_matching(spec, sa, sb, seed=seed, lsa=pyperm.linear_sum_assignment)
+    assert result.converged
+    assert result.sweeps == sweeps
+    for g in spec.sizes:
+        assert torch.equal(result.perms[g], ref[g]), g
+    exact = matching_objective(spec, sa, sb, result.perms)
+    assert result.objective[-1] == pytest.approx(exact, rel=1e-5)
+
+
+def test_history_is_non_decreasing_and_consistent():
+    a = _make(lambda: MLP([30, 64, 64, 64, 4]), 1)
+    b = _make(lambda: MLP([30, 64, 64, 64, 4]), 2)
+    spec = a.permutation_spec()
+    result = weight_matching(spec, a.state_dict(), b.state_dict(), seed=5)
+    hist = result.objective
+    assert len(hist) == result.sweeps + 1
+    assert hist[0] == pytest.approx(matching_objective(spec, a.state_dict(), b.state_dict()), rel=1e-9)
+    assert all(y >= x - 1e-9 * abs(x) for x, y in zip(hist, hist[1:]))
+    assert hist[-1] > hist[0]
+    assert result.converged and hist[-1] == hist[-2]  # the last sweep improved nothing
+    assert hist[-1] == pytest.approx(matching_objective(spec, a.state_dict(), b.state_dict(), result.perms), rel=1e-6)
+
+
+def test_result_types():
+    a = _make(lambda: ResNet20(), 1)
+    b = _make(lambda: ResNet20(), 2)
+    spec = a.permutation_spec()
+    result = weight_matching(spec, a.state_dict(), b.state_dict(), max_iter=2)
+    assert isinstance(result, WeightMatchingResult)
+    assert set(result.perms) == set(spec.sizes)
+    for g, p in result.perms.items():
+        assert p.dtype == torch.int64 and p.device.type == "cpu"
+        assert torch.equal(torch.sort(p).values, torch.arange(spec.sizes[g]))
+    assert isinstance(result.sweeps, int) and result.sweeps <= 2
+    assert isinstance(result.converged, bool)
+    assert all(isinstance(x, float) for x in result.objective)
+
+
+def test_seed_reproducible_and_generator_accepted():
+    a = _make(lambda: MLP([16, 40, 40, 40, 40, 3]), 1)
+    b = _make(lambda: MLP([16, 40, 40, 40, 40, 3]), 2)
+    spec = a.permutation_spec()
+    r1 = weight_matching(spec, a.state_dict(), b.state_dict(), seed=7)
+    r2 = weight_matching(spec, a.state_dict(), b.state_dict(), seed=7)
+    r3 = weight_matching(spec, a.state_dict(), b.state_dict(), seed=torch.Generator().manual_seed(7))
+    for g in spec.sizes:
+        assert torch.equal(r1.perms[g], r2.perms[g]) and torch.equal(r1.perms[g], r3.perms[g])
+    assert r1.objective == r2.objective
+    # the global RNG is neither used nor advanced
+    state = torch.random.get_rng_state()
+    weight_matching(spec, a.state_dict(), b.state_dict(), seed=1)
+    assert torch.equal(state, torch.random.get_rng_state())
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet20-B", "tinyten"])
+def test_identical_models_give_identity(name):
+    model = _make(INDEPENDENT[name], 4)
+    spec = model.permutation_spec()
+    result = weight_matching(spec, model.state_dict(), model.state_dict())
+    assert result.converged and result.sweeps == 1
+    for g, n in spec.sizes.items():
+        assert torch.equal(result.perms[g], torch.arange(n))
+
+
+def test_no_groups():
+    model = MLP([6, 3])
+    spec = model.permutation_spec()
+    result = weight_matching(spec, model.state_dict(), model.state_dict())
+    assert result.perms == {} and result.converged and result.sweeps == 1
+
+
+def test_duplicate_units_keep_identity():
+    """Ties (two identical hidden units) must not move the identity."""
+    model = MLP([6, 4, 3])
+    with torch.no_grad():
+        model.layers[0].weight[1] = model.layers[0].weight[0]
+        model.layers[0].bias[1] = model.layers[0].bias[0]
+        model.layers[1].weight[:, 1] = model.layers[1].weight[:, 0]
+    spec = model.permutation_spec()
+    result = weight_matching(spec, model.state_dict(), model.state_dict())
+    assert torch.equal(result.perms["hidden1"], torch.arange(4))
+
+
+def test_init_at_the_answer_stops_after_one_sweep():
+    model = _make(lambda: MLP([10, 24, 24, 3]), 0)
+    spec = model.permutation_spec()
+    planted, sb = _planted(spec, model.state_dict(), seed=3)
+    init = {g: _inverse(p) for g, p in planted.items()}
+    result = weight_matching(spec, model.state_dict(), sb, init=init)
+    assert result.sweeps == 1 and result.converged
+    for g in spec.sizes:
+        assert torch.equal(result.perms[g], init[g])
+    none = weight_matching(spec, model.state_dict(), sb, max_iter=0, init=init)
+    assert none.sweeps == 0 and not none.converged and len(none.objective) == 1
+    assert all(torch.equal(none.perms[g], init[g]) for g in spec.sizes)
+
+
+def test_keys_restrict_the_objective():
+    model = _make(lambda: TinyTen(), 0)
+    spec = model.permutation_spec()
+    planted, sb = _planted(spec, model.state_dict(), seed=2)
+    weights_only = [k for k in spec.axes if k.endswith("weight")]
+    result = weight_matching(spec, model.state_dict(), sb, keys=weights_only)
+    for g in spec.sizes:
+        assert torch.equal(result.perms[g], _inverse(planted[g]))
+    full = matching_objective(spec, model.state_dict(), sb, result.perms)
+    partial = matching_objective(spec, model.state_dict(), sb, result.perms, keys=weights_only)
+    assert result.objective[-1] == pytest.approx(partial, rel=1e-6)
+    assert partial != pytest.approx(full)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_general_tensor_with_three_groups_and_float64(seed):
+    """A tensor carrying three groups takes the whole-recompute path; float64 similarities."""
+    g = torch.Generator().manual_seed(seed)
+    spec = PermutationSpec(
+        {"t": ("x", "y", "z"), "u": ("y", None), "v": (None, "z"), "w": ("x",)}, {"x": 5, "y": 6, "z": 7}
+    )
+
+    def state():
+        return {
+            "t": torch.randn(5, 6, 7, generator=g),
+            "u": torch.randn(6, 3, generator=g),
+            "v": torch.randn(2, 7, generator=g),
+            "w": torch.randn(5, generator=g),
+        }
+
+    sa, sb = state(), state()
+    ref, sweeps = reference_weight_matching(spec, sa, sb, seed=seed, lsa=pyperm.linear_sum_assignment)
+    for dtype in (torch.float32, torch.float64):
+        result = weight_matching(spec, sa, sb, seed=seed, dtype=dtype)
+        assert result.sweeps == sweeps
+        for name in spec.sizes:
+            assert torch.equal(result.perms[name], ref[name])
+
+
+def test_float64_state_and_non_float_entries():
+    model = _make(lambda: ResNet20(), 0).double()
+    spec = model.permutation_spec()
+    planted, sb = _planted(spec, model.state_dict(), seed=5)
+    assert sb["bn1.num_batches_tracked"].dtype == torch.int64  # not matched, not an error
+    result = weight_matching(spec, model.state_dict(), sb)
+    for g in spec.sizes:
+        assert torch.equal(result.perms[g], _inverse(planted[g]))
+
+
+def test_matching_objective_brute_force():
+    a = _make(lambda: MLP([5, 4, 3, 2]), 0)
+    b = _make(lambda: MLP([5, 4, 3, 2]), 1)
+    spec = a.permutation_spec()
+    perms = {"hidden1": torch.tensor([2, 0, 3, 1]), "hidden2": torch.tensor([1, 2, 0])}
+    pb = apply_permutation(spec, perms, b.state_dict())
+    expected = sum(float((a.state_dict()[k].double() * pb[k].double()).sum()) for k in spec.axes)
+    assert matching_objective(spec, a.state_dict(), b.state_dict(), perms) == pytest.approx(expected, rel=1e-12)
+
+
+def test_progress_bar(capsys):
+    pytest.importorskip("tqdm")
+    a = _make(lambda: MLP([8, 16, 16, 2]), 0)
+    b = _make(lambda: MLP([8, 16, 16, 2]), 1)
+    spec = a.permutation_spec()
+    quiet = weight_matching(spec, a.state_dict(), b.state_dict())
+    assert capsys.readouterr().err == ""
+    loud = weight_matching(spec, a.state_dict(), b.state_dict(), progress=True)
+    assert "weight matching" in capsys.readouterr().err
+    assert all(torch.equal(quiet.perms[g], loud.perms[g]) for g in spec.sizes)
+
+
+def test_cuda_matches_cpu(device):
+    a = _make(lambda: ResNet20(), 1)
+    b = _make(lambda: ResNet20(), 2)
+    spec = a.permutation_spec()
+    cpu = weight_matching(spec, a.state_dict(), b.state_dict())
+    sa = {k: v.to(device) for k, v in a.state_dict().items()}
+    sb = {k: v.to(device) for k, v in b.state_dict().items()}
+    other = weight_matching(spec, sa, sb)
+    for g in spec.sizes:
+        assert other.perms[g].device.type == "cpu"
+        assert torch.equal(other.perms[g], cpu.perms[g])
+
+
+# ---------------------------------------------------------------------------------------- errors
+
+
+@pytest.fixture(scope="module")
+def small():
+    a = _make(lambda: MLP([6, 5, 4, 3]), 0)
+    b = _make(lambda: MLP([6, 5, 4, 3]), 1)
+    return a.permutation_spec(), a.state_dict(), b.state_dict()
+
+
+def test_error_spec_type(small):
+    _, sa, sb = small
+    with pytest.raises(TypeError, match="spec must be a PermutationSpec"):
+        weight_matching({"hidden1": 5}, sa, sb)
+    with pytest.raises(TypeError, match="spec must be a PermutationSpec"):
+        matching_objective(None, sa, sb)
+
+
+def test_error_state_dict_mismatch(small):
+    spec, sa, sb = small
+    missing = dict(sb)
+    del missing["layers.1.bias"]
+    with pytest.raises(ValueError, match=r"state_b does not match the spec: missing keys \['layers.1.bias'\]"):
+        weight_matching(spec, sa, missing)
+    with pytest.raises(TypeError, match="state_a must be a mapping"):
+        weight_matching(spec, [1, 2], sb)
+    wrong = dict(sa)
+    wrong["layers.0.weight"] = torch.zeros(4, 6)
+    with pytest.raises(ValueError, match=r"state_a\['layers.0.weight'\] axis 0 has size 4"):
+        weight_matching(spec, wrong, sb)
+    not_tensor = dict(sb)
+    not_tensor["layers.2.bias"] = [0.0, 0.0, 0.0]
+    with pytest.raises(TypeError, match=r"state_b\['layers.2.bias'\] must be a torch.Tensor"):
+        weight_matching(spec, sa, not_tensor)
+
+
+def test_error_shape_differs_on_an_unpermuted_axis():
+    spec = PermutationSpec({"w": ("h", None)}, {"h": 3})
+    with pytest.raises(ValueError, match=r"state_a\['w'\] has shape \(3, 2\) but state_b has \(3, 4\)"):
+        weight_matching(spec, {"w": torch.zeros(3, 2)}, {"w": torch.zeros(3, 4)})
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("which", ["state_a", "state_b"])
+def test_error_not_finite(small, bad, which):
+    spec, sa, sb = small
+    broken = {k: v.clone() for k, v in (sa if which == "state_a" else sb).items()}
+    broken["layers.1.weight"][2, 1] = bad
+    args = (broken, sb) if which == "state_a" else (sa, broken)
+    with pytest.raises(ValueError, match=rf"{which}\['layers.1.weight'\] contains NaN or infinite values"):
+        weight_matching(spec, *args)
+
+
+def test_error_overflow():
+    spec = PermutationSpec({"w": ("h",)}, {"h": 2})
+    big = {"w": torch.tensor([3e38, 3e38])}
+    with pytest.raises(ValueError, match="the similarity matrix of group 'h' is not finite"):
+        weight_matching(spec, big, big)
+    assert weight_matching(spec, big, big, dtype=torch.float64).converged
+    spec = PermutationSpec({"w": ("h", None)}, {"h": 2})
+    big = {"w": torch.full((2, 1024), 3e38)}
+    with pytest.raises(ValueError, match=r"the product of state_a\['w'\] and state_b\['w'\] overflows"):
+        weight_matching(spec, big, big)
+
+
+def test_error_devices(small):
+    spec, sa, sb = small
+    meta = {k: v.to("meta") for k, v in sb.items()}
+    with pytest.raises(ValueError, match="must be on one device"):
+        weight_matching(spec, sa, meta)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"max_iter": -1}, ValueError, "max_iter must be non-negative"),
+        ({"max_iter": 2.0}, TypeError, "max_iter must be an int"),
+        ({"max_iter": True}, TypeError, "max_iter must be an int"),
+        ({"seed": -3}, ValueError, "seed must be non-negative"),
+        ({"seed": "0"}, TypeError, "seed must be an int or a torch.Generator"),
+        ({"tol": -1.0}, ValueError, "tol must be a non-negative finite number"),
+        ({"tol": math.nan}, ValueError, "tol must be a non-negative finite number"),
+        ({"dtype": torch.float16}, TypeError, "dtype must be torch.float32 or torch.float64"),
+        ({"keys": "layers.0.weight"}, TypeError, "keys must be an iterable of state_dict keys"),
+        ({"keys": ["layers.0.weight", "nope"]}, ValueError, "keys names 'nope', which is not in the spec"),
+        (
+            {"init": {"hidden1": [0, 1, 2, 3, 3], "hidden2": [0, 1, 2, 3]}},
+            ValueError,
+            r"init\['hidden1'\] is not a permutation",
+        ),
+        (
+            {"init": {"hidden1": [0, 1, 2, 3, 4]}},
+            ValueError,
+            r"init does not match the spec's groups: missing \['hidden2'\]",
+        ),
+        (
+            {"init": {"hidden1": [0.0, 1, 2, 3, 4], "hidden2": [0, 1, 2, 3]}},
+            TypeError,
+            r"init\['hidden1'\] must hold integers",
+        ),
+    ],
+)
+def test_error_arguments(small, kwargs, exc, match):
+    spec, sa, sb = small
+    with pytest.raises(exc, match=match):
+        weight_matching(spec, sa, sb, **kwargs)
+
+
+def test_error_keys_non_float():
+    spec = PermutationSpec({"w": ("h", None), "n": ()}, {"h": 2})
+    s = {"w": torch.zeros(2, 2), "n": torch.tensor(3)}
+    with pytest.raises(ValueError, match="keys names 'n', whose dtype torch.int64 is not floating point"):
+        weight_matching(spec, s, s, keys=["w", "n"])
+
+
+# ---------------------------------------------------------------------------------- the benchmark
+
+
+def test_bench_match_runs(capsys, tmp_path):
+    import argparse
+
+    from pyperm.benchmarks import match
+
+    parser = argparse.ArgumentParser()
+    match.add_arguments(parser)
+    code = match.run(parser.parse_args(["--models", "mlp512", "--repeat", "1", "--plot", str(tmp_path / "m.png")]))
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "MLP 784-512-512-512-10" in out and "True" in out  # same permutations as the reference
+    assert (tmp_path / "m.png").stat().st_size > 0
+    assert match.run(parser.parse_args(["--models", "mlp512,nope"])) == 2
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        match.build_model("nope", 0)
