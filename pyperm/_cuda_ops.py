@@ -220,13 +220,16 @@ def _solve(costs: Any, maximize: bool, name: str, batched: bool, tuning: dict[st
     return rows, cols, stats
 
 
-def _tuning(method: str, threads: int, stage: int, max_rounds: int, patience: int, return_stats: bool) -> dict:
+def _tuning(
+    method: str, threads: int, stage: int, state_smem: int, max_rounds: int, patience: int, return_stats: bool
+) -> dict:
     if method not in ("auto", "block", "device"):
         raise ValueError(f"method must be 'auto', 'block' or 'device', got {method!r}")
     return {
         "method": method,
         "threads": int(threads),
         "stage": int(stage),
+        "state_smem": int(state_smem),
         "max_rounds": int(max_rounds),
         "patience": int(patience),
         "return_stats": bool(return_stats),
@@ -240,6 +243,7 @@ def linear_sum_assignment(
     method: str = "auto",
     threads: int = 0,
     stage: int = -1,
+    state_smem: int = -1,
     max_rounds: int = -1,
     patience: int = -1,
     return_stats: bool = False,
@@ -249,14 +253,15 @@ def linear_sum_assignment(
     The keyword arguments tune the kernels (benchmarks and tests use them; the defaults
     choose automatically): ``method`` "block" (one thread block per problem) or "device"
     (whole-device initialisation, then one block per problem), ``threads`` per block,
-    ``stage`` the matrix in shared memory (-1 auto, 0, 1), ``max_rounds`` and ``patience`` of
+    ``stage`` the matrix in shared memory (-1 auto, 0, 1), ``state_smem`` the solver state in
+    shared memory (-1 auto, 0, 1), ``max_rounds`` and ``patience`` of
     the parallel bidding rounds. ``return_stats`` adds a dict describing what ran.
 
     Synchronises the stream: the validity / feasibility flag is read back from the device.
     """
     maximize = _check_maximize(maximize)
     rows, cols, stats = _solve(
-        cost, maximize, "cost", False, _tuning(method, threads, stage, max_rounds, patience, return_stats)
+        cost, maximize, "cost", False, _tuning(method, threads, stage, state_smem, max_rounds, patience, return_stats)
     )
     return (rows, cols, stats) if return_stats else (rows, cols)
 
@@ -268,6 +273,7 @@ def batch_linear_sum_assignment(
     method: str = "auto",
     threads: int = 0,
     stage: int = -1,
+    state_smem: int = -1,
     max_rounds: int = -1,
     patience: int = -1,
     return_stats: bool = False,
@@ -278,7 +284,7 @@ def batch_linear_sum_assignment(
     """
     maximize = _check_maximize(maximize)
     rows, cols, stats = _solve(
-        costs, maximize, "costs", True, _tuning(method, threads, stage, max_rounds, patience, return_stats)
+        costs, maximize, "costs", True, _tuning(method, threads, stage, state_smem, max_rounds, patience, return_stats)
     )
     return (rows, cols, stats) if return_stats else (rows, cols)
 
@@ -290,6 +296,7 @@ def solve_square_warm(
     method: str = "auto",
     threads: int = 0,
     stage: int = -1,
+    state_smem: int = -1,
     max_rounds: int = -1,
     patience: int = -1,
 ):
@@ -347,7 +354,7 @@ def solve_square_warm(
     out = torch.empty(tuple(cost.shape[:-1]), dtype=torch.int64, device=cost.device)
     if batch == 0 or n == 0:
         return out
-    tuning = _tuning(method, threads, stage, max_rounds, patience, False)
+    tuning = _tuning(method, threads, stage, state_smem, max_rounds, patience, False)
     tuning.pop("return_stats")
     cuda_module().lap_solve_square_warm(
         cost.data_ptr(),

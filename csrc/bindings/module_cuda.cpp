@@ -36,7 +36,8 @@ void raise_for(Status s, bool batched, int64_t failed) {
   throw std::runtime_error(where + "the CUDA assignment solver failed");
 }
 
-pc::LapOptions make_options(const std::string& method, int threads, int stage, int max_rounds, int patience) {
+pc::LapOptions make_options(const std::string& method, int threads, int stage, int state_smem, int max_rounds,
+                            int patience) {
   pc::LapOptions o;
   if (method == "auto")
     o.method = pc::LapMethod::Auto;
@@ -50,8 +51,10 @@ pc::LapOptions make_options(const std::string& method, int threads, int stage, i
     throw py::value_error("threads must be 0 (auto) or a power of two from 32 to 1024, got " +
                           std::to_string(threads));
   if (stage < -1 || stage > 1) throw py::value_error("stage must be -1 (auto), 0 or 1");
+  if (state_smem < -1 || state_smem > 1) throw py::value_error("state_smem must be -1 (auto), 0 or 1");
   o.threads = threads;
   o.stage_cost = stage;
+  o.state_smem = state_smem;
   o.max_rounds = max_rounds;
   o.patience = patience;
   return o;
@@ -77,9 +80,9 @@ bool is_double(const std::string& dtype) {
 py::object lap_solve_batch(uintptr_t cost, const std::string& dtype, int64_t batch, int64_t n_rows, int64_t n_cols,
                            int64_t stride_b, int64_t stride_r, int64_t stride_c, bool maximize, uintptr_t row_ind,
                            uintptr_t col_ind, int device, uintptr_t stream, bool batched, const std::string& method,
-                           int threads, int stage, int max_rounds, int patience, bool want_stats) {
+                           int threads, int stage, int state_smem, int max_rounds, int patience, bool want_stats) {
   const bool dbl = is_double(dtype);
-  const pc::LapOptions opt = make_options(method, threads, stage, max_rounds, patience);
+  const pc::LapOptions opt = make_options(method, threads, stage, state_smem, max_rounds, patience);
   pc::LapStats st;
   int64_t failed = -1;
   Status s;
@@ -103,10 +106,10 @@ py::object lap_solve_batch(uintptr_t cost, const std::string& dtype, int64_t bat
 
 py::object lap_solve_square_warm(uintptr_t cost, const std::string& dtype, int64_t batch, int64_t n, uintptr_t v,
                                  uintptr_t col_of_row, int device, uintptr_t stream, bool batched,
-                                 const std::string& method, int threads, int stage, int max_rounds, int patience,
-                                 bool want_stats) {
+                                 const std::string& method, int threads, int stage, int state_smem, int max_rounds,
+                                 int patience, bool want_stats) {
   const bool dbl = is_double(dtype);
-  const pc::LapOptions opt = make_options(method, threads, stage, max_rounds, patience);
+  const pc::LapOptions opt = make_options(method, threads, stage, state_smem, max_rounds, patience);
   pc::LapStats st;
   int64_t failed = -1;
   Status s;
@@ -141,14 +144,14 @@ PYBIND11_MODULE(_cuda, m) {
   m.def("lap_solve_batch", &lap_solve_batch, py::arg("cost"), py::arg("dtype"), py::arg("batch"), py::arg("n_rows"),
         py::arg("n_cols"), py::arg("stride_b"), py::arg("stride_r"), py::arg("stride_c"), py::arg("maximize"),
         py::arg("row_ind"), py::arg("col_ind"), py::arg("device"), py::arg("stream"), py::arg("batched"),
-        py::arg("method") = "auto", py::arg("threads") = 0, py::arg("stage") = -1, py::arg("max_rounds") = -1,
+        py::arg("method") = "auto", py::arg("threads") = 0, py::arg("stage") = -1, py::arg("state_smem") = -1, py::arg("max_rounds") = -1,
         py::arg("patience") = -1, py::arg("stats") = false,
         "Solves batch x n_rows x n_cols assignment problems on the device (strides in elements). Writes "
         "batch x min(n_rows, n_cols) int64 row_ind and col_ind. Synchronises the stream.");
   m.def("lap_solve_square_warm", &lap_solve_square_warm, py::arg("cost"), py::arg("dtype"), py::arg("batch"),
         py::arg("n"), py::arg("v"), py::arg("col_of_row"), py::arg("device"), py::arg("stream"),
         py::arg("batched"), py::arg("method") = "auto", py::arg("threads") = 0, py::arg("stage") = -1,
-        py::arg("max_rounds") = -1, py::arg("patience") = -1, py::arg("stats") = false,
+        py::arg("state_smem") = -1, py::arg("max_rounds") = -1, py::arg("patience") = -1, py::arg("stats") = false,
         "Square minimisations warm-started from column duals v (batch x n, updated in place); contiguous "
         "batch x n x n cost with finite or +inf entries. Writes batch x n int64 col_of_row.");
 }

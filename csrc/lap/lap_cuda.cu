@@ -837,7 +837,7 @@ struct BlockPlan {
 
 template <typename T>
 BlockPlan plan_block(const DeviceInfo& info, int64_t batch, int64_t n, int64_t m, int threads_opt,
-                     int stage_opt, int default_threads) {
+                     int stage_opt, int state_opt, int default_threads) {
   BlockPlan plan;
   plan.threads = threads_opt > 0 ? threads_opt : default_threads;
   BlockKernelPtr<T> kernel = block_kernel_for<T>(plan.threads);
@@ -865,6 +865,11 @@ BlockPlan plan_block(const DeviceInfo& info, int64_t batch, int64_t n, int64_t m
   // State in shared memory unless that would cost resident problems the batch needs.
   plan.state_smem = state_res > 0 && static_cast<int64_t>(state_res) * info.sms >=
                                          std::min<int64_t>(want, static_cast<int64_t>(global_res) * info.sms);
+  if (state_opt == 0 && stage_opt == 1)
+    throw std::invalid_argument("staging the matrix (stage=1) needs the state in shared memory");
+  if (state_opt == 1 && state_res <= 0)
+    throw std::invalid_argument("the solver state does not fit in shared memory (state_smem=1)");
+  if (state_opt >= 0) plan.state_smem = state_opt == 1;
   if (stage_opt == 1) {
     if (resident(staged_bytes) <= 0)
       throw std::invalid_argument("the cost matrix does not fit in shared memory (stage=1)");
@@ -929,12 +934,13 @@ void run_solver(const T* cost, int64_t batch, int64_t n, int64_t m, bool warm, T
   if (device) {
     args.mode = kContinue;
     args.arr_passes = 0;
-    plan = plan_block<T>(info, batch, n, m, opt.threads, opt.stage_cost, next_pow2((m + 3) / 4));
+    plan = plan_block<T>(info, batch, n, m, opt.threads, opt.stage_cost, opt.state_smem, next_pow2((m + 3) / 4));
   } else {
     args.mode = warm ? kWarm : kCold;
     args.arr_passes = (warm || square) ? 2 : 0;  // as the CPU solver
     const int cap = batch >= 2 * info.sms ? 256 : 1024;
-    plan = plan_block<T>(info, batch, n, m, opt.threads, opt.stage_cost, std::min(cap, next_pow2((m + 1) / 2)));
+    plan = plan_block<T>(info, batch, n, m, opt.threads, opt.stage_cost, opt.state_smem,
+                         std::min(cap, next_pow2((m + 1) / 2)));
   }
 
   // Scratch for the global-memory variant of the block kernel and for the device init.

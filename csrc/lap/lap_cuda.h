@@ -29,6 +29,7 @@ struct LapOptions {
   LapMethod method = LapMethod::Auto;
   int threads = 0;      // threads per block of the Block kernel: 0 = auto, else 32..1024, a power of 2
   int stage_cost = -1;  // Block kernel: -1 auto, 0 read the matrix from global memory, 1 stage it in shared memory
+  int state_smem = -1;  // Block kernel: -1 auto, 0 keep the solver state in global memory, 1 in shared memory
   int max_rounds = -1;  // Device strategy: cap on parallel bidding rounds (-1 = auto)
   int patience = -1;    // Device strategy: stop bidding after this many rounds without a new low in free rows
 };
