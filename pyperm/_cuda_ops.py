@@ -28,10 +28,14 @@ from pyperm._device import cuda_module
 
 __all__ = [
     "batch_linear_sum_assignment",
+    "birkhoff_max_weight",
     "is_cuda_input",
     "is_dlpack_cuda",
     "linear_sum_assignment",
     "solve_square_warm",
+    "xcorr_merge",
+    "xcorr_new_state",
+    "xcorr_update",
 ]
 
 _DLPACK_CUDA_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
@@ -369,3 +373,226 @@ def solve_square_warm(
         **tuning,
     )
     return out
+
+
+# --------------------------------------------------------------------------- BvN
+def _torch_cuda_matrix(x: Any, name: str):
+    """A torch CUDA tensor as float32/float64 (other real dtypes become float64)."""
+    src = _as_device(x, name, 2)
+    torch = sys.modules["torch"]
+    t = src.owner if _is_torch(src.owner) else torch.as_tensor(src.owner, device=f"cuda:{src.device}")
+    if t.dtype not in (torch.float32, torch.float64):
+        t = t.to(torch.float64)
+    return t.detach(), src.device, src.stream
+
+
+def birkhoff_max_weight(
+    D: Any, max_terms: int | None = None, tol: float = 1e-9, *, progress: Any = None
+) -> tuple[Any, Any]:
+    r"""Greedy max-weight Birkhoff-von Neumann decomposition on the device.
+
+    The device twin of ``method="max-weight"`` in the CPU decomposition (Tatro et al.,
+    eq. 54): each term is the perfect matching of largest total weight on the support of the
+    residual :math:`R` (a warm-started assignment solve on the device with cost :math:`-R`,
+    :math:`+\infty` off the support), its coefficient the smallest matched entry.
+
+    Parameters
+    ----------
+    D : (n, n) torch.Tensor on a CUDA device
+        A (nearly) doubly stochastic matrix; entries <= 0 are outside the support. The
+        caller checks doubly-stochasticity; here only finiteness is checked.
+    max_terms : int, optional
+        Stop after this many terms (default: until the residual mass is at most ``tol``).
+    tol : float, default 1e-9
+        Stop when the residual mass :math:`\sum_{ij} R_{ij} / n` is at most ``tol``.
+    progress : callable, optional
+        Called after every term as ``progress(terms, coeff, residual_mass)``; returning
+        False stops the decomposition.
+
+    Returns
+    -------
+    coeffs : (k,) torch.Tensor of D's float dtype, on D's device
+    perms : (k, n) torch.Tensor, int64, on D's device
+        ``perms[t, i]`` is the column of row ``i`` in term ``t``.
+
+    Raises
+    ------
+    ValueError
+        ``D`` is not square, not finite, or ``max_terms`` / ``tol`` are out of range.
+
+    Notes
+    -----
+    Every term synchronises the stream twice (the solver's status and the coefficient are
+    read back), which the stopping rule needs anyway.
+
+    Examples
+    --------
+    >>> import torch, pyperm._cuda_ops as ops  # doctest: +SKIP
+    >>> D = torch.full((4, 4), 0.25, device="cuda", dtype=torch.float64)  # doctest: +SKIP
+    >>> coeffs, perms = ops.birkhoff_max_weight(D)  # doctest: +SKIP
+    >>> coeffs.tolist()  # doctest: +SKIP
+    [0.25, 0.25, 0.25, 0.25]
+    """
+    R, device, stream = _torch_cuda_matrix(D, "D")
+    torch = sys.modules["torch"]
+    n = R.shape[0]
+    if R.shape[1] != n:
+        raise ValueError(f"D must be square, got shape {tuple(R.shape)}")
+    if max_terms is not None and (isinstance(max_terms, bool) or int(max_terms) < 1):
+        raise ValueError(f"max_terms must be a positive int or None, got {max_terms!r}")
+    if not (float(tol) >= 0.0):
+        raise ValueError(f"tol must be non-negative, got {tol!r}")
+    if not bool(torch.isfinite(R).all()):
+        raise ValueError("D contains NaN or infinity")
+    dtype = "float32" if R.dtype == torch.float32 else "float64"
+    coeffs: list[float] = []
+    perms: list[Any] = []
+    if n > 0:
+        R = R.clamp_min(0).contiguous()  # a copy: D is never modified
+        v = torch.zeros(n, dtype=R.dtype, device=R.device)
+        cost = torch.empty_like(R)
+        mod = cuda_module()
+        limit = n * n if max_terms is None else int(max_terms)  # each term empties at least one entry
+        for t in range(limit):
+            mod.bvn_support_cost(R.data_ptr(), dtype, n, cost.data_ptr(), device, stream)
+            perm = torch.empty(n, dtype=torch.int64, device=R.device)
+            try:
+                mod.lap_solve_square_warm(cost.data_ptr(), dtype, 1, n, v.data_ptr(), perm.data_ptr(), device,
+                                          stream, False)
+            except ValueError as exc:
+                if "infeasible" not in str(exc):
+                    raise
+                break  # the residual's support has no perfect matching: only rounding noise is left
+            alpha, mass = mod.bvn_subtract_term(R.data_ptr(), dtype, n, perm.data_ptr(), device, stream)
+            coeffs.append(alpha)
+            perms.append(perm)
+            if progress is not None and progress(t + 1, alpha, mass) is False:
+                break
+            if mass <= tol:
+                break
+    out_perms = torch.stack(perms) if perms else torch.empty((0, n), dtype=torch.int64, device=R.device)
+    return torch.tensor(coeffs, dtype=R.dtype, device=R.device), out_perms
+
+
+# ----------------------------------------------------------------- cross-correlation
+def xcorr_new_state(dim_a: int, dim_b: int, device: Any, dtype: Any = None) -> dict[str, Any]:
+    """An empty device accumulator for :func:`xcorr_update`: float64 moments, float64 co-moment.
+
+    Keys: ``count`` (int), ``moments_a`` (4, dim_a) and ``moments_b`` (4, dim_b) with rows
+    mean, m2 (centred sum of squares), min, max, and ``comoment`` (dim_a, dim_b), the centred
+    co-moment. Correlation is ``comoment / sqrt(m2_a[:, None] * m2_b[None, :])``.
+    """
+    torch = _require_torch("the cross-correlation accumulator")
+    dtype = torch.float64 if dtype is None else dtype
+    return {
+        "count": 0,
+        "moments_a": torch.zeros((4, dim_a), dtype=torch.float64, device=device),
+        "moments_b": torch.zeros((4, dim_b), dtype=torch.float64, device=device),
+        "comoment": torch.zeros((dim_a, dim_b), dtype=dtype, device=device),
+    }
+
+
+def _xcorr_side(x: Any):
+    torch = sys.modules["torch"]
+    t = x.detach()
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.float()
+    elif t.dtype not in (torch.float32, torch.float64):
+        t = t.double()
+    if t.stride(1) != 1 or t.stride(0) < t.shape[1]:
+        t = t.contiguous()
+    return t
+
+
+def xcorr_update(state: dict[str, Any], xa: Any, xb: Any) -> None:
+    """Fold one batch of paired activations into a device accumulator, in place.
+
+    The device twin of one ``CrossCorrelation.update``: the centring and moment kernels run
+    on the device, the batch product is ``torch.matmul`` in the batch's precision, and the
+    Chan merge into the float64 accumulator is a device kernel. Wiring it into
+    ``pyperm.CrossCorrelation`` is left to that class.
+
+    Parameters
+    ----------
+    state : dict
+        From :func:`xcorr_new_state`.
+    xa : (samples, dim_a) torch.Tensor on the accumulator's device
+    xb : (samples, dim_b) torch.Tensor on the same device
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match the accumulator or each other, NaN or infinity in a batch,
+        or moments that would overflow (the accumulator is then unchanged).
+    """
+    torch = _require_torch("xcorr_update")
+    if not (_is_torch(xa) and _is_torch(xb)):
+        raise TypeError("xa and xb must be torch tensors")
+    da, db = state["moments_a"].shape[1], state["moments_b"].shape[1]
+    if xa.dim() != 2 or xa.shape[1] != da:
+        raise ValueError(f"xa must have shape (samples, {da}), got {tuple(xa.shape)}")
+    if xb.dim() != 2 or xb.shape[1] != db:
+        raise ValueError(f"xb must have shape (samples, {db}), got {tuple(xb.shape)}")
+    if xa.shape[0] != xb.shape[0]:
+        raise ValueError(f"xa and xb must have the same number of samples, got {xa.shape[0]} and {xb.shape[0]}")
+    dev = state["comoment"].device
+    if xa.device != dev or xb.device != dev:
+        raise ValueError(f"xa and xb must be on the accumulator's device {dev}")
+    rows = xa.shape[0]
+    if rows == 0:
+        return
+    a, b = _xcorr_side(xa), _xcorr_side(xb)
+    if a.dtype != b.dtype:  # a float32/float64 mix runs in float64
+        a, b = a.double(), b.double()
+    dtype = "float32" if a.dtype == torch.float32 else "float64"
+    mod = cuda_module()
+    device = dev.index if dev.index is not None else torch.cuda.current_device()
+    stream = int(torch.cuda.current_stream(dev).cuda_stream)
+    sides = []
+    for t, name in ((a, "xa"), (b, "xb")):
+        centred = torch.empty((rows, t.shape[1]), dtype=t.dtype, device=dev)
+        moments = torch.empty((4, t.shape[1]), dtype=torch.float64, device=dev)
+        resid = torch.empty(t.shape[1], dtype=torch.float64, device=dev)
+        err, max_sumsq = mod.xcorr_batch_moments(t.data_ptr(), dtype, rows, t.shape[1], t.stride(0),
+                                                 centred.data_ptr(), moments.data_ptr(), resid.data_ptr(), device,
+                                                 stream)
+        if err == 1:
+            raise ValueError(f"{name} contains NaN or infinity")
+        if err == 2:
+            raise ValueError(f"{name} has values so large that its moments overflow")
+        sides.append((centred, moments, resid, max_sumsq))
+    (ca, ma, ra, sa), (cb, mb, rb, sb) = sides
+    # Every entry of the product is bounded by sqrt(sumsq_a sumsq_b) (Cauchy-Schwarz).
+    if (sa ** 0.5) * (sb ** 0.5) > float(torch.finfo(a.dtype).max) / 4:
+        raise ValueError("xa and xb have values so large that their product overflows")
+    g = torch.matmul(ca.t(), cb).contiguous()
+    c = state["comoment"]
+    err = mod.xcorr_merge_comoments(
+        da, db, int(state["count"]), state["moments_a"].data_ptr(), state["moments_b"].data_ptr(), c.data_ptr(),
+        "float32" if c.dtype == torch.float32 else "float64", rows, ma.data_ptr(), mb.data_ptr(), g.data_ptr(),
+        dtype, ra.data_ptr(), rb.data_ptr(), device, stream)
+    if err:
+        raise ValueError("the accumulated moments would overflow the accumulator's dtype")
+    state["count"] = int(state["count"]) + rows
+
+
+def xcorr_merge(state: dict[str, Any], other: dict[str, Any]) -> None:
+    """Add the samples of accumulator ``other`` to ``state`` (in place), on the device."""
+    torch = _require_torch("xcorr_merge")
+    if state["comoment"].shape != other["comoment"].shape:
+        raise ValueError("the accumulators have different dimensions")
+    m = int(other["count"])
+    if m == 0:
+        return
+    dev = state["comoment"].device
+    device = dev.index if dev.index is not None else torch.cuda.current_device()
+    stream = int(torch.cuda.current_stream(dev).cuda_stream)
+    c, g = state["comoment"], other["comoment"].contiguous()
+    err = cuda_module().xcorr_merge_comoments(
+        c.shape[0], c.shape[1], int(state["count"]), state["moments_a"].data_ptr(), state["moments_b"].data_ptr(),
+        c.data_ptr(), "float32" if c.dtype == torch.float32 else "float64", m, other["moments_a"].data_ptr(),
+        other["moments_b"].data_ptr(), g.data_ptr(), "float32" if g.dtype == torch.float32 else "float64", 0, 0,
+        device, stream)
+    if err:
+        raise ValueError("the merged moments would overflow the accumulator's dtype")
+    state["count"] = int(state["count"]) + m

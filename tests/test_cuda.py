@@ -528,3 +528,110 @@ def test_warm_start_batched_and_infeasible():
         _cuda_ops.solve_square_warm(cost, torch.zeros(30, device="cuda", dtype=torch.float64))
     with pytest.raises(ValueError, match="v must be finite"):
         _cuda_ops.solve_square_warm(cost[0], torch.full((30,), float("nan"), device="cuda", dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------- GPU: BvN
+def _doubly_stochastic(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    w = rng.random(k) + 0.1
+    w /= w.sum()
+    d = np.zeros((n, n))
+    for t in range(k):
+        d[np.arange(n), rng.permutation(n)] += w[t]
+    return d
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 6, 64, 300])
+@pytest.mark.cuda
+@requires_cuda
+def test_birkhoff_max_weight(dtype, n):
+    torch = _torch()
+    d = _doubly_stochastic(n, 6, np.random.default_rng(n)).astype(dtype)
+    D = torch.from_numpy(d).cuda()
+    coeffs, perms = _cuda_ops.birkhoff_max_weight(D, tol=1e-12 if dtype == "float64" else 1e-6)
+    assert coeffs.device == D.device and coeffs.dtype == D.dtype and perms.dtype == torch.int64
+    c, p = coeffs.cpu().numpy().astype(np.float64), perms.cpu().numpy()
+    assert np.all(c > 0) and p.shape == (len(c), n)
+    recon = np.zeros((n, n))
+    for t in range(len(c)):
+        assert np.array_equal(np.sort(p[t]), np.arange(n))
+        recon[np.arange(n), p[t]] += c[t]
+    assert np.abs(recon - d).max() <= (1e-9 if dtype == "float64" else 1e-5)
+    # The first term is the max-weight matching of D (eq. 54): scipy's on the support.
+    cost = np.where(d > 0, -d.astype(np.float64), np.inf)
+    r, col = scipy_lsa(cost)
+    assert abs(d[np.arange(n), p[0]].sum() - d[r, col].sum()) <= 1e-5
+    # max_terms and the progress callback stop it early.
+    seen = []
+    coeffs2, perms2 = _cuda_ops.birkhoff_max_weight(D, max_terms=2, progress=lambda *a: seen.append(a))
+    assert len(coeffs2) == min(2, len(c)) and len(seen) == len(coeffs2)
+    coeffs3, _ = _cuda_ops.birkhoff_max_weight(D, progress=lambda *a: False)
+    assert len(coeffs3) == 1
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_birkhoff_errors():
+    torch = _torch()
+    with pytest.raises(ValueError, match="D must be square"):
+        _cuda_ops.birkhoff_max_weight(torch.ones(2, 3, device="cuda"))
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        _cuda_ops.birkhoff_max_weight(torch.full((2, 2), float("nan"), device="cuda"))
+    with pytest.raises(ValueError, match="max_terms"):
+        _cuda_ops.birkhoff_max_weight(torch.eye(2, device="cuda"), max_terms=0)
+    coeffs, perms = _cuda_ops.birkhoff_max_weight(torch.zeros(0, 0, device="cuda"))
+    assert coeffs.shape == (0,) and perms.shape == (0, 0)
+
+
+# ------------------------------------------------------------ GPU: cross-correlation
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.cuda
+@requires_cuda
+def test_xcorr_update_matches_numpy(dtype):
+    torch = _torch()
+    rng = np.random.default_rng(3)
+    z = rng.standard_normal((900, 1))
+    a = (1e3 + z * np.arange(12) + rng.standard_normal((900, 12))).astype(dtype)  # far from 0: cancellation test
+    b = (z + 0.5 * rng.standard_normal((900, 9))).astype(dtype)
+    b[:, 0] = 5.0  # a constant channel: exactly zero variance
+    state = _cuda_ops.xcorr_new_state(12, 9, "cuda")
+    for lo, hi in [(0, 1), (1, 300), (300, 301), (301, 900)]:
+        _cuda_ops.xcorr_update(state, torch.from_numpy(a[lo:hi]).cuda(), torch.from_numpy(b[lo:hi]).cuda())
+    assert state["count"] == 900
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    ma, mb = state["moments_a"].cpu().numpy(), state["moments_b"].cpu().numpy()
+    rtol = 1e-9 if dtype == "float64" else 1e-4
+    np.testing.assert_allclose(ma[0], a64.mean(0), rtol=rtol)
+    np.testing.assert_allclose(ma[1], ((a64 - a64.mean(0)) ** 2).sum(0), rtol=rtol)
+    np.testing.assert_allclose(ma[2], a64.min(0)) and np.testing.assert_allclose(ma[3], a64.max(0))
+    assert mb[1, 0] == 0.0
+    cov = (a64 - a64.mean(0)).T @ (b64 - b64.mean(0))
+    np.testing.assert_allclose(state["comoment"].cpu().numpy(), cov, rtol=rtol * 10, atol=rtol * 10 * np.abs(cov).max())
+    # Merging two accumulators equals accumulating everything in one.
+    left, right = _cuda_ops.xcorr_new_state(12, 9, "cuda"), _cuda_ops.xcorr_new_state(12, 9, "cuda")
+    _cuda_ops.xcorr_update(left, torch.from_numpy(a[:400]).cuda(), torch.from_numpy(b[:400]).cuda())
+    _cuda_ops.xcorr_update(right, torch.from_numpy(a[400:]).cuda(), torch.from_numpy(b[400:]).cuda())
+    _cuda_ops.xcorr_merge(left, right)
+    assert left["count"] == 900
+    np.testing.assert_allclose(left["comoment"].cpu().numpy(), cov, rtol=rtol * 10, atol=rtol * 10 * np.abs(cov).max())
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_xcorr_errors_leave_state_unchanged():
+    torch = _torch()
+    state = _cuda_ops.xcorr_new_state(3, 2, "cuda")
+    x = torch.randn(10, 3, device="cuda", dtype=torch.float64)
+    _cuda_ops.xcorr_update(state, x, x[:, :2])
+    before = {k: (v.clone() if hasattr(v, "clone") else v) for k, v in state.items()}
+    bad = x.clone()
+    bad[4, 1] = float("nan")
+    with pytest.raises(ValueError, match="xa contains NaN or infinity"):
+        _cuda_ops.xcorr_update(state, bad, x[:, :2])
+    with pytest.raises(ValueError, match="same number of samples"):
+        _cuda_ops.xcorr_update(state, x, x[:5, :2])
+    with pytest.raises(ValueError, match=r"xb must have shape \(samples, 2\)"):
+        _cuda_ops.xcorr_update(state, x, x)
+    assert state["count"] == before["count"]
+    for k in ("moments_a", "moments_b", "comoment"):
+        assert torch.equal(state[k], before[k])

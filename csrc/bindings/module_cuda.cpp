@@ -11,8 +11,10 @@
 #include <stdexcept>
 #include <string>
 
+#include "bvn/bvn_cuda.h"
 #include "common/cuda_runtime_info.h"
 #include "lap/lap_cuda.h"
+#include "xcorr/xcorr_cuda.h"
 
 namespace py = pybind11;
 
@@ -130,6 +132,90 @@ py::object lap_solve_square_warm(uintptr_t cost, const std::string& dtype, int64
   return py::none();
 }
 
+// ---------------------------------------------------------------- Birkhoff-von Neumann
+void bvn_support_cost(uintptr_t residual, const std::string& dtype, int64_t n, uintptr_t cost, int device,
+                      uintptr_t stream) {
+  const bool dbl = is_double(dtype);
+  py::gil_scoped_release release;
+  if (dbl)
+    pc::bvn_support_cost(static_cast<const double*>(as_ptr(residual)), n, static_cast<double*>(as_ptr(cost)), device,
+                         as_ptr(stream));
+  else
+    pc::bvn_support_cost(static_cast<const float*>(as_ptr(residual)), n, static_cast<float*>(as_ptr(cost)), device,
+                         as_ptr(stream));
+}
+
+py::tuple bvn_subtract_term(uintptr_t residual, const std::string& dtype, int64_t n, uintptr_t perm, int device,
+                            uintptr_t stream) {
+  const bool dbl = is_double(dtype);
+  double alpha = 0.0, mass = 0.0;
+  {
+    py::gil_scoped_release release;
+    const auto* p = static_cast<const int64_t*>(as_ptr(perm));
+    if (dbl) {
+      pc::bvn_subtract_term(static_cast<double*>(as_ptr(residual)), n, p, &alpha, &mass, device, as_ptr(stream));
+    } else {
+      float a = 0.0f;
+      pc::bvn_subtract_term(static_cast<float*>(as_ptr(residual)), n, p, &a, &mass, device, as_ptr(stream));
+      alpha = a;
+    }
+  }
+  return py::make_tuple(alpha, mass);
+}
+
+// ------------------------------------------------------------------- cross-correlation
+py::tuple xcorr_batch_moments(uintptr_t x, const std::string& dtype, int64_t rows, int64_t cols, int64_t ld,
+                              uintptr_t centred, uintptr_t moments, uintptr_t resid, int device, uintptr_t stream) {
+  const bool dbl = is_double(dtype);
+  if (rows < 1 || cols < 1 || ld < cols) throw py::value_error("xcorr_batch_moments: bad shape or row stride");
+  double max_sumsq = 0.0;
+  int err;
+  {
+    py::gil_scoped_release release;
+    auto* mo = static_cast<double*>(as_ptr(moments));
+    auto* re = static_cast<double*>(as_ptr(resid));
+    if (dbl)
+      err = pc::xcorr_batch_moments(static_cast<const double*>(as_ptr(x)), rows, cols, ld,
+                                    static_cast<double*>(as_ptr(centred)), mo, re, &max_sumsq, device, as_ptr(stream));
+    else
+      err = pc::xcorr_batch_moments(static_cast<const float*>(as_ptr(x)), rows, cols, ld,
+                                    static_cast<float*>(as_ptr(centred)), mo, re, &max_sumsq, device, as_ptr(stream));
+  }
+  return py::make_tuple(err, max_sumsq);
+}
+
+template <typename TC, typename TG>
+int merge_typed(int64_t dim_a, int64_t dim_b, int64_t n, uintptr_t moments_a, uintptr_t moments_b,
+                uintptr_t comoment, int64_t m, uintptr_t in_moments_a, uintptr_t in_moments_b, uintptr_t in_comoment,
+                uintptr_t resid_a, uintptr_t resid_b, int device, uintptr_t stream) {
+  return pc::xcorr_merge_comoments<TC, TG>(
+      dim_a, dim_b, n, static_cast<double*>(as_ptr(moments_a)), static_cast<double*>(as_ptr(moments_b)),
+      static_cast<TC*>(as_ptr(comoment)), m, static_cast<const double*>(as_ptr(in_moments_a)),
+      static_cast<const double*>(as_ptr(in_moments_b)), static_cast<const TG*>(as_ptr(in_comoment)),
+      resid_a ? static_cast<const double*>(as_ptr(resid_a)) : nullptr,
+      resid_b ? static_cast<const double*>(as_ptr(resid_b)) : nullptr, device, as_ptr(stream));
+}
+
+int xcorr_merge_comoments(int64_t dim_a, int64_t dim_b, int64_t n, uintptr_t moments_a, uintptr_t moments_b,
+                          uintptr_t comoment, const std::string& comoment_dtype, int64_t m, uintptr_t in_moments_a,
+                          uintptr_t in_moments_b, uintptr_t in_comoment, const std::string& in_dtype,
+                          uintptr_t resid_a, uintptr_t resid_b, int device, uintptr_t stream) {
+  const bool c64 = is_double(comoment_dtype), g64 = is_double(in_dtype);
+  if (dim_a < 1 || dim_b < 1 || n < 0 || m < 1) throw py::value_error("xcorr_merge_comoments: bad sizes");
+  py::gil_scoped_release release;
+  if (c64 && g64)
+    return merge_typed<double, double>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a, in_moments_b,
+                                       in_comoment, resid_a, resid_b, device, stream);
+  if (c64)
+    return merge_typed<double, float>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a, in_moments_b,
+                                      in_comoment, resid_a, resid_b, device, stream);
+  if (g64)
+    return merge_typed<float, double>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a, in_moments_b,
+                                      in_comoment, resid_a, resid_b, device, stream);
+  return merge_typed<float, float>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a, in_moments_b,
+                                   in_comoment, resid_a, resid_b, device, stream);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cuda, m) {
@@ -154,4 +240,21 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("state_smem") = -1, py::arg("max_rounds") = -1, py::arg("patience") = -1, py::arg("stats") = false,
         "Square minimisations warm-started from column duals v (batch x n, updated in place); contiguous "
         "batch x n x n cost with finite or +inf entries. Writes batch x n int64 col_of_row.");
+
+  m.def("bvn_support_cost", &bvn_support_cost, py::arg("residual"), py::arg("dtype"), py::arg("n"), py::arg("cost"),
+        py::arg("device"), py::arg("stream"), "cost = -R on the support of R (R > 0), +inf elsewhere (n x n).");
+  m.def("bvn_subtract_term", &bvn_subtract_term, py::arg("residual"), py::arg("dtype"), py::arg("n"), py::arg("perm"),
+        py::arg("device"), py::arg("stream"),
+        "One Birkhoff-von Neumann term: alpha = min_i R[i, perm[i]], R -= alpha P. Returns (alpha, residual mass). "
+        "Synchronises the stream.");
+  m.def("xcorr_batch_moments", &xcorr_batch_moments, py::arg("x"), py::arg("dtype"), py::arg("rows"), py::arg("cols"),
+        py::arg("ld"), py::arg("centred"), py::arg("moments"), py::arg("resid"), py::arg("device"), py::arg("stream"),
+        "Shifted batch and float64 moments (4 x cols) of one side. Returns (error code, max column sum of squares). "
+        "Synchronises the stream.");
+  m.def("xcorr_merge_comoments", &xcorr_merge_comoments, py::arg("dim_a"), py::arg("dim_b"), py::arg("n"),
+        py::arg("moments_a"), py::arg("moments_b"), py::arg("comoment"), py::arg("comoment_dtype"), py::arg("m"),
+        py::arg("in_moments_a"), py::arg("in_moments_b"), py::arg("in_comoment"), py::arg("in_dtype"),
+        py::arg("resid_a"), py::arg("resid_b"), py::arg("device"), py::arg("stream"),
+        "Chan merge of an incoming part into an accumulator in place (resid pointers 0 when merging two "
+        "accumulators). Returns an error code (0 ok, 2 overflow: nothing written). Synchronises the stream.");
 }
