@@ -239,6 +239,7 @@ __global__ void __launch_bounds__(BLOCK) block_kernel(BlockArgs<T> a) {
     for (int j = tid; j < m; j += BLOCK) {
       T best = infinity;
       int arg = 0;
+#pragma unroll 8
       for (int i = 0; i < n; ++i) {
         const T cij = cost_at(i, j);
         if (cij < best) {
@@ -357,6 +358,7 @@ __global__ void __launch_bounds__(BLOCK) block_kernel(BlockArgs<T> a) {
       if (k >= s_todo) break;  // uniform: shared values read after a barrier
       const int i = rows[k];
       TwoMin<T> t = dev::twomin_empty<T>();
+#pragma unroll 4
       for (int j = tid; j < m; j += BLOCK) {
         const T h = cost_at(i, j) - v[j];
         if (h < infinity) dev::twomin_offer(t, h, j);
@@ -433,6 +435,7 @@ __global__ void __launch_bounds__(BLOCK) block_kernel(BlockArgs<T> a) {
       const int i = y[j];
       const T h = cost_at(i, j) - v[j] - g.val;
       loc = dev::argmin_empty<T>();
+#pragma unroll 4
       for (int jj = tid; jj < m; jj += BLOCK) {
         if (jj == j) done[jj] = 1;
         if (done[jj]) continue;
@@ -543,6 +546,7 @@ __global__ void __launch_bounds__(512) device_init_kernel(InitArgs<T> a) {
       const T* cb = a.cost + b * nm;
       T best = infinity;
       int arg = 0;
+#pragma unroll 8
       for (int i = 0; i < n; ++i) {
         const T cij = cb[static_cast<int64_t>(i) * m + j];
         if (cij < best) {
@@ -657,54 +661,48 @@ __global__ void __launch_bounds__(512) device_init_kernel(InitArgs<T> a) {
       }
       if (tid < 3) a.counters[3 * ((round + 1) % 3) + tid] = 0;
     }
-    // Phase A: every free row bids. A warp takes 32 rows, finds the free ones with a ballot
-    // and scans each of them with its 32 lanes.
+    // Phase A: every free row bids, one warp per row (the first rounds have thousands of
+    // free rows, so they spread over the whole device).
     unsigned long long my_free = 0, my_bids = 0;
-    for (int64_t r0 = gwarp * 32; r0 < nrows; r0 += nwarps * 32) {
-      const int64_t rr = r0 + lane;
-      bool is_free = false;
-      if (rr < nrows) {
-        is_free = a.status[rr / n] == kOk && a.x[rr] < 0;
-        if (!is_free) a.rtgt[rr] = -1;
+    for (int64_t row = gwarp; row < nrows; row += nwarps) {
+      const int b = static_cast<int>(row / n), i = static_cast<int>(row % n);
+      // Every lane loads the same words, so the branch is warp-uniform.
+      if (a.status[b] != kOk || a.x[row] >= 0) {
+        if (lane == 0) a.rtgt[row] = -1;
+        continue;
       }
-      unsigned mask = __ballot_sync(dev::kFullMask, is_free);
-      while (mask) {
-        const int k = __ffs(mask) - 1;
-        mask &= mask - 1;
-        const int64_t row = r0 + k;
-        const int b = static_cast<int>(row / n), i = static_cast<int>(row % n);
-        const T* crow = row_ptr(b, i);
-        const T* vb = a.v + static_cast<int64_t>(b) * m;
-        TwoMin<T> t = dev::twomin_empty<T>();
-        for (int j = lane; j < m; j += 32) {
-          const T h = crow[j] - vb[j];
-          if (h < infinity) dev::twomin_offer(t, h, j);
-        }
-        t = dev::warp_twomin(t);
-        if (lane == 0) {
-          const int32_t* yb = a.y + static_cast<int64_t>(b) * m;
-          int tgt = -1;
-          T delta = T(0);
-          if (t.u1 < infinity) {
-            if (t.u2 < infinity && t.u1 < t.u2) {
-              tgt = t.j1;  // a positive bid may displace the owner
-              delta = t.u2 - t.u1;
-            } else if (t.u2 < infinity) {  // u1 == u2: only a free column, no displacement
-              tgt = yb[t.j1] < 0 ? t.j1 : (yb[t.j2] < 0 ? t.j2 : -1);
-            } else if (yb[t.j1] < 0) {  // a single usable column, and it is free
-              tgt = t.j1;
-              delta = infinity;
-            }
+      const T* crow = row_ptr(b, i);
+      const T* vb = a.v + static_cast<int64_t>(b) * m;
+      TwoMin<T> t = dev::twomin_empty<T>();
+#pragma unroll 4
+      for (int j = lane; j < m; j += 32) {
+        const T h = crow[j] - vb[j];
+        if (h < infinity) dev::twomin_offer(t, h, j);
+      }
+      t = dev::warp_twomin(t);
+      if (lane == 0) {
+        const int32_t* yb = a.y + static_cast<int64_t>(b) * m;
+        int tgt = -1;
+        T delta = T(0);
+        if (t.u1 < infinity) {
+          if (t.u2 < infinity && t.u1 < t.u2) {
+            tgt = t.j1;  // a positive bid may displace the owner
+            delta = t.u2 - t.u1;
+          } else if (t.u2 < infinity) {  // u1 == u2: only a free column, no displacement
+            tgt = yb[t.j1] < 0 ? t.j1 : (yb[t.j2] < 0 ? t.j2 : -1);
+          } else if (yb[t.j1] < 0) {  // a single usable column, and it is free
+            tgt = t.j1;
+            delta = infinity;
           }
-          a.rtgt[row] = tgt;
-          if (tgt >= 0) {
-            a.rdelta[row] = delta;
-            atomicMax(reinterpret_cast<unsigned long long*>(&bidkey[static_cast<int64_t>(b) * m + tgt]),
-                      static_cast<unsigned long long>(dev::order_key(delta)));
-            ++my_bids;
-          }
-          ++my_free;
         }
+        a.rtgt[row] = tgt;
+        if (tgt >= 0) {
+          a.rdelta[row] = delta;
+          atomicMax(reinterpret_cast<unsigned long long*>(&bidkey[static_cast<int64_t>(b) * m + tgt]),
+                    static_cast<unsigned long long>(dev::order_key(delta)));
+          ++my_bids;
+        }
+        ++my_free;
       }
     }
     if (my_free) atomicAdd(&cnt[0], my_free);
@@ -938,9 +936,12 @@ void run_solver(const T* cost, int64_t batch, int64_t n, int64_t m, bool warm, T
   } else {
     args.mode = warm ? kWarm : kCold;
     args.arr_passes = (warm || square) ? 2 : 0;  // as the CPU solver
+    // Every step of the solver is a scan and a reduction; one warp per problem (up to 16
+    // columns a lane) needs no cross-warp stage and no barrier in its reductions, which
+    // costs less than the extra loads. Wider problems get more warps.
     const int cap = batch >= 2 * info.sms ? 256 : 1024;
     plan = plan_block<T>(info, batch, n, m, opt.threads, opt.stage_cost, opt.state_smem,
-                         std::min(cap, next_pow2((m + 1) / 2)));
+                         std::min(cap, next_pow2((m + 15) / 16)));
   }
 
   // Scratch for the global-memory variant of the block kernel and for the device init.
