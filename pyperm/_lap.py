@@ -41,9 +41,10 @@ def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
         and float64 are solved in their own precision; bool, integers and other real
         dtypes are solved in float64. CUDA arrays (torch tensors, objects exposing
         ``__cuda_array_interface__`` or DLPack) are solved on their device, on the
-        current stream, and give int64 arrays on the same device; the call then
-        synchronises that stream, because the validity and feasibility flags are read
-        back from the device.
+        current stream, and give int64 arrays on the same device (torch tensors for
+        torch input, CuPy arrays for CuPy input, torch tensors otherwise); the call
+        then synchronises that stream, because the validity and feasibility flags are
+        read back from the device.
     maximize : bool, default False
         Maximise the total instead of minimising it.
 
@@ -59,6 +60,8 @@ def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
         ``cost`` is not 2-D or not real, contains NaN or the wrong infinity
         ("matrix contains invalid numeric entries"), or no complete matching avoids
         the forbidden pairs ("cost matrix is infeasible").
+    RuntimeError
+        ``cost`` is a CUDA array but pyperm was built without CUDA or no GPU is visible.
 
     Examples
     --------
@@ -103,6 +106,8 @@ def batch_linear_sum_assignment(
     ------
     ValueError
         As :func:`linear_sum_assignment`, naming the first failing problem's index.
+    RuntimeError
+        ``costs`` is a CUDA array but pyperm was built without CUDA or no GPU is visible.
 
     Examples
     --------
