@@ -222,6 +222,8 @@ def large_case(dtype: str, kind: str, n: int) -> tuple[np.ndarray, float]:
 def test_parity_large(dtype, kind, n, method):
     if kind != "uniform" and n == 2048 and dtype == "float64":
         pytest.skip("the CPU reference is slow here; float32 covers this size")
+    if method == "block" and n == 2048 and kind != "uniform":
+        pytest.skip("one block per problem is the small-problem strategy; 1024 covers it")
     cost, want = large_case(dtype, kind, n)
     rows, cols = _cuda_ops.linear_sum_assignment(to_cuda(cost), method=method)
     got = objective(cost, cpu(rows), cpu(cols))
