@@ -6,6 +6,7 @@ from typing import Any
 
 from pyperm import _core
 from pyperm._arrays import check_threads, is_cuda_array, like, real_float_array
+from pyperm._cuda_ops import is_dlpack_cuda
 
 
 def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
@@ -26,7 +27,12 @@ def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
     cost : (n, m) array-like or torch.Tensor
         The cost matrix. ``+inf`` (``-inf`` when maximising) forbids a pair. float32
         and float64 are solved in their own precision; bool, integers and other real
-        dtypes are solved in float64. CUDA tensors are solved on their device.
+        dtypes are solved in float64. CUDA arrays (torch tensors, objects exposing
+        ``__cuda_array_interface__`` or DLPack) are solved on their device, on the
+        current stream, and give int64 arrays on the same device (torch tensors for
+        torch input, CuPy arrays for CuPy input, torch tensors otherwise); the call
+        then synchronises that stream, because the validity and feasibility flags are
+        read back from the device.
     maximize : bool, default False
         Maximise the total instead of minimising it.
 
@@ -42,6 +48,8 @@ def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
         ``cost`` is not 2-D or not real, contains NaN or the wrong infinity
         ("matrix contains invalid numeric entries"), or no complete matching avoids
         the forbidden pairs ("cost matrix is infeasible").
+    RuntimeError
+        ``cost`` is a CUDA array but pyperm was built without CUDA or no GPU is visible.
 
     Examples
     --------
@@ -51,10 +59,10 @@ def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
     >>> col.tolist(), int(cost[row, col].sum())
     ([1, 0, 2], 5)
     """
-    if is_cuda_array(cost):
-        from pyperm._device import cuda_module
+    if is_cuda_array(cost) or is_dlpack_cuda(cost):
+        from pyperm import _cuda_ops
 
-        return cuda_module().lap_solve_cuda(cost, bool(maximize))  # pragma: no cover
+        return _cuda_ops.linear_sum_assignment(cost, bool(maximize))
     arr = real_float_array(cost, "cost", 2)
     rows, cols = _core.lap_solve(arr, bool(maximize))
     return like(cost, rows, cols)
@@ -74,6 +82,8 @@ def batch_linear_sum_assignment(
         Maximise every problem instead of minimising.
     threads : int, optional
         Worker threads (default: all cores). The GIL is released while they run.
+        Ignored for CUDA input, which is solved on its device (one thread block per
+        problem) and synchronises the current stream before returning.
 
     Returns
     -------
@@ -84,6 +94,8 @@ def batch_linear_sum_assignment(
     ------
     ValueError
         As :func:`linear_sum_assignment`, naming the first failing problem's index.
+    RuntimeError
+        ``costs`` is a CUDA array but pyperm was built without CUDA or no GPU is visible.
 
     Examples
     --------
@@ -94,10 +106,10 @@ def batch_linear_sum_assignment(
     ((8, 5), (8, 5))
     """
     nthreads = check_threads(threads)
-    if is_cuda_array(costs):
-        from pyperm._device import cuda_module
+    if is_cuda_array(costs) or is_dlpack_cuda(costs):
+        from pyperm import _cuda_ops
 
-        return cuda_module().lap_solve_batch_cuda(costs, bool(maximize))  # pragma: no cover
+        return _cuda_ops.batch_linear_sum_assignment(costs, bool(maximize))
     arr = real_float_array(costs, "costs", 3)
     rows, cols = _core.lap_solve_batch(arr, bool(maximize), nthreads)
     return like(costs, rows, cols)

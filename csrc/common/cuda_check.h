@@ -12,3 +12,13 @@
       throw std::runtime_error(std::string("CUDA error in " #expr ": ") +                   \
                                cudaGetErrorString(pyperm_err_));                             \
   } while (0)
+
+// After a <<<...>>> launch: catches bad configurations (too much shared memory, too many
+// threads) at once instead of at the next synchronising call, where the cause is lost.
+#define PYPERM_CUDA_CHECK_LAUNCH(what)                                                       \
+  do {                                                                                       \
+    cudaError_t pyperm_err_ = cudaGetLastError();                                            \
+    if (pyperm_err_ != cudaSuccess)                                                          \
+      throw std::runtime_error(std::string("CUDA error launching ") + (what) + ": " +       \
+                               cudaGetErrorString(pyperm_err_));                             \
+  } while (0)

@@ -19,4 +19,14 @@ std::string runtime_version() {
   return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
 }
 
+int pointer_device(uintptr_t ptr) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(ptr)) != cudaSuccess) {
+    cudaGetLastError();  // not a pointer the runtime knows: report, do not leave an error behind
+    return -1;
+  }
+  if (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) return attr.device;
+  return -1;
+}
+
 }  // namespace pyperm::cuda

@@ -1,5 +1,6 @@
 // What the CUDA runtime sees. Declared without cuda_runtime.h so host code can include it.
 #pragma once
+#include <cstdint>
 #include <string>
 
 namespace pyperm::cuda {
@@ -7,4 +8,6 @@ namespace pyperm::cuda {
 int device_count();
 // Runtime version as "major.minor".
 std::string runtime_version();
+// The device that owns a device (or managed) pointer; -1 for host or unknown memory.
+int pointer_device(uintptr_t ptr);
 }  // namespace pyperm::cuda
