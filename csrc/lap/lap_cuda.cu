@@ -1001,8 +1001,16 @@ void run_solver(const T* cost, int64_t batch, int64_t n, int64_t m, bool warm, T
         std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(std::min(per_sm, 2)) * info.sms,
                                                (work + kThreads - 1) / kThreads));
     void* kargs[] = {&ia};
-    PYPERM_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(static_cast<unsigned>(blocks)),
-                                                  dim3(kThreads), kargs, 0, stream));
+    // The kernel works with any grid size. Fewer SMs than the occupancy query assumes (an
+    // MPS client's share, say) make the launch "too large": halve the grid and retry.
+    cudaError_t err = cudaSuccess;
+    for (int64_t g = blocks;; g = (g + 1) / 2) {
+      err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(static_cast<unsigned>(g)),
+                                        dim3(kThreads), kargs, 0, stream);
+      if (err != cudaErrorCooperativeLaunchTooLarge || g == 1) break;
+      cudaGetLastError();  // launch errors are not sticky: clear it and try a smaller grid
+    }
+    PYPERM_CUDA_CHECK(err);
   }
   args.d = arena.get<T>(h_d);
   args.pred = arena.get<int32_t>(h_pred);
