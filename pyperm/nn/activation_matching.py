@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import pyperm
+from pyperm._progress import progress_bar
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.trace import ActivationSite, TraceError, symbolic_trace, trace_model
 
@@ -171,17 +172,6 @@ def _spec_groups(spec: PermutationSpec, traced: PermutationSpec) -> dict[str, st
             )
         out[g] = h
     return out
-
-
-def _progress_bar(enabled: bool, total: int | None):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        logger.warning("progress=True needs tqdm (pip install tqdm); continuing without a progress bar")
-        return None
-    return tqdm(total=total, desc="activation matching", unit="batch")
 
 
 # --------------------------------------------------------------------------- entry point
@@ -372,7 +362,7 @@ def activation_matching(
             total = len(data)  # type: ignore[arg-type]
         except TypeError:
             total = None
-    bar = _progress_bar(progress, total)
+    bar = progress_bar(progress, total, "activation matching", "batch")
     num_batches = 0
     try:
         model_a.eval()

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 import pyperm
+from pyperm._progress import progress_bar
 from pyperm.nn.permute import as_permutations
 from pyperm.nn.spec import PermutationSpec
 
@@ -474,7 +475,7 @@ def weight_matching(
     # Consecutive groups of the visiting order whose similarities do not involve each other
     # are solved together (pyperm's batched solver runs them on all cores): the result is
     # exactly that of visiting them one by one.
-    bar = _progress_bar(progress, max_iter)
+    bar = progress_bar(progress, max_iter, "weight matching", "sweep")
     converged = False
     sweeps = 0
     try:
@@ -575,12 +576,3 @@ def _solve_batch(
     return costs, cols  # type: ignore[return-value]
 
 
-def _progress_bar(enabled: bool, total: int):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        logger.warning("progress=True needs tqdm (pip install tqdm); continuing without a progress bar")
-        return None
-    return tqdm(total=total, desc="weight matching", unit="sweep")
