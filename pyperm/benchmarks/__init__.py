@@ -1,1 +1,1 @@
-"""Implementations of the ``pyperm bench`` sub-commands (timing harness in _timing.py)."""
+"""Implementations of the ``pyperm bench`` sub-commands; shared timing, tables and plots in _report.py."""
