@@ -10,17 +10,9 @@ import numpy as np
 import pytest
 
 import pyperm
-from pyperm.benchmarks.bvn import dense_doubly_stochastic, planted, scipy_max_weight_greedy
+from pyperm.benchmarks.bvn import dense_doubly_stochastic, planted, reconstruct, scipy_max_weight_greedy
 
 pytest.importorskip("pytest_benchmark")
-
-
-def reconstruct(coeffs, perms) -> np.ndarray:
-    n = perms.shape[1]
-    out = np.zeros((n, n))
-    for c, p in zip(coeffs, perms):
-        out[np.arange(n), p] += c
-    return out
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

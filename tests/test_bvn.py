@@ -14,6 +14,7 @@ from scipy.sparse.csgraph import maximum_bipartite_matching
 
 import pyperm
 from pyperm import _core
+from pyperm.benchmarks.bvn import planted  # a convex combination of k random permutations
 
 try:  # the solvers need numpy alone; only the torch round-trips need torch
     import torch
@@ -40,17 +41,6 @@ def dense_ds(n: int, seed: int, scale: float = 2.0) -> np.ndarray:
     """The benchmark family: Sinkhorn of exp(scale * N(0, 1))."""
     rng = np.random.default_rng(seed)
     return sinkhorn_reference(np.exp(scale * rng.standard_normal((n, n))))
-
-
-def planted(n: int, k: int, seed: int, dtype=np.float64):
-    """A convex combination of k random permutations with Dirichlet weights."""
-    rng = np.random.default_rng(seed)
-    weights = rng.dirichlet(np.ones(k))
-    perms = np.array([rng.permutation(n) for _ in range(k)])
-    D = np.zeros((n, n))
-    for w, p in zip(weights, perms):
-        D[np.arange(n), p] += w
-    return D.astype(dtype), weights, perms
 
 
 def reconstruct(coeffs, perms, n: int) -> np.ndarray:

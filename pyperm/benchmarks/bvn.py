@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     t_full, (coeffs, perms) = best_time(
         lambda: pyperm.birkhoff_decomposition(D, method="bottleneck", tol=tol), args.repeats
     )
-    err = float(np.abs(D.astype(np.float64) - _reconstruct(coeffs, perms)).max())
+    err = float(np.abs(D.astype(np.float64) - reconstruct(coeffs, perms)).max())
     if err > 10 * tol:
         failures.append(f"dense256-bottleneck: reconstruction error {err:.3g}")
     t_ref = ratio = None
@@ -223,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _reconstruct(coeffs, perms) -> np.ndarray:
+def reconstruct(coeffs, perms) -> np.ndarray:
+    """sum_t coeffs[t] * P_t as a dense matrix."""
     n = perms.shape[1]
     out = np.zeros((n, n))
     rows = np.arange(n)
