@@ -71,11 +71,11 @@ def check_threads(threads: Any) -> int:
 
 
 def like(template: Any, *arrays: np.ndarray):
-    """Returns ``arrays`` as torch tensors when ``template`` was one, else unchanged."""
+    """Returns ``arrays`` as torch tensors on ``template``'s device when it was a tensor, else unchanged."""
     if is_torch_tensor(template):
         import torch
 
-        out = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
+        out = tuple(torch.from_numpy(np.ascontiguousarray(a)).to(template.device) for a in arrays)
     else:
         out = arrays
     return out[0] if len(out) == 1 else out

@@ -14,7 +14,7 @@ from typing import Any, Callable, Union
 import numpy as np
 
 from pyperm import _core
-from pyperm._arrays import is_cuda_array, is_torch_tensor, real_float_array, to_numpy
+from pyperm._arrays import is_cuda_array, is_torch_tensor, like, real_float_array, to_numpy
 
 __all__ = ["birkhoff_decomposition", "project_doubly_stochastic", "sample_permutations", "sinkhorn"]
 
@@ -118,15 +118,6 @@ def _progress_hook(progress: ProgressArg, method: str, max_terms: int | None):
         bar.set_postfix(residual=f"{residual:.2e}", refresh=False)
 
     return hook, bar.close
-
-
-def _like(template: Any, *arrays: np.ndarray):
-    """numpy arrays back as torch tensors on ``template``'s device when it was a tensor."""
-    if not is_torch_tensor(template):
-        return arrays
-    import torch
-
-    return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(template.device) for a in arrays)
 
 
 # ----------------------------------------------------------------------------- decomposition
@@ -260,7 +251,7 @@ def birkhoff_decomposition(
         "birkhoff_decomposition(%s): %d terms, residual mass %.3g, stopped: %s",
         method, len(coeffs), residual, stop,
     )
-    return _like(D, coeffs, perms)
+    return like(D, coeffs, perms)
 
 
 def sample_permutations(
@@ -324,11 +315,11 @@ def sample_permutations(
     )
     n = perms.shape[1]
     if len(coeffs) == 0:  # n == 0: the only permutation is the empty one
-        return _like(D, np.zeros((num_samples, n), dtype=np.int64))[0]
+        return like(D, np.zeros((num_samples, n), dtype=np.int64))
     p = np.asarray(coeffs, dtype=np.float64)
     p /= p.sum()
     picks = rng.choice(len(p), size=num_samples, p=p)
-    return _like(D, np.ascontiguousarray(perms[picks]))[0]
+    return like(D, np.ascontiguousarray(perms[picks]))
 
 
 # ----------------------------------------------------------------------------- projection, scaling
