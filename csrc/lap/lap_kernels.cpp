@@ -180,12 +180,11 @@ struct Candidate {
   }
 };
 
-// One full Dijkstra step: d[k] = min(d[k], row[k] - v[k] - h), pred[k] = i where it
-// improved, and each improved column appended to `improved` unless it is null.
+// One full Dijkstra step: d[k] = min(d[k], row[k] - v[k] - h), pred[k] = i where it improved.
 // Finished columns carry v = -inf and d = +inf, so they neither change nor win.
 template <typename T>
 void relax(const T* row, const T* v, T* d, typename Lanes<T>::Index* pred,
-           typename Lanes<T>::Index i, T h, int64_t m, const int64_t* y, std::vector<Candidate<T>>* improved) {
+           typename Lanes<T>::Index i, T h, int64_t m) {
   using L = Lanes<T>;
   using Vec = typename L::Vec;
   using IVec = typename L::IVec;
@@ -200,18 +199,11 @@ void relax(const T* row, const T* v, T* d, typename Lanes<T>::Index* pred,
     if (any(better)) {  // late in a search most blocks improve nothing: skip the stores
       store(d + j, better ? cred : dj);
       store(pred + j, better ? iv : load<IVec>(pred + j));
-      if (improved != nullptr)
-        for (int k = 0; k < W; ++k)
-          if (better[k]) improved->push_back({cred[k], 2 * (j + k) + (y[j + k] >= 0)});
     }
   }
   for (; j < m; ++j) {
     T cred = row[j] - v[j] - h;
-    if (cred < d[j]) {
-      d[j] = cred;
-      pred[j] = i;
-      if (improved != nullptr) improved->push_back({cred, 2 * j + (y[j] >= 0)});
-    }
+    if (cred < d[j]) { d[j] = cred; pred[j] = i; }
   }
 }
 
@@ -587,8 +579,7 @@ class Solver {
   void relax_full(int64_t i, T h) {
     dense_ = true;
     level_.clear();  // the row may have brought columns at or below the level: find it anew
-    relax(row(i), vscan_.data(), d_.data(), pred_.data(), Index(i), h, m_, y_.data(),
-          static_cast<std::vector<Candidate<T>>*>(nullptr));
+    relax(row(i), vscan_.data(), d_.data(), pred_.data(), Index(i), h, m_);
   }
 
   void push(Candidate<T> c) {
