@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from pyperm import _core
 from pyperm._arrays import check_threads, is_cuda_array, like, real_float_array
 from pyperm._cuda_ops import is_dlpack_cuda
@@ -113,3 +115,35 @@ def batch_linear_sum_assignment(
     arr = real_float_array(costs, "costs", 3)
     rows, cols = _core.lap_solve_batch(arr, bool(maximize), nthreads)
     return like(costs, rows, cols)
+
+
+def solve_square_warm(cost: np.ndarray, duals: np.ndarray) -> np.ndarray:
+    """Minimising assignment of a square matrix, started from column duals (internal).
+
+    For sequences of similar problems (the steps of weight matching): the solver skips the
+    column reduction and starts its augmenting row reduction from ``duals``, which any
+    finite values make correct and the previous problem's final duals make fast.
+
+    Parameters
+    ----------
+    cost : (n, n) C-contiguous float32 or float64 numpy array
+        The costs; ``+inf`` forbids a pair.
+    duals : (n,) C-contiguous numpy array of ``cost``'s dtype
+        Column duals to start from, overwritten with the final ones.
+
+    Returns
+    -------
+    (n,) int64 numpy array
+        The column of each row.
+    """
+    if not isinstance(cost, np.ndarray) or cost.dtype not in (np.float32, np.float64):
+        raise TypeError("cost must be a float32 or float64 numpy array")
+    if cost.ndim != 2 or cost.shape[0] != cost.shape[1]:
+        raise ValueError(f"cost must be a square matrix, got shape {cost.shape}")
+    if not isinstance(duals, np.ndarray) or duals.dtype != cost.dtype or duals.shape != cost.shape[:1]:
+        raise ValueError(f"duals must be a ({cost.shape[0]},) numpy array of dtype {cost.dtype}")
+    if not (duals.flags.c_contiguous and duals.flags.writeable):
+        raise ValueError("duals must be a writeable C-contiguous array (it is updated in place)")
+    if not np.isfinite(duals).all():
+        raise ValueError("duals must be finite")
+    return _core.lap_solve_warm(np.ascontiguousarray(cost), duals)

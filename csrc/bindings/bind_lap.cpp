@@ -59,11 +59,35 @@ py::tuple solve_batch(py::array_t<T, py::array::c_style> costs, bool maximize, i
   return py::make_tuple(rows, cols);
 }
 
+// Square minimisation from the column duals v (updated in place): for sequences of similar
+// problems, such as the steps of weight matching. Arrays arrive validated from pyperm._lap.
+template <typename T>
+py::array_t<int64_t> solve_warm(py::array_t<T, py::array::c_style> cost, py::array_t<T, py::array::c_style> v,
+                                const std::string& isa_name) {
+  if (cost.ndim() != 2 || cost.shape(0) != cost.shape(1)) throw py::value_error("cost must be square");
+  const int64_t n = cost.shape(0);
+  if (v.ndim() != 1 || v.shape(0) != n) throw py::value_error("v must have one entry per column");
+  const cpu::Isa isa = cpu::parse_isa(isa_name);
+  py::array_t<int64_t> cols(n);
+  const T* c = cost.data();
+  T* dual = v.mutable_data();
+  int64_t* q = cols.mutable_data();
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = cpu::solve_square_warm(c, n, dual, q, isa, /*threads=*/0);
+  }
+  raise_for(s, "");
+  return cols;
+}
+
 }  // namespace
 
 void register_lap(py::module_& m) {
   m.def("lap_solve", &solve<double>, py::arg("cost"), py::arg("maximize"), py::arg("isa") = "auto");
   m.def("lap_solve", &solve<float>, py::arg("cost"), py::arg("maximize"), py::arg("isa") = "auto");
+  m.def("lap_solve_warm", &solve_warm<double>, py::arg("cost"), py::arg("v"), py::arg("isa") = "auto");
+  m.def("lap_solve_warm", &solve_warm<float>, py::arg("cost"), py::arg("v"), py::arg("isa") = "auto");
   m.def("lap_solve_batch", &solve_batch<double>, py::arg("costs"), py::arg("maximize"), py::arg("threads"),
         py::arg("isa") = "auto");
   m.def("lap_solve_batch", &solve_batch<float>, py::arg("costs"), py::arg("maximize"), py::arg("threads"),

@@ -23,13 +23,14 @@ Status linear_sum_assignment(const T* cost, int64_t n_rows, int64_t n_cols, bool
 
 // Square minimisation warm-started from column duals (for sequences of similar problems,
 // e.g. the terms of a Birkhoff-von Neumann decomposition).
-//   cost        [in]     row-major n x n, finite or +inf entries only (not checked here).
+//   cost        [in]     row-major n x n; +inf forbids a pair, NaN or -inf is Invalid.
 //   v           [in,out] n column duals: any values on entry (the previous solve's are a good
 //                        start), the final duals on return.
 //   col_of_row  [out]    n entries.
-// Returns Ok or Infeasible.
+//   threads     [in]     threads for the passes over a large matrix (<= 0: all cores).
+// Returns Ok, Infeasible or Invalid.
 template <typename T>
-Status solve_square_warm(const T* cost, int64_t n, T* v, int64_t* col_of_row, Isa isa);
+Status solve_square_warm(const T* cost, int64_t n, T* v, int64_t* col_of_row, Isa isa, int threads = 1);
 
 // Solves `batch` independent problems stored one after another (batch x n_rows x n_cols),
 // on up to `threads` threads (<= 0: all hardware threads). Outputs are batch x min(n_rows, n_cols).

@@ -346,8 +346,12 @@ class Solver {
     if (v_inout != nullptr) {
       std::copy(v_inout, v_inout + m_, v_.begin());
       for (int64_t i = 0; i < n_; ++i) free_rows.push_back(i);
-      augmenting_row_reduction(free_rows);
-      augmenting_row_reduction(free_rows);
+      // Uncached rows are checked here; cached ones as ARR first scans them (it visits every row).
+      if (!cached_) invalid_ = has_invalid(c_, n_ * m_);
+      build_caches(free_rows);  // in parallel on large problems, else as ARR reaches each row
+      if (!invalid_) augmenting_row_reduction(free_rows);
+      if (!invalid_) augmenting_row_reduction(free_rows);
+      if (invalid_) return Status::Invalid;
     } else if (n_ == m_) {
       if (!column_reduction(free_rows)) return invalid_ ? Status::Invalid : Status::Infeasible;
       augmenting_row_reduction(free_rows);
@@ -715,11 +719,11 @@ Status solve_dense(const double* cost, int64_t n, int64_t m, int64_t* col_of_row
 Status solve_dense(const float* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads) {
   return solve(cost, n, m, col_of_row, threads);
 }
-Status solve_square_warm(const double* cost, int64_t n, double* v, int64_t* col_of_row) {
-  return solve(cost, n, n, col_of_row, 1, v);
+Status solve_square_warm(const double* cost, int64_t n, double* v, int64_t* col_of_row, int threads) {
+  return solve(cost, n, n, col_of_row, threads, v);
 }
-Status solve_square_warm(const float* cost, int64_t n, float* v, int64_t* col_of_row) {
-  return solve(cost, n, n, col_of_row, 1, v);
+Status solve_square_warm(const float* cost, int64_t n, float* v, int64_t* col_of_row, int threads) {
+  return solve(cost, n, n, col_of_row, threads, v);
 }
 
 }  // namespace pyperm::cpu::PYPERM_ISA

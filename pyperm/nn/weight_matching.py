@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 import pyperm
+from pyperm._lap import solve_square_warm
 from pyperm._progress import progress_bar
 from pyperm.nn.permute import as_permutations
 from pyperm.nn.spec import PermutationSpec
@@ -56,7 +57,7 @@ logger = logging.getLogger(__name__)
 # after _MAX_CORRECTIONS corrections too (recomputing clears the float rounding that
 # corrections accumulate).
 _REBUILD_FRACTION = 0.5
-_MAX_CORRECTIONS = 16
+_MAX_CORRECTIONS = 64
 # Similarity matrices at least this wide are handed to the assignment solver in float64.
 _FLOAT64_SOLVE_FROM = 1024
 
@@ -89,18 +90,25 @@ class WeightMatchingResult:
 
 
 class _Term:
-    """One (tensor, axis) pair of a group: its contribution ``A_arr @ permuted(B_arr)^T``.
+    """One (tensor, axis) pair of a group: its contribution to the group's similarity.
 
-    ``a`` and ``b`` are arranged ``(n, m, r)``: the group's axis first, the axis of the one
-    other group second (``m = 1`` when there is none), everything else flattened into
-    ``r``, so that permuting the other group is one gather along axis 1. A tensor with two
-    or more other groups (rare) is kept as it is and its term recomputed whole when any of
-    them changes. ``value`` is the (n, n) contribution at the permutations in ``snap``.
+    ``a`` and ``b`` are arranged so that the contribution and its rank-``k`` corrections
+    are single matrix products of ``(n, K)`` views (:meth:`rows`): ``(n, m, r)`` (the
+    group's axis first, the axis of the one other group second, everything else flattened
+    into ``r``) for a convolution's output axis (a view, and gathers copy blocks of
+    ``r``), else ``(m, r, n)`` (a view for a linear layer's input axis; a linear layer's
+    output axis is transposed once, so that its gathers copy whole rows). ``m = 1`` when
+    there is no other group; permuting it is one gather along axis ``gather_dim``. A tensor with two or more other groups (rare) is kept as it is and its
+    term recomputed whole when any of them changes. ``value`` is minus the (n, n)
+    contribution at the permutations in ``snap`` (the solvers minimise; a product with
+    ``alpha=-1`` rounds exactly like the negated product, so the sign costs nothing).
     """
 
-    __slots__ = ("axis", "other", "general_axes", "a", "b", "snap", "value", "corrections")
+    __slots__ = (
+        "axis", "other", "general_axes", "a", "b", "gather_dim", "snap", "value", "corrections", "scratch"
+    )
 
-    def __init__(self, axis: int, groups: tuple, ta: torch.Tensor, tb: torch.Tensor) -> None:
+    def __init__(self, axis: int, groups: tuple, ta: torch.Tensor, tb: torch.Tensor, scratch: dict) -> None:
         self.axis = axis
         others = [(ax, g) for ax, g in enumerate(groups) if g is not None and ax != axis]
         self.other: str | None = None
@@ -108,15 +116,19 @@ class _Term:
         self.snap: torch.Tensor | None = None
         self.value: torch.Tensor | None = None
         self.corrections = 0  # rank-k corrections applied to value since it was computed whole
+        self.scratch = scratch  # gather buffers shared by the terms of one weight_matching call
         n = ta.shape[axis]
         if len(others) <= 1:
             middle = [ax for ax, _ in others]
             rest = [ax for ax in range(ta.ndim) if ax != axis and ax not in middle]
-            order = [axis, *middle, *rest]
             m = ta.shape[middle[0]] if middle else 1
-            # A view when the layout already fits (a layer's output axis), else one copy.
-            self.a = ta.permute(order).reshape(n, m, -1).contiguous()
-            self.b = tb.permute(order).reshape(n, m, -1).contiguous()
+            r = math.prod(ta.shape[ax] for ax in rest)
+            if axis == 0 and r > 1:
+                order, shape, self.gather_dim = [axis, *middle, *rest], (n, m, -1), 1
+            else:
+                order, shape, self.gather_dim = [*middle, *rest, axis], (m, -1, n), 0
+            self.a = ta.permute(order).reshape(shape).contiguous()
+            self.b = tb.permute(order).reshape(shape).contiguous()
             if others:
                 self.other = others[0][1]
         else:
@@ -124,16 +136,34 @@ class _Term:
             self.a = ta.movedim(axis, 0).reshape(n, -1).contiguous()
             self.b = tb
 
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (arranged like ``a``) as an (n, K) matrix view, the group's units as rows."""
+        return x.view(x.shape[0], -1) if self.gather_dim == 1 else x.view(-1, x.shape[-1]).T
+
+    def _gather(self, index: torch.Tensor, slot: int) -> torch.Tensor:
+        """``b`` with ``index`` taken along ``gather_dim``, written into a reused buffer
+        (fresh allocations of this size cost page faults comparable to the copy itself)."""
+        shape = list(self.b.shape)
+        shape[self.gather_dim] = index.numel()
+        key = (tuple(shape), self.b.dtype, self.b.device, slot)
+        buf = self.scratch.get(key)
+        if buf is None:
+            buf = self.scratch[key] = torch.empty(shape, dtype=self.b.dtype, device=self.b.device)
+        return torch.index_select(self.b, self.gather_dim, index, out=buf)
+
     def full(self, perms: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The whole contribution at the given permutations."""
-        n = self.a.shape[0]
+        """Minus the whole contribution at the given permutations (into ``value`` when it exists)."""
         if self.general_axes is not None:
+            n = self.a.shape[0]
             b = self.b
             for ax, g in self.general_axes:
                 b = b.index_select(ax, perms[g])
-            return self.a @ b.movedim(self.axis, 0).reshape(n, -1).T
-        b = self.b if self.other is None else self.b.index_select(1, perms[self.other])
-        return self.a.reshape(n, -1) @ b.reshape(n, -1).T
+            x, y = self.a, b.movedim(self.axis, 0).reshape(n, -1)
+        else:
+            x = self.rows(self.a)
+            y = self.rows(self.b if self.other is None else self._gather(perms[self.other], 0))
+        out = self.value if self.value is not None else x.new_empty((x.shape[0], y.shape[0]))
+        return torch.addmm(out, x, y.T, beta=0, alpha=-1, out=out)
 
     def current(self, perms: Mapping[str, torch.Tensor]) -> torch.Tensor:
         if self.general_axes is not None:
@@ -157,15 +187,15 @@ class _Term:
         k = idx.numel()
         if k == 0:
             return False
-        n = self.a.shape[0]
-        if k > _REBUILD_FRACTION * self.a.shape[1] or self.corrections >= _MAX_CORRECTIONS:
-            # Many units moved: recompute (exact, and clears the rounding corrections accumulate).
-            self.value = self.full(perms)
+        if k > _REBUILD_FRACTION * self.a.shape[self.gather_dim] or self.corrections >= _MAX_CORRECTIONS:
+            # Most units moved: recompute (exact, and clears the rounding corrections accumulate).
+            self.full(perms)
             self.corrections = 0
         else:
             # Only the k moved units of the other group: a rank-k (times r) correction.
-            diff = self.b.index_select(1, cur[idx]) - self.b.index_select(1, self.snap[idx])
-            self.value.addmm_(self.a.index_select(1, idx).reshape(n, -1), diff.reshape(n, -1).T)
+            diff = self._gather(cur[idx], 1).sub_(self._gather(self.snap[idx], 2))
+            moved = self.a.index_select(self.gather_dim, idx)
+            self.value.addmm_(self.rows(moved), self.rows(diff).T, alpha=-1)
             self.corrections += 1
         self.snap = cur.clone()
         return True
@@ -177,7 +207,7 @@ class _Group:
     def __init__(self, name: str, n: int, terms: list[_Term]) -> None:
         self.name = name
         self.n = n
-        self.const: torch.Tensor | None = None  # the sum of the terms that involve no other group
+        self.const: torch.Tensor | None = None  # minus the sum of the terms that involve no other group
         self.terms: list[_Term] = []
         for t in terms:
             if t.other is None and t.general_axes is None:
@@ -187,9 +217,12 @@ class _Group:
         self.neighbours = {t.other for t in self.terms if t.other is not None}
         self.neighbours |= {g for t in self.terms if t.general_axes for _, g in t.general_axes}
         self.stale = True  # whether the neighbours moved since the last assignment
+        self.duals: np.ndarray | None = None  # column duals of the last solve (warm start)
+        self.may_overflow = True  # whether its similarity entries could overflow the dtype
 
-    def similarity(self, perms: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-        """Writes the similarity matrix at the current permutations into ``out``.
+    def negated_similarity(self, perms: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Minus the similarity matrix at the current permutations (the solvers minimise):
+        a kept term when there is only one, else their sum written into ``out``.
 
         Summed afresh from the kept terms (never corrected in place), so that it carries
         only their rounding, in the same order at every visit.
@@ -200,11 +233,22 @@ class _Group:
         if not parts:
             return out.zero_()
         if len(parts) == 1:
-            return out.copy_(parts[0])
+            return parts[0]
         torch.add(parts[0], parts[1], out=out)
         for part in parts[2:]:
             out += part
         return out
+
+    def assign(self, cost: torch.Tensor) -> torch.Tensor:
+        """The minimising assignment (column of each row) of ``cost``, a CPU matrix.
+
+        Successive similarities of a group differ little, so the solver starts from the
+        column duals of this group's previous solve (the first starts from the column
+        minima): it then skips the column reduction and most augmenting paths.
+        """
+        if self.duals is None:
+            self.duals = cost.amin(dim=0).numpy()
+        return torch.from_numpy(solve_square_warm(cost.numpy(), self.duals))
 
 
 def _check_state(spec: PermutationSpec, state: Any, name: str) -> dict[str, torch.Tensor]:
@@ -257,6 +301,11 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
     if k < a.numel():
         total += float(torch.dot(a[k:].double(), b[k:].double()))
     return total
+
+
+def _norm(t: torch.Tensor) -> float:
+    """Frobenius norm (inf when it overflows float32, which only makes the bound conservative)."""
+    return float(torch.linalg.vector_norm(t if t.dtype == torch.float64 else t.float()))
 
 
 def _objective(
@@ -456,13 +505,16 @@ def weight_matching(
     # Arrange every (tensor, axis) pair once.
     key_set = set(obj_keys)
     groups: dict[str, _Group] = {}
+    scratch: dict = {}
+    largest = torch.finfo(dtype).max
     for g, n in spec.sizes.items():
-        terms = [
-            _Term(axis, spec.axes[key], sa[key].to(dtype), sb[key].to(dtype))
-            for key, axis in spec.group_axes[g]
-            if key in key_set
-        ]
+        matched = [(key, axis) for key, axis in spec.group_axes[g] if key in key_set]
+        terms = [_Term(axis, spec.axes[key], sa[key].to(dtype), sb[key].to(dtype), scratch) for key, axis in matched]
         groups[g] = _Group(g, n, terms)
+        # By Cauchy-Schwarz no similarity entry (nor partial sum) exceeds this bound: below
+        # it, the matrices need no finiteness check.
+        bound = sum(_norm(sa[key]) * _norm(sb[key]) for key, _ in matched)
+        groups[g].may_overflow = not bound < largest / 2
     # Every group is visited (in the seeded order), even one whose similarity is all zero:
     # its assignment then changes nothing, and the visiting order matches the reference
     # implementation's for a given seed.
@@ -471,10 +523,7 @@ def weight_matching(
 
     history = [objective]
     use_cuda = device.type == "cuda" and pyperm.cuda_available()
-    adjacent = {g: groups[g].neighbours | set(dependents[g]) for g in names}
-    # Consecutive groups of the visiting order whose similarities do not involve each other
-    # are solved together (pyperm's batched solver runs them on all cores): the result is
-    # exactly that of visiting them one by one.
+    buffers: dict[int, torch.Tensor] = {}  # one cost matrix per group size, reused
     bar = progress_bar(progress, max_iter, "weight matching", "sweep")
     converged = False
     sweeps = 0
@@ -483,33 +532,38 @@ def weight_matching(
             sweeps += 1
             improved = False
             order = [names[i] for i in torch.randperm(len(names), generator=gen).tolist()] if names else []
-            pos = 0
-            while pos < len(order):
-                batch: list[str] = []
-                while pos < len(order):
-                    g = order[pos]
-                    if any(b in adjacent[g] for b in batch):
-                        break  # its similarity depends on a group of this batch: next batch
-                    pos += 1
-                    if groups[g].stale:  # else no neighbour moved since its last solve: same answer
-                        batch.append(g)
-                costs, assignments = _solve_batch(batch, groups, perms, use_cuda, dtype, device)
-                for g, cost, col in zip(batch, costs, assignments):
-                    new = col.to(device=device, dtype=torch.int64)
-                    old = perms[g]
-                    if torch.equal(new, old):
-                        continue
-                    rows = torch.arange(groups[g].n, device=device)
-                    old_val = float(cost[rows, old].double().sum())
-                    new_val = float(cost[rows, new].double().sum())
-                    gain = new_val - old_val
-                    if gain <= tol * max(abs(old_val), abs(new_val)):
-                        continue  # a tie, or rounding: keep the current permutation
-                    perms[g] = new
-                    objective += gain
-                    improved = True
-                    for other in dependents[g]:
-                        groups[other].stale = True
+            for g in order:
+                group = groups[g]
+                if not group.stale:
+                    continue  # no neighbour moved since its last solve: the same answer
+                group.stale = False
+                out = buffers.get(group.n)
+                if out is None:
+                    out = buffers[group.n] = torch.empty((group.n, group.n), dtype=dtype, device=device)
+                cost = group.negated_similarity(perms, out)
+                if group.may_overflow and not bool(torch.isfinite(cost).all()):
+                    raise ValueError(
+                        f"the similarity matrix of group {g!r} is not finite: the weights are too large "
+                        f"for {dtype}; rescale them or pass dtype=torch.float64"
+                    )
+                if use_cuda:
+                    new = pyperm.linear_sum_assignment(cost)[1]
+                else:
+                    new = group.assign(cost.cpu()).to(device)
+                old = perms[g]
+                if torch.equal(new, old):
+                    continue
+                # The similarity is minus the cost.
+                old_val = -float(cost.gather(1, old[:, None]).double().sum())
+                new_val = -float(cost.gather(1, new[:, None]).double().sum())
+                gain = new_val - old_val
+                if gain <= tol * max(abs(old_val), abs(new_val)):
+                    continue  # a tie, or rounding: keep the current permutation
+                perms[g] = new
+                objective += gain
+                improved = True
+                for other in dependents[g]:
+                    groups[other].stale = True
             history.append(objective)
             if bar is not None:
                 bar.update(1)
@@ -524,55 +578,4 @@ def weight_matching(
     return WeightMatchingResult(
         perms={g: p.cpu() for g, p in perms.items()}, objective=history, sweeps=sweeps, converged=converged
     )
-
-
-def _solve_batch(
-    batch: list[str],
-    groups: Mapping[str, _Group],
-    perms: Mapping[str, torch.Tensor],
-    use_cuda: bool,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The similarity matrices of ``batch`` and the maximising assignment (column of each row) of each.
-
-    Matrices of one size are written straight into one stack and handed to pyperm's
-    batched solver, which solves them in parallel on the CPU cores (its threads run while
-    this thread waits, so they do not compete with torch's).
-    """
-    by_size: dict[int, list[int]] = {}
-    for i, g in enumerate(batch):
-        by_size.setdefault(groups[g].n, []).append(i)
-    costs: list[torch.Tensor | None] = [None] * len(batch)
-    cols: list[torch.Tensor | None] = [None] * len(batch)
-    for n, idx in by_size.items():
-        stack = torch.empty((len(idx), n, n), dtype=dtype, device=device)
-        for k, i in enumerate(idx):
-            costs[i] = groups[batch[i]].similarity(perms, out=stack[k])
-            groups[batch[i]].stale = False
-        # float32 matrices of n >= 1024 are solved in float64: the same optimum (every
-        # float32 value is exact in float64), and the CPU solver's float32 path can stall
-        # on these near-degenerate matrices (MLP 784-[2048]x4-10: 9.2 s of solves in
-        # float32, 6.1 s in float64; below 1024 float32 is the faster one).
-        if not use_cuda:
-            stack = stack.cpu()
-            if n >= _FLOAT64_SOLVE_FROM:
-                stack = stack.double()
-        try:
-            if len(idx) == 1 or use_cuda:
-                for k, i in enumerate(idx):
-                    cols[i] = pyperm.linear_sum_assignment(stack[k], maximize=True)[1]
-            else:
-                found = pyperm.batch_linear_sum_assignment(stack, maximize=True)[1]
-                for k, i in enumerate(idx):
-                    cols[i] = found[k]
-        except ValueError as exc:
-            # The inputs were checked finite, so only a similarity can have overflowed.
-            bad = [batch[i] for k, i in enumerate(idx) if not bool(torch.isfinite(stack[k]).all())]
-            raise ValueError(
-                f"the similarity matrix of group {bad[0] if bad else batch[idx[0]]!r} is not finite ({exc}): "
-                f"the weights are too large for {dtype}; rescale them or pass dtype=torch.float64"
-            ) from None
-    return costs, cols  # type: ignore[return-value]
-
 
