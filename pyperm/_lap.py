@@ -147,3 +147,20 @@ def solve_square_warm(cost: np.ndarray, duals: np.ndarray) -> np.ndarray:
     if not np.isfinite(duals).all():
         raise ValueError("duals must be finite")
     return _core.lap_solve_warm(np.ascontiguousarray(cost), duals)
+
+
+def incremental_solver(cost: np.ndarray) -> Any:
+    """A minimising solver bound to ``cost``, a square C-contiguous float32/float64 array
+    of finite or ``+inf`` entries (not checked) that the caller changes in place between
+    ``solve()`` calls (internal).
+
+    It keeps its matching and column duals from solve to solve and re-assigns only the rows
+    whose matched entry stopped being a minimum of its reduced row; ``warm_start(col, v)``
+    hands it another solver's answer and duals (e.g. :func:`solve_square_warm`'s).
+    """
+    if not isinstance(cost, np.ndarray) or cost.dtype not in (np.float32, np.float64):
+        raise TypeError("cost must be a float32 or float64 numpy array")
+    if cost.ndim != 2 or cost.shape[0] != cost.shape[1] or not cost.flags.c_contiguous:
+        raise ValueError(f"cost must be a square C-contiguous matrix, got shape {cost.shape}")
+    kind = _core.IncrementalAssignmentF64 if cost.dtype == np.float64 else _core.IncrementalAssignmentF32
+    return kind(cost)

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "bindings/register.h"
+#include "lap/incremental_assignment.h"
 #include "lap/lap_cpu.h"
 
 namespace py = pybind11;
@@ -81,6 +82,56 @@ py::array_t<int64_t> solve_warm(py::array_t<T, py::array::c_style> cost, py::arr
   return cols;
 }
 
+// A solver bound to a cost matrix the caller changes in place between solves (the steps of
+// weight matching), keeping its matching and column duals. Takes the array itself, never a
+// converted copy: a copy would not see the caller's changes.
+template <typename T>
+class BoundIncrementalAssignment {
+ public:
+  BoundIncrementalAssignment(py::array cost, const std::string& isa_name)
+      : cost_(checked(cost)), solver_(static_cast<const T*>(cost_.data()), cost_.shape(0), cpu::parse_isa(isa_name)) {}
+
+  // Starts from an assignment and column duals (e.g. from lap_solve_warm).
+  void warm_start(py::array_t<int64_t, py::array::c_style | py::array::forcecast> col_of_row,
+                  py::array_t<T, py::array::c_style | py::array::forcecast> v) {
+    const int64_t n = cost_.shape(0);
+    if (col_of_row.ndim() != 1 || col_of_row.shape(0) != n || v.ndim() != 1 || v.shape(0) != n)
+      throw py::value_error("col_of_row and v must have one entry per row");
+    solver_.warm_start(col_of_row.data(), v.data());
+  }
+
+  py::array_t<int64_t> solve() {
+    py::array_t<int64_t> cols(cost_.shape(0));
+    int64_t* q = cols.mutable_data();
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = solver_.solve(q);
+    }
+    raise_for(s, "");
+    return cols;
+  }
+
+ private:
+  static py::array checked(py::array cost) {
+    if (!cost.dtype().is(py::dtype::of<T>())) throw py::type_error("cost has the wrong dtype");
+    if (!(cost.flags() & py::array::c_style)) throw py::value_error("cost must be C-contiguous");
+    if (cost.ndim() != 2 || cost.shape(0) != cost.shape(1)) throw py::value_error("cost must be square");
+    return cost;
+  }
+
+  py::array cost_;  // keeps the caller's buffer alive
+  cpu::IncrementalAssignment<T> solver_;
+};
+
+template <typename T>
+void register_incremental(py::module_& m, const char* name) {
+  py::class_<BoundIncrementalAssignment<T>>(m, name)
+      .def(py::init<py::array, const std::string&>(), py::arg("cost"), py::arg("isa") = "auto")
+      .def("warm_start", &BoundIncrementalAssignment<T>::warm_start, py::arg("col_of_row"), py::arg("v"))
+      .def("solve", &BoundIncrementalAssignment<T>::solve);
+}
+
 }  // namespace
 
 void register_lap(py::module_& m) {
@@ -88,6 +139,8 @@ void register_lap(py::module_& m) {
   m.def("lap_solve", &solve<float>, py::arg("cost"), py::arg("maximize"), py::arg("isa") = "auto");
   m.def("lap_solve_warm", &solve_warm<double>, py::arg("cost"), py::arg("v"), py::arg("isa") = "auto");
   m.def("lap_solve_warm", &solve_warm<float>, py::arg("cost"), py::arg("v"), py::arg("isa") = "auto");
+  register_incremental<double>(m, "IncrementalAssignmentF64");
+  register_incremental<float>(m, "IncrementalAssignmentF32");
   m.def("lap_solve_batch", &solve_batch<double>, py::arg("costs"), py::arg("maximize"), py::arg("threads"),
         py::arg("isa") = "auto");
   m.def("lap_solve_batch", &solve_batch<float>, py::arg("costs"), py::arg("maximize"), py::arg("threads"),

@@ -30,7 +30,7 @@
 #include <queue>
 #include <utility>
 
-#include "bvn/incremental_assignment.h"
+#include "lap/incremental_assignment.h"
 #include "lap/lap_cpu.h"
 
 namespace pyperm::cpu {

@@ -1,4 +1,4 @@
-#include "bvn/incremental_assignment.h"
+#include "lap/incremental_assignment.h"
 
 #include <cmath>
 #include <cstring>
