@@ -26,9 +26,9 @@ similarity matrix from every weight at every step):
   those whose other group did not move are reused as they are;
 - a group none of whose neighbours changed since its last assignment is not solved again
   (the answer could not change), so the last, confirming sweep is nearly free;
-- every assignment is warm-started from the group's previous one (its matching and column
-  duals), since a group's similarity changes little from visit to visit; on the GPU when
-  the tensors are CUDA tensors and pyperm's CUDA core is available.
+- on the CPU every assignment is warm-started from the group's previous one (its matching
+  or its column duals), since a group's similarity changes little from visit to visit;
+  CUDA tensors are solved on their GPU when pyperm's CUDA core is available.
 
 Measured with ``pyperm bench match`` (2-core machine): the similarity products are most
 of the time, and they are bounded by the machine's float32 matrix-multiply rate.
@@ -101,10 +101,11 @@ class _Term:
     into ``r``) for a convolution's output axis (a view, and gathers copy blocks of
     ``r``), else ``(m, r, n)`` (a view for a linear layer's input axis; a linear layer's
     output axis is transposed once, so that its gathers copy whole rows). ``m = 1`` when
-    there is no other group; permuting it is one gather along axis ``gather_dim``. A tensor with two or more other groups (rare) is kept as it is and its
-    term recomputed whole when any of them changes. ``value`` is minus the (n, n)
-    contribution at the permutations in ``snap`` (the solvers minimise; a product with
-    ``alpha=-1`` rounds exactly like the negated product, so the sign costs nothing).
+    there is no other group; permuting it is one gather along axis ``gather_dim``. A
+    tensor with two or more other groups (rare) is kept as it is and its term recomputed
+    whole when any of them changes. ``value`` is minus the (n, n) contribution at the
+    permutations in ``snap`` (the solvers minimise; a product with ``alpha=-1`` rounds
+    exactly like the negated product, so the sign costs nothing).
     """
 
     __slots__ = (
