@@ -180,52 +180,40 @@ struct Candidate {
   }
 };
 
-// One full Dijkstra step: d[k] = min(d[k], row[k] - v[k] - h), pred[k] = i where it improved.
-// Finished columns carry v = -inf and d = +inf, so they neither change nor win.
-template <typename T>
-void relax(const T* row, const T* v, T* d, typename Lanes<T>::Index* pred,
-           typename Lanes<T>::Index i, T h, int64_t m) {
-  using L = Lanes<T>;
-  using Vec = typename L::Vec;
-  using IVec = typename L::IVec;
-  constexpr int W = sizeof(Vec) / sizeof(T);
-  const Vec hv = splat<Vec>(h);
-  const IVec iv = splat<IVec>(i);
-  int64_t j = 0;
-  for (; j + W <= m; j += W) {
-    Vec cred = load<Vec>(row + j) - load<Vec>(v + j) - hv;
-    Vec dj = load<Vec>(d + j);
-    auto better = cred < dj;
-    if (any(better)) {  // late in a search most blocks improve nothing: skip the stores
-      store(d + j, better ? cred : dj);
-      store(pred + j, better ? iv : load<IVec>(pred + j));
-    }
-  }
-  for (; j < m; ++j) {
-    T cred = row[j] - v[j] - h;
-    if (cred < d[j]) { d[j] = cred; pred[j] = i; }
-  }
-}
-
 // Smallest d[k] into best/best_j (best_j = -1 when every d is +inf), a free column when
 // one is as near (the path can end there). Otherwise, when the minimum shows up in more
 // than one lane (tied costs, as integer costs give), every other column as near is
 // appended to `level`, so the search settles the whole level before its next O(m) pass.
 // free[k]: all ones if column k is free, else 0.
-template <typename T>
-void argmin(const T* d, const typename Lanes<T>::Index* free, int64_t m, T& best, int64_t& best_j,
-            std::vector<int64_t>& level) {
+// With kRelax, the same pass first relaxes row i at offset h (one full Dijkstra step:
+// d[k] = min(d[k], row[k] - v[k] - h), pred[k] = i where it improved; finished columns
+// carry v = -inf and d = +inf, so they neither change nor win): one pass over d instead
+// of two for each row a dense search scans.
+template <bool kRelax, typename T>
+void argmin_impl(const T* d_in, const typename Lanes<T>::Index* free, int64_t m, T& best, int64_t& best_j,
+                 std::vector<int64_t>& level, const T* row = nullptr, const T* v = nullptr,
+                 typename Lanes<T>::Index* pred = nullptr, typename Lanes<T>::Index i = 0, T h = T(0)) {
   using L = Lanes<T>;
   using Vec = typename L::Vec;
   using IVec = typename L::IVec;
   constexpr int W = sizeof(Vec) / sizeof(T);
+  T* d = const_cast<T*>(d_in);  // written only with kRelax
   const Vec inf = splat<Vec>(kInf<T>);
+  const Vec hv = splat<Vec>(h);
+  const IVec iv = splat<IVec>(i);
   Vec bv = inf, fv = inf;  // nearest of all columns, and of the free ones
   IVec bi = splat<IVec>(-1), fi = bi, idx = iota_vec<IVec>();
   const IVec step = splat<IVec>(W);
   int64_t j = 0;
   for (; j + W <= m; j += W) {
     Vec dj = load<Vec>(d + j);
+    if constexpr (kRelax) {
+      Vec cred = load<Vec>(row + j) - load<Vec>(v + j) - hv;
+      auto better = cred < dj;
+      dj = better ? cred : dj;
+      store(d + j, dj);
+      store(pred + j, better ? iv : load<IVec>(pred + j));
+    }
     auto win = dj < bv;
     bv = win ? dj : bv;
     bi = win ? idx : bi;
@@ -246,6 +234,10 @@ void argmin(const T* d, const typename Lanes<T>::Index* free, int64_t m, T& best
   }
   for (int k = 0; k < W; ++k) lanes_at_best += bi[k] >= 0 && bv[k] == best;
   for (; j < m; ++j) {
+    if constexpr (kRelax) {
+      T cred = row[j] - v[j] - h;
+      if (cred < d[j]) { d[j] = cred; pred[j] = i; }
+    }
     if (d[j] < best) { best = d[j]; best_j = j; lanes_at_best = 1; }
     else if (d[j] == best) ++lanes_at_best;
     if (free[j] && d[j] < fbest) { fbest = d[j]; fbest_j = j; }
@@ -262,6 +254,20 @@ void argmin(const T* d, const typename Lanes<T>::Index* free, int64_t m, T& best
   }
   for (; j < m; ++j)
     if (d[j] == best && j != best_j) level.push_back(j);
+}
+
+template <typename T>
+void argmin(const T* d, const typename Lanes<T>::Index* free, int64_t m, T& best, int64_t& best_j,
+            std::vector<int64_t>& level) {
+  argmin_impl<false>(d, free, m, best, best_j, level);
+}
+
+// Relaxes row i into d and pred, then finds the nearest column as argmin() does, in one pass.
+template <typename T>
+void relax_argmin(const T* row, const T* v, T* d, typename Lanes<T>::Index* pred, typename Lanes<T>::Index i, T h,
+                  const typename Lanes<T>::Index* free, int64_t m, T& best, int64_t& best_j,
+                  std::vector<int64_t>& level) {
+  argmin_impl<true>(d, free, m, best, best_j, level, row, v, pred, i, h);
 }
 
 // Whether any entry is NaN or -inf.
@@ -573,17 +579,22 @@ class Solver {
     for (int k = 0; k < count; ++k) {
       int64_t j = cols[k];
       T cred = costs[k] - vscan_[j] - h;
-      if (cred < d_[j]) { d_[j] = cred; pred_[j] = Index(i); push({cred, 2 * j + (y_[j] >= 0)}); }
+      if (cred < d_[j]) { d_[j] = cred; pred_[j] = Index(i); found_ = false; push({cred, 2 * j + (y_[j] >= 0)}); }
     }
     if (cache_bound_[i] < kInf<T>) pending_.push({cache_bound_[i] - h, i, h});
   }
 
   // A whole row relaxed: from here on this search finds its nearest column by a dense
   // scan of d, which costs less than keeping up to m new candidates in the heap.
+  // The same pass finds the nearest column, which the nearest() call that always follows
+  // returns without a scan of its own.
   void relax_full(int64_t i, T h) {
     dense_ = true;
     level_.clear();  // the row may have brought columns at or below the level: find it anew
-    relax(row(i), vscan_.data(), d_.data(), pred_.data(), Index(i), h, m_);
+    relax_argmin(row(i), vscan_.data(), d_.data(), pred_.data(), Index(i), h, free_.data(), m_, found_d_, found_j_,
+                 level_);
+    level_d_ = found_d_;
+    found_ = true;
   }
 
   void push(Candidate<T> c) {
@@ -601,6 +612,12 @@ class Solver {
   // a column's entry is current while it is unfinished and its d still equals it.
   void nearest(T& best, int64_t& best_j) {
     if (dense_) {
+      if (found_) {  // d has not changed since relax_full found its nearest column
+        found_ = false;
+        best = found_d_;
+        best_j = found_j_;
+        return;
+      }
       while (!level_.empty()) {  // free columns of the level were taken at once
         int64_t j = level_.back();
         level_.pop_back();
@@ -628,6 +645,7 @@ class Solver {
     heap_.clear();
     level_.clear();
     dense_ = false;
+    found_ = false;
     pending_ = {};
     expand(f, T(0));
     T best;
@@ -701,6 +719,9 @@ class Solver {
   bool dense_ = false;    // this search has relaxed a whole row
   std::vector<int64_t> level_;  // dense mode: unsettled columns at distance level_d_
   T level_d_ = T(0);
+  bool found_ = false;  // dense mode: relax_full's nearest column (found_d_, found_j_) is current
+  T found_d_ = T(0);
+  int64_t found_j_ = -1;
   bool invalid_ = false;  // the first pass met NaN or -inf
 };
 
