@@ -334,13 +334,15 @@ def _objective(
 ) -> float:
     """The objective on validated state dicts; also the finiteness check of every entry it reads."""
     total = 0.0
+    # Identity permutations (the usual start) need no gather of B.
+    moved = {g for g, p in perms.items() if not torch.equal(p, torch.arange(p.numel(), device=p.device))}
     for key in keys:
         a = sa[key]
         b = sb[key]
         if a.shape != b.shape:
             raise ValueError(f"state_a[{key!r}] has shape {tuple(a.shape)} but state_b has {tuple(b.shape)}")
         for ax, g in enumerate(spec.axes[key]):
-            if g is not None:
+            if g in moved:
                 b = b.index_select(ax, perms[g].to(b.device))
         term = _dot(a, b.to(a.device))
         if not math.isfinite(term):
