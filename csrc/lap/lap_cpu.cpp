@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "common/thread_pool.h"
@@ -25,7 +26,7 @@ Status dispatch(Isa isa, const T* cost, int64_t n, int64_t m, int64_t* col_of_ro
 // the input is already that, it is used in place and the kernel's first pass checks it;
 // otherwise it is checked while being copied (negated and/or transposed).
 template <typename T>
-Status prepare(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, int threads, std::vector<T>& work,
+Status prepare(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, int threads, std::unique_ptr<T[]>& work,
                const T** out) {
   const bool transpose = n_rows > n_cols;
   if (!transpose && !maximize) {
@@ -33,7 +34,8 @@ Status prepare(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, int
     return Status::Ok;
   }
   const int64_t total = n_rows * n_cols;
-  work.resize(static_cast<size_t>(total));
+  // Uninitialised: a zero-filled vector would write the whole matrix once more.
+  work.reset(new T[static_cast<size_t>(total)]);
   const T sign = maximize ? T(-1) : T(1);
   const T inf = std::numeric_limits<T>::infinity();
   // Bands of 64 source rows, spread over threads when the matrix is large (the copy is
@@ -45,13 +47,18 @@ Status prepare(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, int
     const int64_t i0 = band * B, i1 = std::min(i0 + B, n_rows);
     int bad = 0;  // valid entries end above -inf; NaN fails the comparison too (branch-free)
     if (transpose) {
-      for (int64_t j0 = 0; j0 < n_cols; j0 += B)  // blocked so both sides stay in cache
-        for (int64_t i = i0; i < i1; ++i)
-          for (int64_t j = j0; j < std::min(j0 + B, n_cols); ++j) {
-            T c = sign * cost[i * n_cols + j];
-            work[j * n_rows + i] = c;
-            bad |= !(c > -inf);
-          }
+      // Each output row segment is written contiguously; the band's source rows are read
+      // down a column, and the cache lines they bring serve the next columns too (writing
+      // along a source row instead touches one output page per entry: measured 15% slower
+      // on 4000 x 1000).
+      for (int64_t j = 0; j < n_cols; ++j) {
+        T* out_row = work.get() + j * n_rows;
+        for (int64_t i = i0; i < i1; ++i) {
+          T c = sign * cost[i * n_cols + j];
+          out_row[i] = c;
+          bad |= !(c > -inf);
+        }
+      }
     } else {
       for (int64_t k = i0 * n_cols; k < i1 * n_cols; ++k) {
         T c = sign * cost[k];
@@ -63,7 +70,7 @@ Status prepare(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, int
   });
   for (char b : band_bad)
     if (b) return Status::Invalid;
-  *out = work.data();
+  *out = work.get();
   return Status::Ok;
 }
 
@@ -89,7 +96,7 @@ template <typename T>
 Status linear_sum_assignment(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize,
                              int64_t* row_ind, int64_t* col_ind, Isa isa, int threads) {
   if (n_rows == 0 || n_cols == 0) return Status::Ok;
-  std::vector<T> work;
+  std::unique_ptr<T[]> work;
   const T* c = nullptr;
   Status s = prepare(cost, n_rows, n_cols, maximize, threads, work, &c);
   if (s != Status::Ok) return s;

@@ -126,23 +126,34 @@ int k_smallest(const T* row, const T* v, int64_t m, Index* cols, T* costs, T* bo
     vals[p] = r; cols[p] = Index(j);
     if (count == kCache) worst = vals[kCache - 1];
   };
-  // Pass 1: each lane's two smallest. Those 2W values are entries of the row, so the
+  // Pass 1: each lane's two smallest, in two sets of lanes for alternate blocks (two
+  // dependency chains that overlap). Those 4W values are entries of the row, so the
   // kCache-th smallest of them bounds the row's kCache-th smallest from above, and pass 2
   // only inserts the few entries at or below it.
   T limit = kInf<T>;
   int64_t j = 0;
   if (2 * W >= kCache) {
-    Vec m1 = splat<Vec>(kInf<T>), m2 = m1;
-    for (; j + W <= m; j += W) {
-      Vec r = load<Vec>(row + j) - load<Vec>(v + j);
-      bad |= ~(r > splat<Vec>(-kInf<T>));
+    Vec a1 = splat<Vec>(kInf<T>), a2 = a1, b1 = a1, b2 = a1;
+    auto keep_two = [](Vec r, Vec& m1, Vec& m2) {
       Vec hi = r < m1 ? m1 : r;
       m1 = r < m1 ? r : m1;
       m2 = hi < m2 ? hi : m2;
+    };
+    for (; j + 2 * W <= m; j += 2 * W) {
+      Vec r = load<Vec>(row + j) - load<Vec>(v + j);
+      Vec s = load<Vec>(row + j + W) - load<Vec>(v + j + W);
+      bad |= ~(r > splat<Vec>(-kInf<T>)) | ~(s > splat<Vec>(-kInf<T>));
+      keep_two(r, a1, a2);
+      keep_two(s, b1, b2);
     }
-    T lane[2 * W];
-    for (int k = 0; k < W; ++k) { lane[k] = m1[k]; lane[W + k] = m2[k]; }
-    std::nth_element(lane, lane + (kCache - 1), lane + 2 * W);
+    for (; j + W <= m; j += W) {
+      Vec r = load<Vec>(row + j) - load<Vec>(v + j);
+      bad |= ~(r > splat<Vec>(-kInf<T>));
+      keep_two(r, a1, a2);
+    }
+    T lane[4 * W];
+    for (int k = 0; k < W; ++k) { lane[k] = a1[k]; lane[W + k] = a2[k]; lane[2 * W + k] = b1[k]; lane[3 * W + k] = b2[k]; }
+    std::nth_element(lane, lane + (kCache - 1), lane + 4 * W);
     limit = lane[kCache - 1];
     j = 0;
   }
