@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 from scipy.optimize import linear_sum_assignment as scipy_lsa
@@ -73,6 +75,12 @@ def test_incremental_solver_follows_in_place_changes(n, dtype):
         else:
             cols = solver.solve()
         _assert_optimal(buffer, cols, rtol=1e-5 if dtype == np.float32 else 1e-9)
+
+
+def test_incremental_solver_accepts_equal_dtype_objects():
+    """An unpickled array's dtype equals float32 without being the same object."""
+    cost = pickle.loads(pickle.dumps(np.random.default_rng(3).random((5, 5)).astype(np.float32)))
+    _assert_optimal(cost, incremental_solver(cost).solve(), rtol=1e-6)
 
 
 def test_incremental_solver_cold_start_and_ties():

@@ -114,7 +114,8 @@ class BoundIncrementalAssignment {
 
  private:
   static py::array checked(py::array cost) {
-    if (!cost.dtype().is(py::dtype::of<T>())) throw py::type_error("cost has the wrong dtype");
+    // Compared by type number: equal dtypes can be distinct objects (an unpickled array's).
+    if (cost.dtype().num() != py::dtype::of<T>().num()) throw py::type_error("cost has the wrong dtype");
     if (!(cost.flags() & py::array::c_style)) throw py::value_error("cost must be C-contiguous");
     if (cost.ndim() != 2 || cost.shape(0) != cost.shape(1)) throw py::value_error("cost must be square");
     return cost;
