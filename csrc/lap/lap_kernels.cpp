@@ -255,7 +255,7 @@ void argmin_impl(const T* d_in, const typename Lanes<T>::Index* free, int64_t m,
   }
   if (best_j < 0) return;
   if (fbest_j >= 0 && fbest == best) { best_j = fbest_j; return; }
-  if (lanes_at_best < 2) return;
+  if (lanes_at_best < 2 || kRelax) return;  // relax_argmin leaves the level to the next argmin
   const Vec target = splat<Vec>(best);
   for (j = 0; j + W <= m; j += W) {
     auto hit = load<Vec>(d + j) == target;
