@@ -25,8 +25,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <queue>
 #include <limits>
+#include <queue>
+#include <type_traits>
 #include <vector>
 
 #include "common/thread_pool.h"
@@ -74,6 +75,20 @@ template <typename IV> inline IV iota_vec() {
 }
 
 template <typename T> constexpr T kInf = std::numeric_limits<T>::infinity();
+
+// The minimum of x's lanes, in every lane (log2(lanes) shuffle-and-min steps: no branches).
+template <typename V> inline V lanes_min(V x) {
+  typedef decltype(x[0] - x[0]) E;
+  typedef std::conditional_t<sizeof(E) == 8, int64_t, int32_t> I;
+  typedef I IV __attribute__((vector_size(sizeof(V))));
+  constexpr int W = sizeof(V) / sizeof(E);
+  const IV lane = iota_vec<IV>();
+  for (int s = W / 2; s > 0; s /= 2) {
+    V y = __builtin_shuffle(x, lane ^ s);
+    x = y < x ? y : x;
+  }
+  return x;
+}
 
 
 // True if any lane of a comparison mask is set: one test instruction per ISA.
@@ -306,20 +321,41 @@ TwoSmallest<T> scan_two_smallest(const T* row, const T* v, int64_t m) {
   using Vec = typename L::Vec;
   using IVec = typename L::IVec;
   constexpr int W = sizeof(Vec) / sizeof(T);
-  Vec m1 = splat<Vec>(kInf<T>), m2 = m1;
-  IVec i1 = splat<IVec>(-1), i2 = i1, idx = iota_vec<IVec>();
+  // Per lane, the two smallest (earliest first on ties), kept in two sets of lanes for
+  // alternate blocks so that their dependency chains overlap, then merged lane by lane.
+  Vec m1 = splat<Vec>(kInf<T>), m2 = m1, n1 = m1, n2 = m1;
+  IVec i1 = splat<IVec>(-1), i2 = i1, k1 = i1, k2 = i1, idx = iota_vec<IVec>();
   const IVec step = splat<IVec>(W);
-  int64_t j = 0;
-  for (; j + W <= m; j += W) {
-    Vec h = load<Vec>(row + j) - load<Vec>(v + j);
-    auto lt1 = h < m1;
-    auto lt2 = h < m2;
+  auto keep_two = [](Vec h, IVec at, Vec& a1, IVec& ia1, Vec& a2, IVec& ia2) {
+    auto lt1 = h < a1;
+    auto lt2 = h < a2;
     // A new smallest pushes the old one to second place.
-    m2 = lt1 ? m1 : (lt2 ? h : m2);
-    i2 = lt1 ? i1 : (lt2 ? idx : i2);
-    m1 = lt1 ? h : m1;
-    i1 = lt1 ? idx : i1;
+    a2 = lt1 ? a1 : (lt2 ? h : a2);
+    ia2 = lt1 ? ia1 : (lt2 ? at : ia2);
+    a1 = lt1 ? h : a1;
+    ia1 = lt1 ? at : ia1;
+  };
+  int64_t j = 0;
+  for (; j + 2 * W <= m; j += 2 * W) {
+    keep_two(load<Vec>(row + j) - load<Vec>(v + j), idx, m1, i1, m2, i2);
+    keep_two(load<Vec>(row + j + W) - load<Vec>(v + j + W), idx + step, n1, k1, n2, k2);
+    idx += step + step;
+  }
+  for (; j + W <= m; j += W) {
+    keep_two(load<Vec>(row + j) - load<Vec>(v + j), idx, m1, i1, m2, i2);
     idx += step;
+  }
+  {
+    // Lane-wise merge of two ordered pairs by (value, index).
+    auto before = [](Vec x, IVec ix, Vec y, IVec iy) { return x < y || (x == y && ix < iy); };
+    auto first = before(m1, i1, n1, k1);
+    Vec c1 = first ? m1 : n1, cx = first ? m2 : m1, cy = first ? n1 : n2;
+    IVec ic1 = first ? i1 : k1, icx = first ? i2 : i1, icy = first ? k1 : k2;
+    auto second = before(cx, icx, cy, icy);
+    m1 = c1;
+    i1 = ic1;
+    m2 = second ? cx : cy;
+    i2 = second ? icx : icy;
   }
   TwoSmallest<T> r{kInf<T>, kInf<T>, -1, -1};
   auto offer = [&r](T h, int64_t jj) {
@@ -330,7 +366,21 @@ TwoSmallest<T> scan_two_smallest(const T* row, const T* v, int64_t m) {
       r.u2 = h; r.j2 = jj;
     }
   };
-  for (int k = 0; k < W; ++k) { offer(m1[k], i1[k]); offer(m2[k], i2[k]); }
+  {
+    // The lanes' first entries hold the smallest (value, index); the second smallest is the
+    // smallest of the other lanes' first entries and that lane's second entry. Found with
+    // branch-free lane reductions (the scalar version mispredicted its way through).
+    const IVec none = splat<IVec>(std::numeric_limits<typename L::Index>::max());
+    const Vec u1 = lanes_min(m1);
+    const IVec j1 = lanes_min((m1 == u1) & (i1 >= 0) ? i1 : none);
+    const auto mine = i1 == j1;
+    const Vec c = mine ? m2 : m1;
+    const IVec ic = mine ? i2 : i1;
+    const Vec u2 = lanes_min(c);
+    const IVec j2 = lanes_min((c == u2) & (ic >= 0) ? ic : none);
+    if (j1[0] != none[0]) { r.u1 = u1[0]; r.j1 = j1[0]; }
+    if (j2[0] != none[0]) { r.u2 = u2[0]; r.j2 = j2[0]; }
+  }
   for (; j < m; ++j) offer(row[j] - v[j], j);
   // Entries equal to +inf never entered the lanes; fall back to any other column.
   if (r.j1 < 0 && m > 0) { r.j1 = 0; }
