@@ -249,16 +249,18 @@ void argmin_impl(const T* d_in, const typename Lanes<T>::Index* free, int64_t m,
     fi = fwin ? idx : fi;
     idx += step;
   }
-  best = kInf<T>;
-  best_j = -1;
-  T fbest = kInf<T>;
-  int64_t fbest_j = -1;
-  int lanes_at_best = 0;
-  for (int k = 0; k < W; ++k) {
-    if (bv[k] < best || (bv[k] == best && bi[k] >= 0 && bi[k] < best_j)) { best = bv[k]; best_j = bi[k]; }
-    if (fv[k] < fbest || (fv[k] == fbest && fi[k] >= 0 && fi[k] < fbest_j)) { fbest = fv[k]; fbest_j = fi[k]; }
-  }
-  for (int k = 0; k < W; ++k) lanes_at_best += bi[k] >= 0 && bv[k] == best;
+  // Branch-free lane reductions: the nearest (value, lowest index) of all columns and of
+  // the free ones, and whether another lane ties with the nearest (capped at 2: only
+  // "fewer than two" matters below).
+  const IVec none = splat<IVec>(std::numeric_limits<typename L::Index>::max());
+  const Vec bmin = lanes_min(bv), fmin = lanes_min(fv);
+  const IVec bj = lanes_min((bv == bmin) & (bi >= 0) ? bi : none);
+  const IVec fj = lanes_min((fv == fmin) & (fi >= 0) ? fi : none);
+  best = bmin[0];
+  best_j = bj[0] == none[0] ? -1 : bj[0];
+  T fbest = fmin[0];
+  int64_t fbest_j = fj[0] == none[0] ? -1 : fj[0];
+  int lanes_at_best = best_j < 0 ? 0 : 1 + any((bv == bmin) & (bi >= 0) & (bi != bj));
   for (; j < m; ++j) {
     if constexpr (kRelax) {
       T cred = row[j] - v[j] - h;
