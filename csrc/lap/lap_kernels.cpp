@@ -175,7 +175,9 @@ int k_smallest(const T* row, const T* v, int64_t m, Index* cols, T* costs, T* bo
   for (; j + W <= m; j += W) {
     Vec r = load<Vec>(row + j) - load<Vec>(v + j);
     bad |= ~(r > splat<Vec>(-kInf<T>));
-    auto lt = r <= splat<Vec>(limit < worst ? limit : worst);
+    // Exactly the lanes that insert: at or below the limit and strictly below the worst
+    // cached value (ties with it, common on integer costs, would only cost a scalar loop).
+    auto lt = (r <= splat<Vec>(limit)) & (r < splat<Vec>(worst));
     if (any(lt))
       for (int k = 0; k < W; ++k)
         if (r[k] < worst) insert(r[k], j + k);
