@@ -24,6 +24,7 @@
 // bound (often never). The search stays an exact Dijkstra.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <queue>
@@ -173,6 +174,10 @@ int k_smallest(const T* row, const T* v, int64_t m, Index* cols, T* costs, T* bo
     j = 0;
   }
   for (; j + W <= m; j += W) {
+    // Pass 2 reads the row from cache while memory sits idle: fetch the next row meanwhile
+    // (cache builds scan consecutive rows). The address is formed as an integer because it
+    // can lie past the matrix, which a prefetch tolerates but pointer arithmetic does not.
+    __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(row) + (m + j) * sizeof(T)));
     Vec r = load<Vec>(row + j) - load<Vec>(v + j);
     bad |= ~(r > splat<Vec>(-kInf<T>));
     // Exactly the lanes that insert: at or below the limit and strictly below the worst
