@@ -91,6 +91,12 @@ template <typename V> inline V lanes_min(V x) {
   return x;
 }
 
+// The lowest index ix among the lanes where x equals `value` (and ix >= 0), in every lane;
+// `none` when there is no such lane.
+template <typename V, typename IV> inline IV lowest_index_at(V x, IV ix, V value, IV none) {
+  return lanes_min((x == value) & (ix >= 0) ? ix : none);
+}
+
 
 // True if any lane of a comparison mask is set: one test instruction per ISA.
 template <typename M> inline bool any(const M& mask) {
@@ -168,7 +174,12 @@ int k_smallest(const T* row, const T* v, int64_t m, Index* cols, T* costs, T* bo
       keep_two(r, a1, a2);
     }
     T lane[4 * W];
-    for (int k = 0; k < W; ++k) { lane[k] = a1[k]; lane[W + k] = a2[k]; lane[2 * W + k] = b1[k]; lane[3 * W + k] = b2[k]; }
+    for (int k = 0; k < W; ++k) {
+      lane[k] = a1[k];
+      lane[W + k] = a2[k];
+      lane[2 * W + k] = b1[k];
+      lane[3 * W + k] = b2[k];
+    }
     std::nth_element(lane, lane + (kCache - 1), lane + 4 * W);
     limit = lane[kCache - 1];
     j = 0;
@@ -177,7 +188,8 @@ int k_smallest(const T* row, const T* v, int64_t m, Index* cols, T* costs, T* bo
     // Pass 2 reads the row from cache while memory sits idle: fetch the next row meanwhile
     // (cache builds scan consecutive rows). The address is formed as an integer because it
     // can lie past the matrix, which a prefetch tolerates but pointer arithmetic does not.
-    __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(row) + (m + j) * sizeof(T)));
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(row) + uintptr_t(m + j) * sizeof(T);
+    __builtin_prefetch(reinterpret_cast<const void*>(ahead));
     Vec r = load<Vec>(row + j) - load<Vec>(v + j);
     bad |= ~(r > splat<Vec>(-kInf<T>));
     // Exactly the lanes that insert: at or below the limit and strictly below the worst
@@ -261,8 +273,8 @@ void argmin_impl(const T* d_in, const typename Lanes<T>::Index* free, int64_t m,
   // "fewer than two" matters below).
   const IVec none = splat<IVec>(std::numeric_limits<typename L::Index>::max());
   const Vec bmin = lanes_min(bv), fmin = lanes_min(fv);
-  const IVec bj = lanes_min((bv == bmin) & (bi >= 0) ? bi : none);
-  const IVec fj = lanes_min((fv == fmin) & (fi >= 0) ? fi : none);
+  const IVec bj = lowest_index_at(bv, bi, bmin, none);
+  const IVec fj = lowest_index_at(fv, fi, fmin, none);
   best = bmin[0];
   best_j = bj[0] == none[0] ? -1 : bj[0];
   T fbest = fmin[0];
@@ -381,12 +393,12 @@ TwoSmallest<T> scan_two_smallest(const T* row, const T* v, int64_t m) {
     // branch-free lane reductions (the scalar version mispredicted its way through).
     const IVec none = splat<IVec>(std::numeric_limits<typename L::Index>::max());
     const Vec u1 = lanes_min(m1);
-    const IVec j1 = lanes_min((m1 == u1) & (i1 >= 0) ? i1 : none);
+    const IVec j1 = lowest_index_at(m1, i1, u1, none);
     const auto mine = i1 == j1;
     const Vec c = mine ? m2 : m1;
     const IVec ic = mine ? i2 : i1;
     const Vec u2 = lanes_min(c);
-    const IVec j2 = lanes_min((c == u2) & (ic >= 0) ? ic : none);
+    const IVec j2 = lowest_index_at(c, ic, u2, none);
     if (j1[0] != none[0]) { r.u1 = u1[0]; r.j1 = j1[0]; }
     if (j2[0] != none[0]) { r.u2 = u2[0]; r.j2 = j2[0]; }
   }
