@@ -23,7 +23,8 @@ similarity matrix from every weight at every step):
   neighbouring group's permutation changed in ``k`` of its ``m`` units, a contribution is
   updated by the rank-``k`` correction ``A[:, S] (B[:, new(S)] - B[:, old(S)])^T`` instead
   of being recomputed, contributions that involve no other group are computed once, and
-  those whose other group did not move are reused as they are;
+  those whose other group did not move are reused as they are. Groups made of linear
+  layers keep only their sum, and a visit corrects it with one product for all its terms;
 - a group none of whose neighbours changed since its last assignment is not solved again
   (the answer could not change), so the last, confirming sweep is nearly free;
 - on the CPU every assignment is warm-started from the group's previous one (its matching
@@ -169,6 +170,29 @@ class _Term:
         out = self.value if self.value is not None else x.new_empty((x.shape[0], y.shape[0]))
         return torch.addmm(out, x, y.T, beta=0, alpha=-1, out=out)
 
+    def add_full_to(self, out: torch.Tensor, perms: Mapping[str, torch.Tensor]) -> None:
+        """Subtracts the whole contribution at the given permutations from ``out`` and
+        records them in ``snap`` (row-layout terms, see ``_Group.summed``)."""
+        x, y = self.rows(self.a), self.rows(self._gather(perms[self.other], 0))
+        torch.addmm(out, x, y.T, alpha=-1, out=out)
+        self.snap = perms[self.other].clone()
+
+    def change(self, perms: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The contribution's change since ``snap`` as ``X.T @ Y`` with ``X``, ``Y`` of shape
+        (K, n), or None if the other group did not move; advances ``snap`` (row-layout terms).
+
+        ``A[S] (B[new(S)] - B[old(S)])`` over the moved units ``S``. Fresh tensors, not the
+        gather buffers: the changes of a group's terms are concatenated after all are taken.
+        """
+        cur = perms[self.other]
+        idx = torch.nonzero(cur != self.snap).flatten()
+        if idx.numel() == 0:
+            return None
+        n = self.a.shape[-1]
+        diff = self.b.index_select(0, cur[idx]).sub_(self.b.index_select(0, self.snap[idx]))
+        self.snap = cur.clone()
+        return self.a.index_select(0, idx).view(-1, n), diff.view(-1, n)
+
     def current(self, perms: Mapping[str, torch.Tensor]) -> torch.Tensor:
         if self.general_axes is not None:
             return torch.cat([perms[g] for _, g in self.general_axes])
@@ -225,14 +249,44 @@ class _Group:
         self.solver: Any = None  # the CPU solver bound to cost (small groups)
         self.duals: np.ndarray | None = None  # column duals of the last JV solve (large groups)
         self.may_overflow = True  # whether its similarity entries could overflow the dtype
+        # Summed mode (see negated_similarity): every term in the row layout (m, r, n).
+        self.summed = bool(self.terms) and all(t.general_axes is None and t.gather_dim == 0 for t in self.terms)
+        self.built = False  # summed mode: cost holds the similarity at the terms' snaps
+        self.corrections = 0  # summed mode: corrections applied to cost since it was built
 
     def negated_similarity(self, perms: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Minus the similarity matrix at the current permutations (the solvers minimise),
         written into this group's own ``cost`` matrix.
 
-        Summed afresh from the kept terms (never corrected in place), so that it carries
-        only their rounding, in the same order at every visit.
+        Summed mode (every term in the row layout, as in MLPs): ``cost`` itself is kept, and
+        a visit applies the changes of all its terms as one product whose inner dimension
+        concatenates their moved units. No term keeps its own value and no sum is taken per
+        visit; a term whose other group moved almost entirely is corrected all the same (as
+        many operations as recomputing it, gathers of whole rows). After _MAX_CORRECTIONS
+        corrections, ``cost`` is rebuilt from scratch, which clears their rounding.
+
+        Otherwise each term keeps its value (corrected in place, or recomputed when most of
+        its other group moved, which a convolution's output layout makes cheaper than a
+        correction), and ``cost`` is summed afresh from them at each visit.
         """
+        if self.summed:
+            if self.built and self.corrections < _MAX_CORRECTIONS:
+                changes = [c for c in (t.change(perms) for t in self.terms) if c is not None]
+                if changes:
+                    x = changes[0][0] if len(changes) == 1 else torch.cat([c[0] for c in changes])
+                    y = changes[0][1] if len(changes) == 1 else torch.cat([c[1] for c in changes])
+                    self.cost.addmm_(x.T, y, alpha=-1)
+                    self.corrections += 1
+                return self.cost
+            if self.const is None:
+                self.cost.zero_()
+            else:
+                self.cost.copy_(self.const)
+            for t in self.terms:
+                t.add_full_to(self.cost, perms)
+            self.built = True
+            self.corrections = 0
+            return self.cost
         for t in self.terms:
             t.update(perms)
         parts = ([self.const] if self.const is not None else []) + [t.value for t in self.terms]
