@@ -83,6 +83,23 @@ def test_incremental_solver_accepts_equal_dtype_objects():
     _assert_optimal(cost, incremental_solver(cost).solve(), rtol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["zeros", "integers", "binary", "column-offsets"])
+def test_incremental_solver_tied_costs(kind):
+    """Tied costs: the shortest-path search ends at a free column as near as any other."""
+    rng = np.random.default_rng(5)
+    n = 300
+    cost = {
+        "zeros": np.zeros((n, n)),
+        "integers": rng.integers(0, 3, (n, n)).astype(float),
+        "binary": rng.integers(0, 2, (n, n)).astype(float),
+        "column-offsets": np.zeros((n, 1)) + rng.integers(0, 4, (1, n)),
+    }[kind]
+    solver = incremental_solver(cost)
+    _assert_optimal(cost, solver.solve())
+    cost += rng.integers(0, 2, (n, n))  # then changed in place
+    _assert_optimal(cost, solver.solve())
+
+
 def test_incremental_solver_cold_start_and_ties():
     buffer = np.zeros((6, 6))
     solver = incremental_solver(buffer)

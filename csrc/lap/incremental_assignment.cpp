@@ -15,27 +15,31 @@ template <typename T> constexpr T kInf = std::numeric_limits<T>::infinity();
 
 // One Dijkstra step from row r (reached at offset h): d[k] = min(d[k], r[k] - v[k] - h),
 // pred[k] = i where it improved. Finished columns carry v = -inf, so their candidate is
-// +inf; their d is +inf too, so they never win. Returns the smallest d (ties: lowest k).
+// +inf; their d is +inf too, so they never win. Returns the smallest d and where it is:
+// a free column (free[k] all ones) when one is as near, since the path can end there (on
+// tied costs that saves most of the search), else the lowest such k.
 template <typename T, typename I, int B>
-__attribute__((always_inline)) inline void relax_impl(const T* r, const T* v, T* d, I* pred, I i, T h, int64_t n,
-                                                      T* best_out, int64_t* best_j_out) {
+__attribute__((always_inline)) inline void relax_impl(const T* r, const T* v, T* d, I* pred, const I* free, I i, T h,
+                                                      int64_t n, T* best_out, int64_t* best_j_out) {
   typedef T Vec __attribute__((vector_size(B)));
   typedef I IVec __attribute__((vector_size(B)));
   constexpr int W = B / sizeof(T);
   const Vec hv = Vec{} + h;
   const IVec iv = IVec{} + i;
-  Vec bv = Vec{} + kInf<T>;
-  IVec bi = IVec{} - 1;
+  const Vec inf = Vec{} + kInf<T>;
+  Vec bv = inf, fv = inf;  // nearest of all columns, and of the free ones
+  IVec bi = IVec{} - 1, fi = bi;
   IVec idx;
   for (int k = 0; k < W; ++k) idx[k] = I(k);
   int64_t k = 0;
   for (; k + W <= n; k += W) {
     Vec rv, vv, dv;
-    IVec pv;
+    IVec pv, freev;
     std::memcpy(&rv, r + k, B);
     std::memcpy(&vv, v + k, B);
     std::memcpy(&dv, d + k, B);
     std::memcpy(&pv, pred + k, B);
+    std::memcpy(&freev, free + k, B);
     const Vec cand = rv - vv - hv;
     const auto better = cand < dv;
     dv = better ? cand : dv;
@@ -45,19 +49,26 @@ __attribute__((always_inline)) inline void relax_impl(const T* r, const T* v, T*
     const auto win = dv < bv;
     bv = win ? dv : bv;
     bi = win ? idx : bi;
+    const Vec df = freev ? dv : inf;
+    const auto fwin = df < fv;
+    fv = fwin ? df : fv;
+    fi = fwin ? idx : fi;
     idx += I(W);
   }
-  T best = kInf<T>;
-  int64_t best_j = -1;
-  for (int l = 0; l < W; ++l)
+  T best = kInf<T>, fbest = kInf<T>;
+  int64_t best_j = -1, fbest_j = -1;
+  for (int l = 0; l < W; ++l) {
     if (bi[l] >= 0 && (bv[l] < best || (bv[l] == best && bi[l] < best_j))) { best = bv[l]; best_j = bi[l]; }
+    if (fi[l] >= 0 && (fv[l] < fbest || (fv[l] == fbest && fi[l] < fbest_j))) { fbest = fv[l]; fbest_j = fi[l]; }
+  }
   for (; k < n; ++k) {
     const T cand = r[k] - v[k] - h;
     if (cand < d[k]) { d[k] = cand; pred[k] = i; }
     if (d[k] < best) { best = d[k]; best_j = k; }
+    if (free[k] && d[k] < fbest) { fbest = d[k]; fbest_j = k; }
   }
   *best_out = best;
-  *best_j_out = best_j;
+  *best_j_out = fbest_j >= 0 && fbest == best ? fbest_j : best_j;
 }
 
 // min_k r[k] - v[k].
@@ -126,9 +137,9 @@ __attribute__((always_inline)) inline TwoMin<T> two_min_impl(const T* r, const T
 
 #define PYPERM_IA_KERNELS(SUFFIX, ATTR, BYTES)                                                        \
   template <typename T, typename I>                                                                 \
-  ATTR void relax_##SUFFIX(const T* r, const T* v, T* d, I* pred, I i, T h, int64_t n, T* best,    \
-                           int64_t* best_j) {                                                       \
-    relax_impl<T, I, BYTES>(r, v, d, pred, i, h, n, best, best_j);                                  \
+  ATTR void relax_##SUFFIX(const T* r, const T* v, T* d, I* pred, const I* free, I i, T h, int64_t n, \
+                           T* best, int64_t* best_j) {                                              \
+    relax_impl<T, I, BYTES>(r, v, d, pred, free, i, h, n, best, best_j);                            \
   }                                                                                                 \
   template <typename T>                                                                             \
   ATTR T min_reduced_##SUFFIX(const T* r, const T* v, int64_t n) {                                  \
@@ -147,13 +158,14 @@ PYPERM_IA_KERNELS(avx512, __attribute__((target("avx512f,avx512dq,avx512vl,avx51
 #undef PYPERM_IA_KERNELS
 
 template <typename T, typename I>
-void relax(Isa isa, const T* r, const T* v, T* d, I* pred, I i, T h, int64_t n, T* best, int64_t* best_j) {
+void relax(Isa isa, const T* r, const T* v, T* d, I* pred, const I* free, I i, T h, int64_t n, T* best,
+           int64_t* best_j) {
 #if defined(PYPERM_X86)
-  if (isa == Isa::Avx512) return relax_avx512(r, v, d, pred, i, h, n, best, best_j);
-  if (isa == Isa::Avx2) return relax_avx2(r, v, d, pred, i, h, n, best, best_j);
+  if (isa == Isa::Avx512) return relax_avx512(r, v, d, pred, free, i, h, n, best, best_j);
+  if (isa == Isa::Avx2) return relax_avx2(r, v, d, pred, free, i, h, n, best, best_j);
 #endif
   (void)isa;
-  relax_baseline(r, v, d, pred, i, h, n, best, best_j);
+  relax_baseline(r, v, d, pred, free, i, h, n, best, best_j);
 }
 
 template <typename T, typename I>
@@ -180,17 +192,17 @@ T min_reduced(Isa isa, const T* r, const T* v, int64_t n) {
 
 template <typename T>
 IncrementalAssignment<T>::IncrementalAssignment(const T* cost, int64_t n, Isa isa)
-    : c_(cost), n_(n), isa_(isa), v_(n, T(0)), d_(n), pred_(n), x_(n, -1), y_(n, -1) {
+    : c_(cost), n_(n), isa_(isa), v_(n, T(0)), d_(n), pred_(n), free_(n, Index(-1)), x_(n, -1), y_(n, -1) {
   done_.reserve(static_cast<size_t>(n));
 }
 
 template <typename T>
 void IncrementalAssignment<T>::warm_start(const int64_t* col_of_row, const T* v) {
-  std::fill(y_.begin(), y_.end(), -1);
+  for (int64_t j = 0; j < n_; ++j) set_y(j, -1);
   for (int64_t i = 0; i < n_; ++i) {
     const int64_t j = col_of_row[i];
     // Anything that is not a valid partial matching is dropped, not trusted.
-    if (j >= 0 && j < n_ && y_[j] < 0) { x_[i] = j; y_[j] = i; }
+    if (j >= 0 && j < n_ && y_[j] < 0) { x_[i] = j; set_y(j, i); }
     else x_[i] = -1;
   }
   for (int64_t j = 0; j < n_; ++j) v_[j] = std::isfinite(v[j]) ? v[j] : T(0);
@@ -223,12 +235,12 @@ Status IncrementalAssignment<T>::solve(int64_t* col_of_row) {
     if (j >= 0) {
       if (r[j] != kInf<T> && r[j] - v_[j] <= best) continue;
       x_[i] = -1;
-      y_[j] = -1;
+      set_y(j, -1);
     }
     if (best == kInf<T>) continue;  // augment() reports the infeasibility
     for (int64_t k = 0; k < n; ++k)
       if (r[k] - v_[k] == best) {
-        if (y_[k] < 0) { x_[i] = k; y_[k] = i; }
+        if (y_[k] < 0) { x_[i] = k; set_y(k, i); }
         break;
       }
   }
@@ -269,7 +281,7 @@ void IncrementalAssignment<T>::reduce_rows(std::vector<int64_t>& free_rows) {
     }
     const int64_t i0 = y_[j];
     x_[i] = j;
-    y_[j] = i;
+    set_y(j, i);
     if (i0 < 0) continue;
     x_[i0] = -1;
     if (lowers && --budget > 0) free_rows[--k] = i0;
@@ -287,11 +299,12 @@ bool IncrementalAssignment<T>::augment(int64_t f) {
   T* d = d_.data();
   T* v = v_.data();
   Index* pred = pred_.data();
+  const Index* free = free_.data();
   done_.clear();
   std::fill(d_.begin(), d_.end(), kInf<T>);
   T mu;
   int64_t j;
-  relax(isa_, row(f), v, d, pred, Index(f), T(0), n, &mu, &j);
+  relax(isa_, row(f), v, d, pred, free, Index(f), T(0), n, &mu, &j);
   for (;;) {
     if (j < 0 || mu == kInf<T>) {
       for (const Done& s : done_) v[s.j] = s.v;
@@ -304,13 +317,13 @@ bool IncrementalAssignment<T>::augment(int64_t f) {
     done_.push_back({j, v[j], mu});
     v[j] = -kInf<T>;
     d[j] = kInf<T>;
-    relax(isa_, row(i), v, d, pred, Index(i), h, n, &mu, &j);
+    relax(isa_, row(i), v, d, pred, free, Index(i), h, n, &mu, &j);
   }
   for (const Done& s : done_) v[s.j] = s.v + (s.d - mu);
   for (;;) {
     const int64_t i = pred[j];
     const int64_t prev = x_[i];
-    y_[j] = i;
+    set_y(j, i);
     x_[i] = j;
     if (i == f) break;
     j = prev;

@@ -55,6 +55,11 @@ class IncrementalAssignment {
   bool augment(int64_t f);
   void reduce_rows(std::vector<int64_t>& free_rows);
   const T* row(int64_t i) const { return c_ + i * n_; }
+  // Every write of y_ goes through here, so that free_ mirrors it.
+  void set_y(int64_t j, int64_t i) {
+    y_[j] = i;
+    free_[j] = i < 0 ? Index(-1) : Index(0);
+  }
 
   struct Done { int64_t j; T v; T d; };
 
@@ -65,6 +70,7 @@ class IncrementalAssignment {
   int64_t augmentations_ = 0;
   std::vector<T> v_, d_;
   std::vector<Index> pred_;
+  std::vector<Index> free_;  // all ones for a column no row holds (the SIMD scans read it)
   std::vector<int64_t> x_, y_;
   std::vector<Done> done_;
 };
