@@ -301,25 +301,23 @@ class _Group:
     def assign(self) -> torch.Tensor:
         """The minimising assignment (column of each row) of ``cost``, on the CPU.
 
-        Successive costs of a group differ little, so every solve is warm-started. Up to
+        Successive costs of a group differ little, so solves are warm-started. Up to
         ``_INCREMENTAL_UP_TO`` units one solver stays bound to ``cost`` and keeps its
         matching and column duals from visit to visit, re-assigning only the rows whose
-        matched entry stopped being a minimum of their reduced row (seeded by the first
-        visit's JV solve). Larger matrices do not fit in cache, and the JV solver started
-        from the previous column duals is faster there: its passes over the matrix run on
-        every core (measured, MLP 784-[2048]x4-10: 6 ms against 8 ms per solve; at 512
-        units 0.45 ms against 1 ms).
+        matched entry stopped being a minimum of their reduced row. Larger matrices do not
+        fit in cache, and the JV solver started from the previous column duals is faster
+        there: its passes over the matrix run on every core. Measured on MLP
+        784-[2048]x4-10: 6 ms against 8 ms per solve. At 512 units: 0.45 ms against 1 ms,
+        and first solves 0.6-0.8 ms against 1.7-1.9 ms.
         """
         cost = self.cost.numpy()
-        if self.solver is not None:
+        if self.n <= _INCREMENTAL_UP_TO:
+            if self.solver is None:
+                self.solver = incremental_solver(cost)
             return torch.from_numpy(self.solver.solve())
         if self.duals is None:
             self.duals = cost.min(axis=0)
-        cols = solve_square_warm(cost, self.duals)
-        if self.n <= _INCREMENTAL_UP_TO:
-            self.solver = incremental_solver(cost)
-            self.solver.warm_start(cols, self.duals)
-        return torch.from_numpy(cols)
+        return torch.from_numpy(solve_square_warm(cost, self.duals))
 
 
 def _check_state(spec: PermutationSpec, state: Any, name: str) -> dict[str, torch.Tensor]:
