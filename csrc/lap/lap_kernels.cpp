@@ -77,26 +77,20 @@ template <typename IV> inline IV iota_vec() {
 
 template <typename T> constexpr T kInf = std::numeric_limits<T>::infinity();
 
-// The minimum of x's lanes, in every lane (log2(lanes) shuffle-and-min steps: no branches).
-template <typename V> inline V lanes_min(V x) {
-  typedef decltype(x[0] - x[0]) E;
-  typedef std::conditional_t<sizeof(E) == 8, int64_t, int32_t> I;
-  typedef I IV __attribute__((vector_size(sizeof(V))));
-  constexpr int W = sizeof(V) / sizeof(E);
+// The smallest (value, index) pair of the lanes, in every lane: ties go to the lower index.
+// log2(lanes) shuffle-compare-blend steps, no branches. Lanes that never received an entry
+// hold (+inf, -1); entries are finite, so those lanes lose to any entry.
+template <typename V, typename IV> inline void lanes_argmin(V& x, IV& ix) {
+  constexpr int W = sizeof(V) / sizeof(x[0]);
   const IV lane = iota_vec<IV>();
   for (int s = W / 2; s > 0; s /= 2) {
-    V y = __builtin_shuffle(x, lane ^ s);
-    x = y < x ? y : x;
+    const V y = __builtin_shuffle(x, lane ^ s);
+    const IV iy = __builtin_shuffle(ix, lane ^ s);
+    const auto take = (y < x) | ((y == x) & (iy < ix));
+    x = take ? y : x;
+    ix = take ? iy : ix;
   }
-  return x;
 }
-
-// The lowest index ix among the lanes where x equals `value` (and ix >= 0), in every lane;
-// `none` when there is no such lane.
-template <typename V, typename IV> inline IV lowest_index_at(V x, IV ix, V value, IV none) {
-  return lanes_min((x == value) & (ix >= 0) ? ix : none);
-}
-
 
 // True if any lane of a comparison mask is set: one test instruction per ISA.
 template <typename M> inline bool any(const M& mask) {
@@ -271,14 +265,14 @@ void argmin_impl(const T* d_in, const typename Lanes<T>::Index* free, int64_t m,
   // Branch-free lane reductions: the nearest (value, lowest index) of all columns and of
   // the free ones, and whether another lane ties with the nearest (capped at 2: only
   // "fewer than two" matters below).
-  const IVec none = splat<IVec>(std::numeric_limits<typename L::Index>::max());
-  const Vec bmin = lanes_min(bv), fmin = lanes_min(fv);
-  const IVec bj = lowest_index_at(bv, bi, bmin, none);
-  const IVec fj = lowest_index_at(fv, fi, fmin, none);
+  Vec bmin = bv, fmin = fv;
+  IVec bj = bi, fj = fi;
+  lanes_argmin(bmin, bj);
+  lanes_argmin(fmin, fj);
   best = bmin[0];
-  best_j = bj[0] == none[0] ? -1 : bj[0];
+  best_j = bj[0];
   T fbest = fmin[0];
-  int64_t fbest_j = fj[0] == none[0] ? -1 : fj[0];
+  int64_t fbest_j = fj[0];
   int lanes_at_best = best_j < 0 ? 0 : 1 + any((bv == bmin) & (bi >= 0) & (bi != bj));
   for (; j < m; ++j) {
     if constexpr (kRelax) {
@@ -391,16 +385,15 @@ TwoSmallest<T> scan_two_smallest(const T* row, const T* v, int64_t m) {
     // The lanes' first entries hold the smallest (value, index); the second smallest is the
     // smallest of the other lanes' first entries and that lane's second entry. Found with
     // branch-free lane reductions (the scalar version mispredicted its way through).
-    const IVec none = splat<IVec>(std::numeric_limits<typename L::Index>::max());
-    const Vec u1 = lanes_min(m1);
-    const IVec j1 = lowest_index_at(m1, i1, u1, none);
+    Vec u1 = m1;
+    IVec j1 = i1;
+    lanes_argmin(u1, j1);
     const auto mine = i1 == j1;
-    const Vec c = mine ? m2 : m1;
-    const IVec ic = mine ? i2 : i1;
-    const Vec u2 = lanes_min(c);
-    const IVec j2 = lowest_index_at(c, ic, u2, none);
-    if (j1[0] != none[0]) { r.u1 = u1[0]; r.j1 = j1[0]; }
-    if (j2[0] != none[0]) { r.u2 = u2[0]; r.j2 = j2[0]; }
+    Vec u2 = mine ? m2 : m1;
+    IVec j2 = mine ? i2 : i1;
+    lanes_argmin(u2, j2);
+    if (j1[0] >= 0) { r.u1 = u1[0]; r.j1 = j1[0]; }
+    if (j2[0] >= 0) { r.u2 = u2[0]; r.j2 = j2[0]; }
   }
   for (; j < m; ++j) offer(row[j] - v[j], j);
   // Entries equal to +inf never entered the lanes; fall back to any other column.
