@@ -177,21 +177,24 @@ class _Term:
         torch.addmm(out, x, y.T, alpha=-1, out=out)
         self.snap = perms[self.other].clone()
 
-    def change(self, perms: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The contribution's change since ``snap`` as ``X.T @ Y`` with ``X``, ``Y`` of shape
-        (K, n), or None if the other group did not move; advances ``snap`` (row-layout terms).
+    def change(self, cur: torch.Tensor, idx: torch.Tensor, reuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Minus the contribution's change since ``snap`` is ``-X @ Y.T``, for the units
+        ``idx`` of the other group that moved to ``cur``; returns ``(X, Y)``, each (n, K),
+        and advances ``snap``.
 
-        ``A[S] (B[new(S)] - B[old(S)])`` over the moved units ``S``. Fresh tensors, not the
-        gather buffers: the changes of a group's terms are concatenated after all are taken.
+        ``A[S] (B[cur(S)] - B[snap(S)])^T`` over the moved units ``S``: rank ``k`` (times
+        ``r``). ``reuse``: gather into the reused buffers (the result must then be used
+        before the next gather of this call), else into fresh tensors.
         """
-        cur = perms[self.other]
-        idx = torch.nonzero(cur != self.snap).flatten()
-        if idx.numel() == 0:
-            return None
-        n = self.a.shape[-1]
-        diff = self.b.index_select(0, cur[idx]).sub_(self.b.index_select(0, self.snap[idx]))
+        if reuse:
+            diff = self._gather(cur[idx], 1).sub_(self._gather(self.snap[idx], 2))
+        else:
+            diff = self.b.index_select(self.gather_dim, cur[idx]).sub_(
+                self.b.index_select(self.gather_dim, self.snap[idx])
+            )
+        moved = self.a.index_select(self.gather_dim, idx)
         self.snap = cur.clone()
-        return self.a.index_select(0, idx).view(-1, n), diff.view(-1, n)
+        return self.rows(moved), self.rows(diff)
 
     def current(self, perms: Mapping[str, torch.Tensor]) -> torch.Tensor:
         if self.general_axes is not None:
@@ -219,13 +222,12 @@ class _Term:
             # Most units moved: recompute (exact, and clears the rounding corrections accumulate).
             self.full(perms)
             self.corrections = 0
+            self.snap = cur.clone()
         else:
             # Only the k moved units of the other group: a rank-k (times r) correction.
-            diff = self._gather(cur[idx], 1).sub_(self._gather(self.snap[idx], 2))
-            moved = self.a.index_select(self.gather_dim, idx)
-            self.value.addmm_(self.rows(moved), self.rows(diff).T, alpha=-1)
+            x, y = self.change(cur, idx, reuse=True)
+            self.value.addmm_(x, y.T, alpha=-1)
             self.corrections += 1
-        self.snap = cur.clone()
         return True
 
 
@@ -271,11 +273,17 @@ class _Group:
         """
         if self.summed:
             if self.built and self.corrections < _MAX_CORRECTIONS:
-                changes = [c for c in (t.change(perms) for t in self.terms) if c is not None]
+                changes = []
+                for t in self.terms:
+                    cur = perms[t.other]
+                    idx = torch.nonzero(cur != t.snap).flatten()
+                    if idx.numel():
+                        changes.append(t.change(cur, idx, reuse=False))
                 if changes:
-                    x = changes[0][0] if len(changes) == 1 else torch.cat([c[0] for c in changes])
-                    y = changes[0][1] if len(changes) == 1 else torch.cat([c[1] for c in changes])
-                    self.cost.addmm_(x.T, y, alpha=-1)
+                    # Row-layout operands are transposed views of (K, n) blocks: joined as such.
+                    x = torch.cat([c[0].T for c in changes]).T
+                    y = torch.cat([c[1].T for c in changes]).T
+                    self.cost.addmm_(x, y.T, alpha=-1)
                     self.corrections += 1
                 return self.cost
             if self.const is None:
