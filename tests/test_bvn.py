@@ -15,6 +15,7 @@ from scipy.sparse.csgraph import maximum_bipartite_matching
 import pyperm
 from pyperm import _core
 from pyperm.benchmarks.bvn import planted  # a convex combination of k random permutations
+from pyperm.benchmarks.bvn import reconstruct
 
 try:  # the solvers need numpy alone; only the torch round-trips need torch
     import torch
@@ -41,14 +42,6 @@ def dense_ds(n: int, seed: int, scale: float = 2.0) -> np.ndarray:
     """The benchmark family: Sinkhorn of exp(scale * N(0, 1))."""
     rng = np.random.default_rng(seed)
     return sinkhorn_reference(np.exp(scale * rng.standard_normal((n, n))))
-
-
-def reconstruct(coeffs, perms, n: int) -> np.ndarray:
-    out = np.zeros((n, n))
-    rows = np.arange(n)
-    for c, p in zip(np.asarray(coeffs, dtype=np.float64), np.asarray(perms)):
-        out[rows, p] += c
-    return out
 
 
 def bottleneck_value(R: np.ndarray) -> float | None:

@@ -223,9 +223,12 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def reconstruct(coeffs, perms) -> np.ndarray:
-    """sum_t coeffs[t] * P_t as a dense matrix."""
-    n = perms.shape[1]
+def reconstruct(coeffs, perms, n: int | None = None) -> np.ndarray:
+    """sum_t coeffs[t] * P_t as a dense (n, n) float64 matrix (n: the permutations' length
+    by default; give it when there may be no terms)."""
+    perms = np.asarray(perms)
+    if n is None:
+        n = perms.shape[1]
     out = np.zeros((n, n))
     rows = np.arange(n)
     for c, p in zip(np.asarray(coeffs, dtype=np.float64), perms):
