@@ -117,6 +117,15 @@ def batch_linear_sum_assignment(
     return like(costs, rows, cols)
 
 
+def _check_square(cost: Any, contiguous: bool) -> None:
+    """The warm solvers' cost: a square float32/float64 numpy matrix (C-contiguous if asked)."""
+    if not isinstance(cost, np.ndarray) or cost.dtype not in (np.float32, np.float64):
+        raise TypeError("cost must be a float32 or float64 numpy array")
+    if cost.ndim != 2 or cost.shape[0] != cost.shape[1] or (contiguous and not cost.flags.c_contiguous):
+        what = "square C-contiguous matrix" if contiguous else "square matrix"
+        raise ValueError(f"cost must be a {what}, got shape {cost.shape}")
+
+
 def solve_square_warm(cost: np.ndarray, duals: np.ndarray) -> np.ndarray:
     """Minimising assignment of a square matrix, started from column duals (internal).
 
@@ -136,10 +145,7 @@ def solve_square_warm(cost: np.ndarray, duals: np.ndarray) -> np.ndarray:
     (n,) int64 numpy array
         The column of each row.
     """
-    if not isinstance(cost, np.ndarray) or cost.dtype not in (np.float32, np.float64):
-        raise TypeError("cost must be a float32 or float64 numpy array")
-    if cost.ndim != 2 or cost.shape[0] != cost.shape[1]:
-        raise ValueError(f"cost must be a square matrix, got shape {cost.shape}")
+    _check_square(cost, contiguous=False)
     if not isinstance(duals, np.ndarray) or duals.dtype != cost.dtype or duals.shape != cost.shape[:1]:
         raise ValueError(f"duals must be a ({cost.shape[0]},) numpy array of dtype {cost.dtype}")
     if not (duals.flags.c_contiguous and duals.flags.writeable):
@@ -158,9 +164,6 @@ def incremental_solver(cost: np.ndarray) -> Any:
     whose matched entry stopped being a minimum of its reduced row; ``warm_start(col, v)``
     hands it another solver's answer and duals (e.g. :func:`solve_square_warm`'s).
     """
-    if not isinstance(cost, np.ndarray) or cost.dtype not in (np.float32, np.float64):
-        raise TypeError("cost must be a float32 or float64 numpy array")
-    if cost.ndim != 2 or cost.shape[0] != cost.shape[1] or not cost.flags.c_contiguous:
-        raise ValueError(f"cost must be a square C-contiguous matrix, got shape {cost.shape}")
+    _check_square(cost, contiguous=True)
     kind = _core.IncrementalAssignmentF64 if cost.dtype == np.float64 else _core.IncrementalAssignmentF32
     return kind(cost)
