@@ -237,13 +237,15 @@ class _Group:
     def __init__(self, name: str, n: int, terms: list[_Term], dtype: torch.dtype, device: torch.device) -> None:
         self.name = name
         self.n = n
-        self.const: torch.Tensor | None = None  # minus the sum of the terms that involve no other group
-        self.terms: list[_Term] = []
-        for t in terms:
-            if t.other is None and t.general_axes is None:
-                self.const = t.full({}) if self.const is None else self.const + t.full({})
-            else:
-                self.terms.append(t)
+        self.terms = [t for t in terms if t.other is not None or t.general_axes is not None]
+        # Minus the sum of the terms that involve no other group (biases, BatchNorm vectors,
+        # the model's input and output layers): one product over their joined columns.
+        fixed = [t for t in terms if t.other is None and t.general_axes is None]
+        self.const: torch.Tensor | None = None
+        if fixed:
+            x = torch.cat([t.rows(t.a) for t in fixed], dim=1)
+            y = torch.cat([t.rows(t.b) for t in fixed], dim=1)
+            self.const = torch.addmm(x.new_empty((n, n)), x, y.T, beta=0, alpha=-1)
         self.neighbours = {t.other for t in self.terms if t.other is not None}
         self.neighbours |= {g for t in self.terms if t.general_axes for _, g in t.general_axes}
         self.stale = True  # whether the neighbours moved since the last assignment
@@ -314,9 +316,12 @@ class _Group:
         matching and column duals from visit to visit, re-assigning only the rows whose
         matched entry stopped being a minimum of their reduced row. Larger matrices do not
         fit in cache, and the JV solver started from the previous column duals is faster
-        there: its passes over the matrix run on every core. Measured on MLP
-        784-[2048]x4-10: 6 ms against 8 ms per solve. At 512 units: 0.45 ms against 1 ms,
-        and first solves 0.6-0.8 ms against 1.7-1.9 ms.
+        there. Measured on MLP 784-[2048]x4-10: 6 ms against 8 ms per solve. At 512 units:
+        0.45 ms against 1 ms, and first solves 0.6-0.8 ms against 1.7-1.9 ms.
+
+        The JV solve runs on one thread: the OpenMP workers of the torch product that just
+        ran spin on the other cores for a while, and a second thread of ours would share a
+        core with one of them (MLP 784-[2048]x4-10: 0.68 s of solves against 0.75 s).
         """
         cost = self.cost.numpy()
         if self.n <= _INCREMENTAL_UP_TO:
@@ -325,7 +330,7 @@ class _Group:
             return torch.from_numpy(self.solver.solve())
         if self.duals is None:
             self.duals = cost.min(axis=0)
-        return torch.from_numpy(solve_square_warm(cost, self.duals))
+        return torch.from_numpy(solve_square_warm(cost, self.duals, threads=1))
 
 
 def _check_state(spec: PermutationSpec, state: Any, name: str) -> dict[str, torch.Tensor]:
