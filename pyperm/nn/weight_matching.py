@@ -591,13 +591,14 @@ def weight_matching(
     groups: dict[str, _Group] = {}
     scratch: dict = {}
     largest = torch.finfo(dtype).max
+    norms = {key: _norm(sa[key]) * _norm(sb[key]) for key in obj_keys}  # ||A|| ||B|| per entry
     for g, n in spec.sizes.items():
         matched = [(key, axis) for key, axis in spec.group_axes[g] if key in key_set]
         terms = [_Term(axis, spec.axes[key], sa[key].to(dtype), sb[key].to(dtype), scratch) for key, axis in matched]
         groups[g] = _Group(g, n, terms, dtype, device)
         # By Cauchy-Schwarz no similarity entry (nor partial sum) exceeds this bound: below
         # it, the matrices need no finiteness check.
-        bound = sum(_norm(sa[key]) * _norm(sb[key]) for key, _ in matched)
+        bound = sum(norms[key] for key, _ in matched)
         groups[g].may_overflow = not bound < largest / 2
     # Every group is visited (in the seeded order), even one whose similarity is all zero:
     # its assignment then changes nothing, and the visiting order matches the reference
