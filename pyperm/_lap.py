@@ -126,7 +126,7 @@ def _check_square(cost: Any, contiguous: bool) -> None:
         raise ValueError(f"cost must be a {what}, got shape {cost.shape}")
 
 
-def solve_square_warm(cost: np.ndarray, duals: np.ndarray, threads: int = 0) -> np.ndarray:
+def solve_square_warm(cost: np.ndarray, duals: np.ndarray) -> np.ndarray:
     """Minimising assignment of a square matrix, started from column duals (internal).
 
     For sequences of similar problems (the steps of weight matching): the solver skips the
@@ -139,8 +139,6 @@ def solve_square_warm(cost: np.ndarray, duals: np.ndarray, threads: int = 0) -> 
         The costs; ``+inf`` forbids a pair.
     duals : (n,) C-contiguous numpy array of ``cost``'s dtype
         Column duals to start from, overwritten with the final ones.
-    threads : int, default 0
-        Threads for the passes over the whole matrix (0: every core).
 
     Returns
     -------
@@ -154,9 +152,7 @@ def solve_square_warm(cost: np.ndarray, duals: np.ndarray, threads: int = 0) -> 
         raise ValueError("duals must be a writeable C-contiguous array (it is updated in place)")
     if not np.isfinite(duals).all():
         raise ValueError("duals must be finite")
-    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 0:
-        raise ValueError(f"threads must be a non-negative int, got {threads!r}")
-    return _core.lap_solve_warm(np.ascontiguousarray(cost), duals, threads=int(threads))
+    return _core.lap_solve_warm(np.ascontiguousarray(cost), duals)
 
 
 def incremental_solver(cost: np.ndarray) -> Any:

@@ -62,10 +62,9 @@ py::tuple solve_batch(py::array_t<T, py::array::c_style> costs, bool maximize, i
 
 // Square minimisation from the column duals v (updated in place): for sequences of similar
 // problems, such as the steps of weight matching. Arrays arrive validated from pyperm._lap.
-// threads: 0 for every core.
 template <typename T>
 py::array_t<int64_t> solve_warm(py::array_t<T, py::array::c_style> cost, py::array_t<T, py::array::c_style> v,
-                                const std::string& isa_name, int threads) {
+                                const std::string& isa_name) {
   if (cost.ndim() != 2 || cost.shape(0) != cost.shape(1)) throw py::value_error("cost must be square");
   const int64_t n = cost.shape(0);
   if (v.ndim() != 1 || v.shape(0) != n) throw py::value_error("v must have one entry per column");
@@ -77,7 +76,7 @@ py::array_t<int64_t> solve_warm(py::array_t<T, py::array::c_style> cost, py::arr
   Status s;
   {
     py::gil_scoped_release release;
-    s = cpu::solve_square_warm(c, n, dual, q, isa, threads);
+    s = cpu::solve_square_warm(c, n, dual, q, isa, /*threads=*/0);
   }
   raise_for(s, "");
   return cols;
@@ -139,10 +138,8 @@ void register_incremental(py::module_& m, const char* name) {
 void register_lap(py::module_& m) {
   m.def("lap_solve", &solve<double>, py::arg("cost"), py::arg("maximize"), py::arg("isa") = "auto");
   m.def("lap_solve", &solve<float>, py::arg("cost"), py::arg("maximize"), py::arg("isa") = "auto");
-  m.def("lap_solve_warm", &solve_warm<double>, py::arg("cost"), py::arg("v"), py::arg("isa") = "auto",
-        py::arg("threads") = 0);
-  m.def("lap_solve_warm", &solve_warm<float>, py::arg("cost"), py::arg("v"), py::arg("isa") = "auto",
-        py::arg("threads") = 0);
+  m.def("lap_solve_warm", &solve_warm<double>, py::arg("cost"), py::arg("v"), py::arg("isa") = "auto");
+  m.def("lap_solve_warm", &solve_warm<float>, py::arg("cost"), py::arg("v"), py::arg("isa") = "auto");
   register_incremental<double>(m, "IncrementalAssignmentF64");
   register_incremental<float>(m, "IncrementalAssignmentF32");
   m.def("lap_solve_batch", &solve_batch<double>, py::arg("costs"), py::arg("maximize"), py::arg("threads"),

@@ -316,12 +316,9 @@ class _Group:
         matching and column duals from visit to visit, re-assigning only the rows whose
         matched entry stopped being a minimum of their reduced row. Larger matrices do not
         fit in cache, and the JV solver started from the previous column duals is faster
-        there. Measured on MLP 784-[2048]x4-10: 6 ms against 8 ms per solve. At 512 units:
-        0.45 ms against 1 ms, and first solves 0.6-0.8 ms against 1.7-1.9 ms.
-
-        The JV solve runs on one thread: the OpenMP workers of the torch product that just
-        ran spin on the other cores for a while, and a second thread of ours would share a
-        core with one of them (MLP 784-[2048]x4-10: 0.68 s of solves against 0.75 s).
+        there: it builds a row's cache of smallest columns only when the row needs more
+        than one look. Measured on MLP 784-[2048]x4-10: 4 ms against 8 ms per solve. At
+        512 units: 0.45 ms against 1 ms, and first solves 0.6-0.8 ms against 1.7-1.9 ms.
         """
         cost = self.cost.numpy()
         if self.n <= _INCREMENTAL_UP_TO:
@@ -330,7 +327,7 @@ class _Group:
             return torch.from_numpy(self.solver.solve())
         if self.duals is None:
             self.duals = cost.min(axis=0)
-        return torch.from_numpy(solve_square_warm(cost, self.duals, threads=1))
+        return torch.from_numpy(solve_square_warm(cost, self.duals))
 
 
 def _check_state(spec: PermutationSpec, state: Any, name: str) -> dict[str, torch.Tensor]:
