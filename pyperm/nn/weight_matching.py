@@ -99,10 +99,11 @@ class _Term:
     ``a`` and ``b`` are arranged so that the contribution and its rank-``k`` corrections
     are single matrix products of ``(n, K)`` views (:meth:`rows`): ``(n, m, r)`` (the
     group's axis first, the axis of the one other group second, everything else flattened
-    into ``r``) for a convolution's output axis (a view, and gathers copy blocks of
-    ``r``), else ``(m, r, n)`` (a view for a linear layer's input axis; a linear layer's
-    output axis is transposed once, so that its gathers copy whole rows). ``m = 1`` when
-    there is no other group; permuting it is one gather along axis ``gather_dim``. A
+    into ``r``) for a convolution's output axis and for any first axis without another
+    group (views, and gathers copy blocks of ``r``), else ``(m, r, n)`` (a view for a
+    linear layer's input axis; a linear layer's output axis is transposed once, so that
+    its gathers copy whole rows). ``m = 1`` when there is no other group; permuting it is
+    one gather along axis ``gather_dim``. A
     tensor with two or more other groups (rare) is kept as it is and its term recomputed
     whole when any of them changes. ``value`` is minus the (n, n) contribution at the
     permutations in ``snap`` (the solvers minimise; a product with ``alpha=-1`` rounds
@@ -128,7 +129,7 @@ class _Term:
             rest = [ax for ax in range(ta.ndim) if ax != axis and ax not in middle]
             m = ta.shape[middle[0]] if middle else 1
             r = math.prod(ta.shape[ax] for ax in rest)
-            if axis == 0 and r > 1:
+            if axis == 0 and (r > 1 or not others):  # a view: no copy
                 order, shape, self.gather_dim = [axis, *middle, *rest], (n, m, -1), 1
             else:
                 order, shape, self.gather_dim = [*middle, *rest, axis], (m, -1, n), 0
@@ -249,7 +250,7 @@ class _Group:
         self.neighbours = {t.other for t in self.terms if t.other is not None}
         self.neighbours |= {g for t in self.terms if t.general_axes for _, g in t.general_axes}
         self.stale = True  # whether the neighbours moved since the last assignment
-        self.cost = torch.zeros((n, n), dtype=dtype, device=device)  # minus the similarity, rewritten at each visit
+        self.cost = torch.empty((n, n), dtype=dtype, device=device)  # minus the similarity, rewritten at each visit
         self.solver: Any = None  # the CPU solver bound to cost (small groups)
         self.duals: np.ndarray | None = None  # column duals of the last JV solve (large groups)
         self.may_overflow = True  # whether its similarity entries could overflow the dtype
