@@ -476,9 +476,14 @@ class Solver {
   // the cache proves them smallest, else from a fresh full scan.
   TwoSmallest<T> two_smallest(int64_t i) {
     if (!cached_) return scan_two_smallest(row(i), v_.data(), m_);
-    if (lazy_caches_ && cache_count_[i] < 0 && !looked_[i]) {
-      looked_[i] = 1;
-      return scan_two_smallest(row(i), v_.data(), m_);
+    if (lazy_caches_ && cache_count_[i] < 0) {
+      if (!looked_[i]) {
+        looked_[i] = 1;
+        return scan_two_smallest(row(i), v_.data(), m_);
+      }
+      // Duals far from this problem's (a cold start from zeros, say) send most rows back:
+      // then the first looks only add a scan to each row's cache build.
+      if (++second_looks_ * 4 > n_) lazy_caches_ = false;
     }
     for (int attempt = 0;; ++attempt) {
       if (cache_count_[i] < 0 || attempt > 0) build_cache(i);
@@ -810,6 +815,7 @@ class Solver {
   bool invalid_ = false;  // the first pass met NaN or -inf
   bool lazy_caches_ = false;   // warm start: caches built on a row's second use (see run)
   std::vector<char> looked_;   // lazy caches: ARR has scanned the row once already
+  int64_t second_looks_ = 0;   // lazy caches: rows ARR came back to
 };
 
 template <typename T>
