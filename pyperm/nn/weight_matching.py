@@ -318,8 +318,8 @@ class _Group:
         matched entry stopped being a minimum of their reduced row. Larger matrices do not
         fit in cache, and the JV solver started from the previous column duals is faster
         there: it builds a row's cache of smallest columns only when the row needs more
-        than one look. Measured on MLP 784-[2048]x4-10: 4 ms against 8 ms per solve. At
-        512 units: 0.45 ms against 1 ms, and first solves 0.6-0.8 ms against 1.7-1.9 ms.
+        than one look. Measured on MLP 784-[2048]x4-10: 4.5 ms against 9 ms per solve. At
+        512 units: 0.5 ms against 0.85 ms, and first solves 0.6-0.8 ms against 1.7-1.9 ms.
         """
         cost = self.cost.numpy()
         if self.n <= _INCREMENTAL_UP_TO:
