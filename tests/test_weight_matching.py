@@ -78,13 +78,14 @@ def test_recovers_planted_permutation_exactly(name):
 # step by step (same seeded order, same assignments), so the answers are identical.
 INDEPENDENT = {
     "mlp": lambda: MLP([20, 48, 40, 32, 5]),
+    "mlp-wide": lambda: MLP([24, 1100, 1100, 6]),  # groups over 1024 units: warm JV solves
     "resnet20-B": lambda: ResNet20(),
     "resnet20-A": lambda: ResNet20(shortcut="A"),
     "tinyten": lambda: TinyTen(),
 }
 
 
-@pytest.mark.parametrize("name", ["mlp", "resnet20-B", "resnet20-A", "tinyten"])
+@pytest.mark.parametrize("name", ["mlp", "mlp-wide", "resnet20-B", "resnet20-A", "tinyten"])
 @pytest.mark.parametrize("seed", [0, 3])
 def test_matches_plain_implementation(name, seed):
     a = _make(INDEPENDENT[name], 10)
