@@ -149,6 +149,14 @@ def test_warm_errors():
     big[299, 5] = np.nan  # a cached-row problem: found as the rows are scanned
     with pytest.raises(ValueError, match="invalid numeric entries"):
         solve_square_warm(big, np.zeros(300))
+    # From good duals most rows get one plain scan and no cache: that scan must check too.
+    for bad in (np.nan, -np.inf):
+        good = np.random.default_rng(2).random((300, 300))
+        duals = good.min(axis=0)
+        solve_square_warm(good, duals)
+        good[123, 45] = bad
+        with pytest.raises(ValueError, match="invalid numeric entries"):
+            solve_square_warm(good, duals.copy())
     forbidden = np.full((3, 3), np.inf)
     forbidden[0, 0] = 1.0
     with pytest.raises(ValueError, match="infeasible"):
