@@ -444,7 +444,7 @@ class Solver {
       // look is a plain scan, which checks the row for NaN and -inf as the cache build
       // would (ARR looks at every row, all being free).
       // MLP 784-[2048]x4-10's weight matching: 0.66-0.73 s -> 0.42-0.45 s over 122 solves.
-      lazy_caches_ = cached_;
+      lazy_caches_ = plain_first_looks_ = cached_;
       if (!cached_) invalid_ = has_invalid(c_, n_ * m_);
       if (lazy_caches_) looked_.assign(n_, 0);
       if (!invalid_) augmenting_row_reduction(free_rows);
@@ -489,7 +489,7 @@ class Solver {
   TwoSmallest<T> two_smallest(int64_t i) {
     if (!cached_) return scan_two_smallest(row(i), v_.data(), m_);
     if (lazy_caches_ && cache_count_[i] < 0) {
-      if (!looked_[i]) {
+      if (!looked_[i] && plain_first_looks_) {
         looked_[i] = 1;
         bool bad = false;
         const TwoSmallest<T> t = scan_two_smallest<T, true>(row(i), v_.data(), m_, &bad);
@@ -498,7 +498,7 @@ class Solver {
       }
       // Duals far from this problem's (a cold start from zeros, say) send most rows back:
       // then the first looks only add a scan to each row's cache build.
-      if (++second_looks_ * 4 > n_) lazy_caches_ = false;
+      if (looked_[i] && ++second_looks_ * 4 > n_) plain_first_looks_ = false;
     }
     for (int attempt = 0;; ++attempt) {
       if (cache_count_[i] < 0 || attempt > 0) build_cache(i);
@@ -828,9 +828,10 @@ class Solver {
   T found_d_ = T(0);
   int64_t found_j_ = -1;
   bool invalid_ = false;  // the first pass met NaN or -inf
-  bool lazy_caches_ = false;   // warm start: caches built on a row's second use (see run)
-  std::vector<char> looked_;   // lazy caches: ARR has scanned the row once already
-  int64_t second_looks_ = 0;   // lazy caches: rows ARR came back to
+  bool lazy_caches_ = false;        // warm start: caches built when a row needs one (see run)
+  bool plain_first_looks_ = false;  // lazy caches: a row's first look is a plain scan
+  std::vector<char> looked_;        // lazy caches: the row had its plain first look
+  int64_t second_looks_ = 0;        // lazy caches: rows ARR came back to after a plain look
 };
 
 template <typename T>
