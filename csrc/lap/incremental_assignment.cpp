@@ -247,9 +247,10 @@ Status IncrementalAssignment<T>::solve(int64_t* col_of_row) {
   std::vector<int64_t> free_rows;
   for (int64_t i = 0; i < n; ++i)
     if (x_[i] < 0) free_rows.push_back(i);
-  // Two cheap passes settle most free rows; shortest paths finish the rest.
-  reduce_rows(free_rows);
-  reduce_rows(free_rows);
+  // Cheap passes settle most free rows; shortest paths finish the rest. Four passes, not
+  // two: weight matching's MLP-512 solves took 7% less (of the 80-230 rows a visit frees,
+  // two passes left 22-55 to the shortest paths); eight were slower; BvN is unchanged.
+  for (int pass = 0; pass < 4; ++pass) reduce_rows(free_rows);
   for (int64_t i : free_rows) {
     ++augmentations_;
     if (!augment(i)) return Status::Infeasible;

@@ -6,7 +6,7 @@
 // Jonker-Volgenant (Computing 38, 1987) with only column duals v stored: a matched row's
 // dual is implied by its column, u_i = c[i, x_i] - v[x_i]. Before each solve the invariant
 // "every matched edge is a minimum of its row's reduced costs" is restored by un-matching
-// the rows whose edge stopped being one; only those rows are re-assigned (two bounded
+// the rows whose edge stopped being one; only those rows are re-assigned (four bounded
 // passes of augmenting row reduction, then shortest augmenting paths), and all other rows
 // and every column dual carry over.
 //
