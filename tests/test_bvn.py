@@ -9,13 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment as scipy_lsa
-from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import maximum_bipartite_matching
 
 import pyperm
 from pyperm import _core
 from pyperm.benchmarks.bvn import planted  # a convex combination of k random permutations
-from pyperm.benchmarks.bvn import reconstruct
+from pyperm.benchmarks.bvn import reconstruct, scipy_bottleneck_matching
 
 try:  # the solvers need numpy alone; only the torch round-trips need torch
     import torch
@@ -46,16 +44,8 @@ def dense_ds(n: int, seed: int, scale: float = 2.0) -> np.ndarray:
 
 def bottleneck_value(R: np.ndarray) -> float | None:
     """max over perfect matchings on R > 0 of the smallest matched entry (binary search + scipy)."""
-    values = np.unique(R[R > 0])
-    lo, hi, best = 0, len(values) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        match = maximum_bipartite_matching(csr_matrix(R >= values[mid]), perm_type="column")
-        if (match >= 0).all():
-            best, lo = values[mid], mid + 1
-        else:
-            hi = mid - 1
-    return None if best is None else float(best)
+    found = scipy_bottleneck_matching(R)
+    return None if found is None else found[0]
 
 
 def max_weight_objective(R: np.ndarray) -> float:

@@ -61,27 +61,36 @@ def planted(n: int, k: int, seed: int, dtype=np.float64):
 
 
 # ----------------------------------------------------------------------------- scipy references
-def scipy_bottleneck_greedy(D: np.ndarray, max_terms: int | None = None, tol: float = 1e-9):
-    """Greedy Birkhoff with a bottleneck matching per term: binary search + Hopcroft-Karp."""
+def scipy_bottleneck_matching(R: np.ndarray) -> tuple[float, np.ndarray] | None:
+    """The perfect matching on ``R > 0`` whose smallest matched entry is largest, by binary
+    search over the distinct positive values with scipy's Hopcroft-Karp: ``(that entry,
+    column of each row)``, or None when ``R > 0`` has no perfect matching."""
     from scipy.sparse import csr_matrix
     from scipy.sparse.csgraph import maximum_bipartite_matching
 
+    values = np.unique(R[R > 0])
+    lo, hi, best = 0, len(values) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        match = maximum_bipartite_matching(csr_matrix(R >= values[mid]), perm_type="column")
+        if (match >= 0).all():
+            best, lo = (float(values[mid]), match), mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def scipy_bottleneck_greedy(D: np.ndarray, max_terms: int | None = None, tol: float = 1e-9):
+    """Greedy Birkhoff with a bottleneck matching per term: binary search + Hopcroft-Karp."""
     R = np.array(D, dtype=np.float64)
     n = R.shape[0]
     rows = np.arange(n)
     coeffs, perms = [], []
     while (max_terms is None or len(coeffs) < max_terms) and R.sum() / n > tol:
-        values = np.unique(R[R > 0])
-        lo, hi, best = 0, len(values) - 1, None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            match = maximum_bipartite_matching(csr_matrix(R >= values[mid]), perm_type="column")
-            if (match >= 0).all():
-                best, lo = match, mid + 1
-            else:
-                hi = mid - 1
-        if best is None:
+        found = scipy_bottleneck_matching(R)
+        if found is None:
             break
+        best = found[1]
         alpha = R[rows, best].min()
         R[rows, best] -= alpha
         R[R <= 1e-14] = 0.0
