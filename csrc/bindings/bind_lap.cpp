@@ -76,7 +76,7 @@ py::array_t<int64_t> solve_warm(py::array_t<T, py::array::c_style> cost, py::arr
   Status s;
   {
     py::gil_scoped_release release;
-    s = cpu::solve_square_warm(c, n, dual, q, isa, /*threads=*/0);
+    s = cpu::solve_square_warm(c, n, dual, q, isa);
   }
   raise_for(s, "");
   return cols;

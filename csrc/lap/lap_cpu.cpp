@@ -75,21 +75,21 @@ Status prepare(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, int
 }
 
 template <typename T>
-Status dispatch_warm(Isa isa, const T* cost, int64_t n, T* v, int64_t* col_of_row, int threads) {
+Status dispatch_warm(Isa isa, const T* cost, int64_t n, T* v, int64_t* col_of_row) {
 #if defined(PYPERM_X86)
-  if (isa == Isa::Avx512) return avx512::solve_square_warm(cost, n, v, col_of_row, threads);
-  if (isa == Isa::Avx2) return avx2::solve_square_warm(cost, n, v, col_of_row, threads);
+  if (isa == Isa::Avx512) return avx512::solve_square_warm(cost, n, v, col_of_row);
+  if (isa == Isa::Avx2) return avx2::solve_square_warm(cost, n, v, col_of_row);
 #endif
   (void)isa;
-  return baseline::solve_square_warm(cost, n, v, col_of_row, threads);
+  return baseline::solve_square_warm(cost, n, v, col_of_row);
 }
 
 }  // namespace
 
 template <typename T>
-Status solve_square_warm(const T* cost, int64_t n, T* v, int64_t* col_of_row, Isa isa, int threads) {
+Status solve_square_warm(const T* cost, int64_t n, T* v, int64_t* col_of_row, Isa isa) {
   if (n == 0) return Status::Ok;
-  return dispatch_warm(isa, cost, n, v, col_of_row, threads);
+  return dispatch_warm(isa, cost, n, v, col_of_row);
 }
 
 template <typename T>
@@ -136,8 +136,8 @@ Status batch_linear_sum_assignment(const T* costs, int64_t batch, int64_t n_rows
 
 template Status linear_sum_assignment<float>(const float*, int64_t, int64_t, bool, int64_t*, int64_t*, Isa, int);
 template Status linear_sum_assignment<double>(const double*, int64_t, int64_t, bool, int64_t*, int64_t*, Isa, int);
-template Status solve_square_warm<float>(const float*, int64_t, float*, int64_t*, Isa, int);
-template Status solve_square_warm<double>(const double*, int64_t, double*, int64_t*, Isa, int);
+template Status solve_square_warm<float>(const float*, int64_t, float*, int64_t*, Isa);
+template Status solve_square_warm<double>(const double*, int64_t, double*, int64_t*, Isa);
 template Status batch_linear_sum_assignment<float>(const float*, int64_t, int64_t, int64_t, bool, int64_t*,
                                                    int64_t*, int, Isa, int64_t*);
 template Status batch_linear_sum_assignment<double>(const double*, int64_t, int64_t, int64_t, bool, int64_t*,

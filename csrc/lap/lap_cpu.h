@@ -27,10 +27,10 @@ Status linear_sum_assignment(const T* cost, int64_t n_rows, int64_t n_cols, bool
 //   v           [in,out] n column duals: any values on entry (the previous solve's are a good
 //                        start), the final duals on return.
 //   col_of_row  [out]    n entries.
-//   threads     [in]     threads for the passes over a large matrix (<= 0: all cores).
+// One thread: a warm start scans rows as it needs them, with no pass over the whole matrix.
 // Returns Ok, Infeasible or Invalid.
 template <typename T>
-Status solve_square_warm(const T* cost, int64_t n, T* v, int64_t* col_of_row, Isa isa, int threads = 1);
+Status solve_square_warm(const T* cost, int64_t n, T* v, int64_t* col_of_row, Isa isa);
 
 // Solves `batch` independent problems stored one after another (batch x n_rows x n_cols),
 // on up to `threads` threads (<= 0: all hardware threads). Outputs are batch x min(n_rows, n_cols).

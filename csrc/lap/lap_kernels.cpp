@@ -849,11 +849,11 @@ Status solve_dense(const double* cost, int64_t n, int64_t m, int64_t* col_of_row
 Status solve_dense(const float* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads) {
   return solve(cost, n, m, col_of_row, threads);
 }
-Status solve_square_warm(const double* cost, int64_t n, double* v, int64_t* col_of_row, int threads) {
-  return solve(cost, n, n, col_of_row, threads, v);
+Status solve_square_warm(const double* cost, int64_t n, double* v, int64_t* col_of_row) {
+  return solve(cost, n, n, col_of_row, /*threads=*/1, v);
 }
-Status solve_square_warm(const float* cost, int64_t n, float* v, int64_t* col_of_row, int threads) {
-  return solve(cost, n, n, col_of_row, threads, v);
+Status solve_square_warm(const float* cost, int64_t n, float* v, int64_t* col_of_row) {
+  return solve(cost, n, n, col_of_row, /*threads=*/1, v);
 }
 
 }  // namespace pyperm::cpu::PYPERM_ISA

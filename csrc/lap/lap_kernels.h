@@ -12,9 +12,10 @@
   /* passes over large matrices (<= 0: all cores). Returns Ok, Infeasible or Invalid. */         \
   Status solve_dense(const double* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads); \
   Status solve_dense(const float* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads);  \
-  /* Square n x n, warm-started from the column duals v (m entries), updated in place. */      \
-  Status solve_square_warm(const double* cost, int64_t n, double* v, int64_t* col_of_row, int threads);     \
-  Status solve_square_warm(const float* cost, int64_t n, float* v, int64_t* col_of_row, int threads);     \
+  /* Square n x n, warm-started from the column duals v (m entries), updated in place. One */ \
+  /* thread: a warm start scans rows as it needs them, with no pass over the whole matrix. */    \
+  Status solve_square_warm(const double* cost, int64_t n, double* v, int64_t* col_of_row);     \
+  Status solve_square_warm(const float* cost, int64_t n, float* v, int64_t* col_of_row);       \
   }
 
 PYPERM_DECLARE_LAP_KERNELS(baseline)
