@@ -589,7 +589,9 @@ def weight_matching(
     groups: dict[str, _Group] = {}
     scratch: dict = {}
     largest = torch.finfo(dtype).max
-    norms = {key: _norm(sa[key]) * _norm(sb[key]) for key in obj_keys}  # ||A|| ||B|| per entry
+    # ||A|| ||B|| of each entry that some group acts on, once per entry.
+    grouped = [key for key in obj_keys if any(g is not None for g in spec.axes[key])]
+    norms = {key: _norm(sa[key]) * _norm(sb[key]) for key in grouped}
     for g, n in spec.sizes.items():
         matched = [(key, axis) for key, axis in spec.group_axes[g] if key in key_set]
         terms = [_Term(axis, spec.axes[key], sa[key].to(dtype), sb[key].to(dtype), scratch) for key, axis in matched]
