@@ -1,8 +1,14 @@
-"""Applying permutations to a state dict: the permuted network computes the same function."""
+"""Permutations of a spec's groups, and applying them to a state dict.
+
+:class:`Permutations` is what every method of :mod:`pyperm.nn` returns and accepts: one
+int64 permutation per group of a :class:`~pyperm.nn.PermutationSpec`, validated once.
+:func:`apply_permutation` permutes a state dict so that the network computes the same
+function.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -82,3 +88,96 @@ def apply_permutation(
                 t = t.index_select(axis, checked[g].to(t.device))
         out[key] = t if t is not state_dict[key] else t.clone()
     return out
+
+
+class Permutations(Mapping):
+    """One permutation per group of a spec: int64 CPU tensors, validated when built.
+
+    A read-only mapping from group names to ``(n,)`` tensors, so it goes wherever a dict
+    of permutations goes (``apply_permutation``, ``weight_matching(init=...)``). Unit
+    ``i`` of a permuted model is unit ``perms[g][i]`` of the original.
+
+    Parameters
+    ----------
+    spec : PermutationSpec
+        The spec the permutations belong to.
+    perms : mapping of str to (n,) int array or tensor
+        One permutation per group of ``spec``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``perms`` is not one permutation of the right size per group.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from pyperm.nn import PermutationSpec, Permutations
+    >>> spec = PermutationSpec({"w1": ("h", None), "w2": (None, "h")}, {"h": 3})
+    >>> p = Permutations(spec, {"h": [2, 0, 1]})
+    >>> p.inverse()["h"], p.compose(p.inverse()) == Permutations.identity(spec)
+    (tensor([1, 2, 0]), True)
+    >>> p.to_dict()
+    {'h': [2, 0, 1]}
+    """
+
+    def __init__(self, spec: PermutationSpec, perms: Mapping[str, Any]) -> None:
+        if not isinstance(spec, PermutationSpec):
+            raise TypeError(f"spec must be a PermutationSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self._perms = perms._perms if isinstance(perms, Permutations) and perms.spec is spec else as_permutations(
+            spec, perms
+        )
+
+    @classmethod
+    def identity(cls, spec: PermutationSpec) -> Permutations:
+        """The identity permutation of every group."""
+        return cls(spec, spec.identity())
+
+    @classmethod
+    def from_dict(cls, spec: PermutationSpec, data: Mapping[str, Any]) -> Permutations:
+        """The inverse of :meth:`to_dict`: lists of ints (as read from JSON) per group."""
+        return cls(spec, data)
+
+    def to_dict(self) -> dict[str, list[int]]:
+        """Plain lists of ints per group, for JSON."""
+        return {g: p.tolist() for g, p in self._perms.items()}
+
+    def __getitem__(self, group: str) -> torch.Tensor:
+        return self._perms[group]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._perms)
+
+    def __len__(self) -> int:
+        return len(self._perms)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        if set(self) != set(other):
+            return False
+        return all(torch.equal(p, torch.as_tensor(np.asarray(other[g])).to(torch.int64)) for g, p in self.items())
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking mapping semantics, as dict
+
+    def __repr__(self) -> str:
+        return f"Permutations({', '.join(f'{g}: {p.numel()} units' for g, p in self.items())})"
+
+    def inverse(self) -> Permutations:
+        """The permutations that undo these: ``apply(p.inverse(), apply(p, sd)) == sd``."""
+        return Permutations(self.spec, {g: torch.argsort(p) for g, p in self.items()})
+
+    def compose(self, other: Mapping[str, Any]) -> Permutations:
+        """``self`` after ``other``: ``apply(p.compose(q), sd) == apply(p, apply(q, sd))``."""
+        q = as_permutations(self.spec, other, "other")
+        return Permutations(self.spec, {g: q[g][p] for g, p in self.items()})
+
+    def is_identity(self) -> bool:
+        """Whether every group keeps its units in place."""
+        return all(torch.equal(p, torch.arange(p.numel())) for p in self.values())
+
+    def apply(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``apply_permutation(self.spec, self, state_dict)``."""
+        return apply_permutation(self.spec, self, state_dict)
+

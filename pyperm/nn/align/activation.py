@@ -20,6 +20,7 @@ the data, one assignment per group.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ import torch.nn as nn
 
 import pyperm
 from pyperm._progress import progress_bar
+from pyperm.nn._runtime import eval_mode, iterate_batches, model_inputs, module_device, num_batches
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.trace import ActivationSite, TraceError, symbolic_trace, trace_model
 
@@ -79,30 +81,6 @@ class ActivationMatchingResult:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _model_inputs(batch: Any, index: int) -> tuple:
-    """The positional inputs of one batch: a tensor, or (input, target, ...) with input first."""
-    if isinstance(batch, torch.Tensor):
-        return (batch,)
-    if isinstance(batch, (tuple, list)) and batch:
-        first = batch[0]
-        if isinstance(first, torch.Tensor):
-            return (first,)
-        if isinstance(first, (tuple, list)) and first and all(isinstance(t, torch.Tensor) for t in first):
-            return tuple(first)
-    raise TypeError(
-        f"data[{index}] must be a tensor of inputs or a sequence (inputs, targets, ...) whose first element is a "
-        f"tensor or a tuple of tensors, got {type(batch).__name__}"
-    )
-
-
-def _device(model: nn.Module) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return torch.device("cpu")
 
 
 def _samples(x: Any, axis: int, site: str) -> torch.Tensor:
@@ -295,24 +273,13 @@ def activation_matching(
         raise ValueError(f"cost must be one of {_COSTS}, got {cost!r}")
     if not isinstance(pre_activation, bool):
         raise TypeError(f"pre_activation must be a bool, got {type(pre_activation).__name__}")
-    if max_batches is not None:
-        if isinstance(max_batches, bool) or not isinstance(max_batches, int):
-            raise TypeError(f"max_batches must be a positive int or None, got {type(max_batches).__name__}")
-        if max_batches < 1:
-            raise ValueError(f"max_batches must be at least 1, got {max_batches}")
     if spec is not None and not isinstance(spec, PermutationSpec):
         raise TypeError(f"spec must be a PermutationSpec or None, got {type(spec).__name__}")
-    try:
-        batches = iter(data)
-    except TypeError:
-        raise TypeError(f"data must be an iterable of batches, got {type(data).__name__}") from None
-    try:
-        first = next(batches)
-    except StopIteration:
-        raise ValueError("data yielded no batches") from None
+    batches = iterate_batches(data, max_batches)
+    _, first = next(batches)  # TypeError, ValueError for data or max_batches
 
-    dev_a, dev_b = _device(model_a), _device(model_b)
-    inputs = _model_inputs(first, 0)
+    dev_a, dev_b = module_device(model_a), module_device(model_b)
+    inputs = model_inputs(first, 0)
     traced = trace_model(model_a, tuple(t.to(dev_a) for t in inputs), composite=composite)
     gm_b = symbolic_trace(model_b)
     if str(gm_b.graph) != str(traced.graph_module.graph):
@@ -355,37 +322,19 @@ def activation_matching(
 
     reader_a = _SiteReader(traced.graph_module, watch, keep_a)
     reader_b = _SiteReader(gm_b, watch, update_b)
-    modes = [(m, m.training) for model in (model_a, model_b) for m in model.modules()]
-    total = max_batches
-    if total is None and hasattr(data, "__len__"):
-        try:
-            total = len(data)  # type: ignore[arg-type]
-        except TypeError:
-            total = None
-    bar = progress_bar(progress, total, "activation matching", "batch")
-    num_batches = 0
+    bar = progress_bar(progress, num_batches(data, max_batches), "activation matching", "batch")
+    used_batches = 0
     try:
-        model_a.eval()
-        model_b.eval()
-        with torch.no_grad():
-            batch: Any = first
-            while True:
-                inputs = _model_inputs(batch, num_batches)
+        with eval_mode(model_a, model_b), torch.no_grad():
+            for index, batch in itertools.chain([(0, first)], batches):
+                inputs = model_inputs(batch, index)
                 reader_a.run(*(t.to(dev_a) for t in inputs))
                 reader_b.run(*(t.to(dev_b) for t in inputs))
                 held.clear()
-                num_batches += 1
+                used_batches += 1
                 if bar is not None:
                     bar.update(1)
-                if max_batches is not None and num_batches >= max_batches:
-                    break
-                try:
-                    batch = next(batches)
-                except StopIteration:
-                    break
     finally:
-        for m, mode in modes:
-            m.training = mode
         if bar is not None:
             bar.close()
 
@@ -412,7 +361,7 @@ def activation_matching(
         identity[g] = float(np.trace(m) / n)
     logger.debug(
         "activation_matching: %d groups, %d batches, mean similarity %.4g -> %.4g",
-        len(perms), num_batches, np.mean(list(identity.values()) or [0.0]), np.mean(list(similarity.values()) or [0.0]),
+        len(perms), used_batches, np.mean(list(identity.values()) or [0.0]), np.mean(list(similarity.values()) or [0.0]),
     )  # fmt: skip
     return ActivationMatchingResult(
         perms=perms,
@@ -420,6 +369,6 @@ def activation_matching(
         similarity=similarity,
         identity_similarity=identity,
         sites=sites,
-        num_batches=num_batches,
+        num_batches=used_batches,
         num_samples=num_samples,
     )

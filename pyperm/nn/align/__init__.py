@@ -1,0 +1,18 @@
+"""Alignment methods: find the permutations that bring model B into model A's basin.
+
+Each returns one permutation per group of a :class:`~pyperm.nn.PermutationSpec`:
+weight matching (Git Re-Basin Algorithm 1), activation matching (Git Re-Basin eq. 1,
+Tatro et al. Algorithm 1), straight-through-estimator matching (Git Re-Basin
+Algorithm 2) and merging many models (Git Re-Basin Algorithm 3).
+"""
+
+from pyperm.nn.align.activation import ActivationMatchingResult, activation_matching
+from pyperm.nn.align.weight import WeightMatchingResult, matching_objective, weight_matching
+
+__all__ = [
+    "ActivationMatchingResult",
+    "WeightMatchingResult",
+    "activation_matching",
+    "matching_objective",
+    "weight_matching",
+]
