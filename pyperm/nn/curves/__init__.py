@@ -1,0 +1,27 @@
+"""Mode-connecting curves between trained models, on any PyTorch model.
+
+- :class:`BezierCurve`, :class:`PolyChain`: curves whose bends are the only trainable
+  parameters, run through :func:`torch.func.functional_call` on the user's model.
+- :func:`train_curve`: Algorithm 2 of Tatro et al. (Garipov et al.'s curve finding), also
+  under torch.distributed data parallelism.
+- :func:`evaluate_curve` and :class:`CurveResult`: loss and accuracy along the curve, with
+  BatchNorm statistics recomputed at every point.
+- :func:`connect`: align B to A, train the curve, evaluate it.
+- :func:`loss_plane`, :func:`correlation_signature`: the planes and correlation
+  signatures of Tatro et al.'s figures.
+"""
+
+from pyperm.nn.curves.bezier import BezierCurve
+from pyperm.nn.curves.evaluate import CurveResult, evaluate_curve, plot_curve_results, summary_table
+from pyperm.nn.curves.polychain import PolyChain
+from pyperm.nn.curves.train import train_curve
+
+__all__ = [
+    "BezierCurve",
+    "CurveResult",
+    "PolyChain",
+    "evaluate_curve",
+    "plot_curve_results",
+    "summary_table",
+    "train_curve",
+]

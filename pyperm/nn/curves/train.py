@@ -1,0 +1,278 @@
+r"""Curve finding: Algorithm 2 of Tatro et al. (Garipov et al.'s training of the bends).
+
+Each step draws :math:`t \sim U[0, 1]`, runs the network :math:`r_\phi(t)` on a batch and
+takes an optimizer step on the bends :math:`\phi`, a stochastic gradient step on
+
+.. math::
+
+    \ell(\phi) = \mathbb{E}_{t \sim U[0,1]}\, \mathcal{L}\big(r_\phi(t)\big).
+
+Under torch.distributed every process reads the same global batches, keeps its shard of
+each, draws the same ``t`` (one seed for all) and averages the gradients of the bends
+with an all-reduce, so the bends follow the single-process run on the global batches.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Callable, Iterable
+from numbers import Real
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pyperm._progress import progress_bar
+from pyperm.nn._runtime import inputs_and_targets, iterate_batches, num_batches, to_device, training_flags
+from pyperm.nn.curves._base import Curve
+
+__all__ = ["train_curve"]
+
+logger = logging.getLogger(__name__)
+
+_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+
+
+def check_curve(curve: Any, name: str = "curve") -> Curve:
+    """``curve`` itself, or a TypeError naming ``name``."""
+    if not isinstance(curve, Curve):
+        raise TypeError(f"{name} must be a BezierCurve or PolyChain (a pyperm curve), got {type(curve).__name__}")
+    return curve
+
+
+def _real(value: Any, name: str, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, got {value}")
+    return value
+
+
+def _make_optimizer(optimizer: Any, params: list[torch.nn.Parameter], lr: float, momentum: float,
+                    weight_decay: float) -> torch.optim.Optimizer:
+    if isinstance(optimizer, str):
+        if optimizer not in _OPTIMIZERS:
+            raise ValueError(f"optimizer must be 'sgd', 'adam' or a torch.optim.Optimizer class, got {optimizer!r}")
+        cls = _OPTIMIZERS[optimizer]
+    elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        cls = optimizer
+    else:
+        raise TypeError(
+            f"optimizer must be 'sgd', 'adam' or a torch.optim.Optimizer class, got {type(optimizer).__name__}"
+        )
+    options: dict[str, float] = {"lr": lr}
+    accepted = inspect.signature(cls).parameters
+    # momentum means SGD's heavy ball; Adam and others keep their own defaults (betas).
+    if "momentum" in accepted:
+        options["momentum"] = momentum
+    if "weight_decay" in accepted:
+        options["weight_decay"] = weight_decay
+    elif weight_decay:
+        raise ValueError(f"weight_decay={weight_decay} given, but {cls.__name__} takes no weight_decay")
+    return cls(params, **options)
+
+
+def _shard(tensors: tuple, rank: int, world: int) -> tuple:
+    # torch.tensor_split gives contiguous, near-equal shards; every process computes the
+    # same split of the same global batch.
+    return tuple(torch.tensor_split(t, world)[rank] for t in tensors)
+
+
+def train_curve(
+    curve: Curve,
+    data: Iterable[Any],
+    *,
+    epochs: int,
+    lr: float,
+    optimizer: str | type[torch.optim.Optimizer] = "sgd",
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    seed: int | torch.Generator = 0,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    progress: bool = False,
+    callback: Callable[[int, float], bool | None] | None = None,
+) -> list[float]:
+    r"""Train a curve's bends (Tatro et al. Algorithm 2; Garipov et al. 2018, section 3).
+
+    For every batch :math:`(x, y)` of every epoch, draw :math:`t \sim U[0, 1]` and take
+    one optimizer step on the bends :math:`\phi` along
+
+    .. math::
+
+        \nabla_\phi\, \mathcal{L}\big(f(x;\, r_\phi(t)),\, y\big),
+
+    an unbiased estimate of the gradient of :math:`\mathbb{E}_{t}\,\mathcal{L}(r_\phi(t))`
+    (Tatro et al. eq. 5 with the permutation fixed; the curve's endpoints never move).
+    The curve runs in train mode: BatchNorm uses the statistics of each batch, as in the
+    papers.
+
+    Parameters
+    ----------
+    curve : BezierCurve or PolyChain
+        The curve; its bends are updated in place. Its training flag is restored.
+    data : iterable of (inputs, targets, ...)
+        The training batches (a DataLoader, a list), read once per epoch. Inputs may be
+        a tensor or a tuple of the forward's inputs; batches are moved to the curve's
+        device.
+    epochs : int
+        Passes over ``data`` (0 trains nothing).
+    lr : float
+        Learning rate (positive).
+    optimizer : {"sgd", "adam"} or torch.optim.Optimizer subclass, default "sgd"
+        Built over the bends with ``lr``, ``weight_decay`` and, when it takes one,
+        ``momentum`` (SGD's heavy ball; ignored by Adam).
+    momentum : float, default 0.9
+    weight_decay : float, default 0.0
+        L2 penalty on the bends, through the optimizer.
+    seed : int or torch.Generator, default 0
+        Seeds the CPU generator the points ``t`` are drawn from (the global RNG is not
+        used). Under torch.distributed every process must pass the same seed.
+    loss_fn : callable, optional
+        ``loss_fn(outputs, targets)`` returning the batch's *mean* loss;
+        :func:`torch.nn.functional.cross_entropy` by default.
+    progress : bool, default False
+        Show a tqdm progress bar over the batches.
+    callback : callable, optional
+        ``callback(epoch, loss)`` after each epoch (``epoch`` from 1, ``loss`` the epoch's
+        mean training loss); returning ``True`` stops training. A hook for schedules,
+        logging and methods built on this one (PAM).
+
+    Returns
+    -------
+    list of float
+        The mean training loss of each epoch (over samples, and over processes under
+        torch.distributed), one per epoch run.
+
+    Raises
+    ------
+    TypeError
+        ``curve`` is not a pyperm curve, ``data`` is not an iterable of
+        ``(inputs, targets)`` batches, or an argument has the wrong type.
+    ValueError
+        ``epochs`` is negative, ``lr`` is not positive, ``momentum`` or
+        ``weight_decay`` is negative or not finite, ``optimizer`` is unknown, ``data``
+        yields no batches (e.g. a generator on its second epoch), or ``loss_fn``
+        returns more than one value.
+
+    Notes
+    -----
+    **Data parallelism.** When :func:`torch.distributed.is_initialized` is true (e.g. a
+    script launched with ``torchrun``; gloo on CPUs, NCCL on GPUs), every process
+    iterates the same ``data``, keeps its shard of each batch
+    (:func:`torch.tensor_split` along the first axis), scales its mean loss by its
+    share of the batch and all-reduces (sums) the gradients of the bends, which is the
+    gradient of the global batch's mean loss. The bends are broadcast from rank 0 first
+    and ``t`` comes from the shared seed, so the processes stay identical. BatchNorm
+    normalises each shard with its own statistics, as under
+    :class:`~torch.nn.parallel.DistributedDataParallel` without ``SyncBatchNorm``.
+
+    A bend whose weight is zero at the drawn ``t`` (a polygonal chain's bends off
+    ``t``'s segment) gets no gradient and is not stepped (no momentum, no decay).
+
+    References
+    ----------
+    .. [1] N. J. Tatro et al., "Optimizing Mode Connectivity via Neuron Alignment",
+       NeurIPS 2020, Algorithm 2 (appendix B).
+    .. [2] T. Garipov, P. Izmailov, D. Podoprikhin, D. Vetrov, A. G. Wilson, "Loss
+       Surfaces, Mode Connectivity, and Fast Ensembling of DNNs", NeurIPS 2018.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from pyperm.nn.curves import BezierCurve, train_curve
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    >>> a = {k: v.clone() for k, v in net.state_dict().items()}
+    >>> b = {k: v.flip(0) if v.ndim else v for k, v in a.items()}
+    >>> g = torch.Generator().manual_seed(0)
+    >>> data = [(torch.randn(32, 4, generator=g), torch.randint(0, 3, (32,), generator=g)) for _ in range(4)]
+    >>> history = train_curve(BezierCurve(net, a, b), data, epochs=2, lr=0.05)
+    >>> len(history)
+    2
+    """
+    check_curve(curve)
+    if isinstance(epochs, bool) or not isinstance(epochs, int):
+        raise TypeError(f"epochs must be an int, got {type(epochs).__name__}")
+    if epochs < 0:
+        raise ValueError(f"epochs must be non-negative, got {epochs}")
+    lr = _real(lr, "lr", positive=True)
+    momentum = _real(momentum, "momentum")
+    weight_decay = _real(weight_decay, "weight_decay")
+    if isinstance(seed, torch.Generator):
+        generator = seed
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int or a torch.Generator, got {type(seed).__name__}")
+    else:
+        generator = torch.Generator().manual_seed(seed)
+    if loss_fn is None:
+        loss_fn = F.cross_entropy
+    elif not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+    params = [p for p in curve.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("curve has no trainable bends (every bend has requires_grad=False)")
+    opt = _make_optimizer(optimizer, params, lr, momentum, weight_decay)
+
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
+    device = params[0].device
+    if distributed:
+        with torch.no_grad():
+            for p in params:
+                torch.distributed.broadcast(p.data, src=0)
+
+    history: list[float] = []
+    per_epoch = num_batches(data)
+    bar = progress_bar(progress, None if per_epoch is None else per_epoch * epochs, "curve training", "batch")
+    try:
+        with training_flags(curve, train=True):
+            for epoch in range(1, epochs + 1):
+                totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss * samples, samples
+                for index, batch in iterate_batches(data, name="data"):
+                    inputs, targets = inputs_and_targets(batch, index, "data")
+                    # Drawn before anything can skip the batch: all processes see one sequence.
+                    t = float(torch.rand((), generator=generator, dtype=torch.float64))
+                    total = targets.shape[0] if targets.ndim else 1
+                    if total == 0:
+                        continue
+                    if distributed:
+                        inputs, (targets,) = _shard(inputs, rank, world), _shard((targets,), rank, world)
+                    inputs, targets = to_device(inputs, device), targets.to(device)
+                    local = targets.shape[0] if targets.ndim else 1
+                    opt.zero_grad(set_to_none=True)
+                    if local > 0:
+                        loss = loss_fn(curve(inputs, t), targets)
+                        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                            raise ValueError("loss_fn must return the batch's mean loss as a one-element tensor")
+                        (loss * (local / total)).reshape(()).backward()
+                        totals[0] += loss.detach().reshape(()).to(torch.float64) * local
+                        totals[1] += local
+                    active = curve.active_parameters(t)
+                    for p in active:
+                        if p.requires_grad and p.grad is None:
+                            # Same steps in every process, empty shard or not.
+                            p.grad = torch.zeros_like(p)
+                    if distributed:
+                        for p in active:
+                            if p.requires_grad:
+                                torch.distributed.all_reduce(p.grad)
+                    opt.step()
+                    if bar is not None:
+                        bar.update(1)
+                if distributed:
+                    torch.distributed.all_reduce(totals)
+                mean = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+                history.append(mean)
+                logger.debug("train_curve: epoch %d/%d, mean loss %.6g", epoch, epochs, mean)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{mean:.4g}")
+                if callback is not None and callback(epoch, mean) is True:
+                    break
+    finally:
+        if bar is not None:
+            bar.close()
+    return history
