@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pyperm
-from pyperm.benchmarks.bvn import dense_doubly_stochastic, planted, reconstruct, scipy_max_weight_greedy
+from pyperm.testing import dense_doubly_stochastic, planted, reconstruct, scipy_max_weight_greedy
 
 pytest.importorskip("pytest_benchmark")
 

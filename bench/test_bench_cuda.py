@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import pyperm
-from pyperm import _cuda_ops
+from pyperm.lap import _cuda as lap_cuda
 
 torch = pytest.importorskip("torch")
 
@@ -61,7 +61,7 @@ def test_cpu(benchmark, case):
 def test_cuda(benchmark, case, method):
     cost = _cost(case)
     dev = torch.from_numpy(cost).cuda()
-    solve = _cuda_ops.linear_sum_assignment if cost.ndim == 2 else _cuda_ops.batch_linear_sum_assignment
+    solve = lap_cuda.linear_sum_assignment if cost.ndim == 2 else lap_cuda.batch_linear_sum_assignment
 
     # Agreement first: the same objective as the CPU solver, problem by problem.
     _, cols, stats = solve(dev, method=method, return_stats=True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyperm.benchmarks.match import build_model, reference_weight_matching
+from pyperm.benchmarks.match import build_model
+from pyperm.testing import reference_weight_matching
 from pyperm.nn import apply_permutation, matching_objective, weight_matching
 from pyperm.nn.models import ResNet20
 

@@ -4,11 +4,10 @@ The solvers (``pyperm.linear_sum_assignment`` and friends) need numpy alone;
 ``pyperm.nn`` (alignment, merging, barriers, curves) needs torch.
 """
 
-from pyperm import _core
-from pyperm._bvn import birkhoff_decomposition, project_doubly_stochastic, sample_permutations, sinkhorn
-from pyperm._device import cuda_available, cuda_built
-from pyperm._lap import batch_linear_sum_assignment, linear_sum_assignment
-from pyperm._xcorr import (
+from pyperm._ext import cuda_available, cuda_built
+from pyperm.bvn import birkhoff_decomposition, project_doubly_stochastic, sample_permutations, sinkhorn
+from pyperm.lap import batch_linear_sum_assignment, linear_sum_assignment
+from pyperm.xcorr import (
     CrossCorrelation,
     CrossCorrelationSet,
     all_reduce_cross_correlation,

@@ -1,7 +1,13 @@
-"""Array plumbing shared by the solvers: numpy and torch in, the same kind out.
+"""What kind of array the caller passed, and the host-side conversions that follow from it.
 
-torch is never imported here unless the caller already passed a torch tensor, so the
-solvers need numpy alone.
+Every public function classifies its input here, once: a CUDA array (a torch CUDA tensor,
+an object exposing ``__cuda_array_interface__``, or one whose DLPack device is a CUDA GPU)
+goes to the CUDA backend of its kernel family; anything else is read on the host as numpy
+(torch CPU tensors without a copy). torch is never imported here unless the caller already
+passed a torch tensor, so the solvers need numpy alone.
+
+Errors follow scipy where scipy defines them (``scipy.optimize.linear_sum_assignment``'s
+tests match on its messages), and always name the argument.
 """
 
 from __future__ import annotations
@@ -11,21 +17,53 @@ from typing import Any
 
 import numpy as np
 
+__all__ = [
+    "ArrayDTypeError",
+    "is_cuda_input",
+    "is_dlpack_cuda",
+    "is_torch_tensor",
+    "like",
+    "real_float_array",
+    "to_numpy",
+]
+
+_DLPACK_CUDA_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+
+class ArrayDTypeError(TypeError, ValueError):
+    """An array whose dtype cannot be read as real numbers (strings, objects, complex).
+
+    scipy raises TypeError here; pyperm raised ValueError before it followed scipy, so this
+    is both, and code catching either keeps working.
+    """
+
 
 def is_torch_tensor(x: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def is_cuda_array(x: Any) -> bool:
-    """True for a torch CUDA tensor or any object exposing ``__cuda_array_interface__``."""
+def is_dlpack_cuda(x: Any) -> bool:
+    """True for an object whose DLPack device is a CUDA GPU."""
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is None or not callable(dev):
+        return False
+    try:
+        kind = int(dev()[0])
+    except Exception:  # a broken __dlpack_device__ is not a CUDA array
+        return False
+    return kind in _DLPACK_CUDA_DEVICES
+
+
+def is_cuda_input(x: Any) -> bool:
+    """Whether ``x`` lives on a CUDA device, so that a CUDA backend must take it."""
     if is_torch_tensor(x):
         return x.device.type == "cuda"
-    return hasattr(x, "__cuda_array_interface__")
+    return hasattr(x, "__cuda_array_interface__") or is_dlpack_cuda(x)
 
 
 def to_numpy(x: Any, name: str) -> np.ndarray:
-    """A numpy view (or copy) of a CPU array-like; rejects device arrays it cannot read."""
+    """A numpy view (or copy) of a host array-like; rejects device arrays it cannot read."""
     if is_torch_tensor(x):
         if x.device.type != "cpu":
             raise ValueError(f"{name} is on device {x.device}; pass a CPU tensor or a CUDA tensor")
@@ -38,36 +76,40 @@ def to_numpy(x: Any, name: str) -> np.ndarray:
         raise ValueError(f"{name} could not be read as an array: {exc}") from None
 
 
+def check_real_dtype(dtype: np.dtype, name: str) -> None:
+    """Raises ArrayDTypeError, with scipy's wording, unless ``dtype`` holds real numbers."""
+    kind = dtype.kind
+    if kind in "biuf":
+        return
+    cast = f"Cannot cast array data from {dtype!r} to dtype('float64') according to the rule 'safe'"
+    if kind == "c":
+        raise ArrayDTypeError(f"{name} must be real, got complex dtype {dtype} ({cast})")
+    raise ArrayDTypeError(f"{name} must contain numerical entries, got dtype {dtype} ({cast})")
+
+
+def check_ndim(shape: tuple[int, ...], ndim: int | tuple[int, ...], name: str) -> None:
+    """Raises ValueError unless ``shape`` has one of the ranks ``ndim``."""
+    dims = (ndim,) if isinstance(ndim, int) else ndim
+    if len(shape) in dims:
+        return
+    want = " or ".join(f"{d}-D" for d in dims)
+    scipy_wording = " (expected a matrix)" if dims == (2,) else ""
+    raise ValueError(f"{name} must be a {want} array{scipy_wording}, got shape {tuple(shape)}")
+
+
 def real_float_array(x: Any, name: str, ndim: int | tuple[int, ...]) -> np.ndarray:
     """Validates and converts to a C-contiguous float32/float64 array.
 
     float32 and float64 keep their precision; bool, integers and other real floats go
-    to float64. Wrong rank or a non-real dtype raises ValueError naming ``name``.
+    to float64. Wrong rank raises ValueError, a non-real dtype ArrayDTypeError, both
+    naming ``name``.
     """
     arr = to_numpy(x, name)
-    dims = (ndim,) if isinstance(ndim, int) else ndim
-    if arr.ndim not in dims:
-        want = " or ".join(f"{d}-D" for d in dims)
-        raise ValueError(f"{name} must be a {want} array, got shape {arr.shape}")
-    kind = arr.dtype.kind
-    if kind == "c":
-        raise ValueError(f"{name} must be real, got complex dtype {arr.dtype}")
-    if kind not in "biuf":
-        raise ValueError(f"{name} must contain numerical entries, got dtype {arr.dtype}")
+    check_ndim(arr.shape, ndim, name)
+    check_real_dtype(arr.dtype, name)
     if arr.dtype not in (np.float32, np.float64):
         arr = arr.astype(np.float64)
     return np.ascontiguousarray(arr)
-
-
-def check_threads(threads: Any) -> int:
-    """A ``threads=`` argument: None gives 0 (all hardware threads), else a positive int."""
-    if threads is None:
-        return 0
-    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)):
-        raise TypeError(f"threads must be a positive int or None, got {type(threads).__name__}")
-    if threads < 1:
-        raise ValueError(f"threads must be at least 1, got {threads}")
-    return int(threads)
 
 
 def like(template: Any, *arrays: np.ndarray):

@@ -12,8 +12,8 @@ from scipy.optimize import linear_sum_assignment as scipy_lsa
 
 import pyperm
 from pyperm import _core
-from pyperm.benchmarks.bvn import planted  # a convex combination of k random permutations
-from pyperm.benchmarks.bvn import reconstruct, scipy_bottleneck_matching
+from pyperm.testing import planted  # a convex combination of k random permutations
+from pyperm.testing import reconstruct, scipy_bottleneck_matching
 
 try:  # the solvers need numpy alone; only the torch round-trips need torch
     import torch
@@ -427,12 +427,17 @@ def test_atol_controls_the_check():
     assert coeffs.sum() == pytest.approx(1, abs=2e-3)
 
 
-def test_device_arrays_other_than_torch_are_rejected():
+def test_device_arrays_dispatch_to_cuda_or_are_rejected():
     class FakeDeviceArray:
-        __cuda_array_interface__ = {}
+        __cuda_array_interface__ = {"shape": (2, 2), "typestr": "<f8", "data": (8, False), "version": 3}
 
+    # Bottleneck has no CUDA twin and reads only torch tensors back to the host.
     with pytest.raises(TypeError, match="D is a device array"):
-        pyperm.birkhoff_decomposition(FakeDeviceArray())
+        pyperm.birkhoff_decomposition(FakeDeviceArray(), method="bottleneck")
+    if not pyperm.cuda_available():
+        # Max-weight goes to the CUDA backend, which says why it cannot run.
+        with pytest.raises(RuntimeError, match="CUDA"):
+            pyperm.birkhoff_decomposition(FakeDeviceArray())
 
 
 def test_core_rejects_non_finite_and_bad_method():

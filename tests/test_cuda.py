@@ -16,7 +16,9 @@ import pytest
 from scipy.optimize import linear_sum_assignment as scipy_lsa
 
 import pyperm
-from pyperm import _cuda_ops
+from pyperm._arrays import is_cuda_input, is_dlpack_cuda
+from pyperm.lap import _cuda as lap_cuda
+from pyperm.xcorr import _cuda as xcorr_cuda
 
 requires_cuda = pytest.mark.skipif(not pyperm.cuda_available(), reason="needs a CUDA device and pyperm's CUDA build")
 cuda = [requires_cuda, pytest.mark.cuda]
@@ -153,22 +155,22 @@ def test_cuda_input_validation_before_device_access():
     with pytest.raises(ValueError, match="numerical entries"):
         pyperm.linear_sum_assignment(strings)
     with pytest.raises(ValueError, match="method must be"):
-        _cuda_ops.linear_sum_assignment(bad_rank, method="fastest")
+        lap_cuda.linear_sum_assignment(bad_rank, method="fastest")
     with pytest.raises(TypeError, match="maximize must be a bool"):
-        _cuda_ops.linear_sum_assignment(bad_rank, maximize="yes")
+        lap_cuda.linear_sum_assignment(bad_rank, maximize="yes")
     with pytest.raises(TypeError, match="not a CUDA array"):
-        _cuda_ops.linear_sum_assignment(np.zeros((2, 2)))
+        lap_cuda.linear_sum_assignment(np.zeros((2, 2)))
 
 
 def test_dlpack_cuda_detection():
-    assert not _cuda_ops.is_dlpack_cuda(np.zeros(3))
-    assert not _cuda_ops.is_dlpack_cuda([1, 2])
+    assert not is_dlpack_cuda(np.zeros(3))
+    assert not is_dlpack_cuda([1, 2])
     fake = type("Fake", (), {"__dlpack_device__": lambda self: (2, 0)})()
-    assert _cuda_ops.is_dlpack_cuda(fake)
+    assert is_dlpack_cuda(fake)
     broken = type("Fake", (), {"__dlpack_device__": lambda self: 1 / 0})()
-    assert not _cuda_ops.is_dlpack_cuda(broken)
-    assert _cuda_ops.is_cuda_input(fake)
-    assert not _cuda_ops.is_cuda_input(np.zeros(3))
+    assert not is_dlpack_cuda(broken)
+    assert is_cuda_input(fake)
+    assert not is_cuda_input(np.zeros(3))
 
 
 def test_torch_cpu_tensor_stays_on_cpu():
@@ -181,7 +183,7 @@ def test_torch_cpu_tensor_stays_on_cpu():
 
 def test_warm_start_rejects_non_tensors():
     with pytest.raises(TypeError, match="torch tensors"):
-        _cuda_ops.solve_square_warm(np.zeros((2, 2)), np.zeros(2))
+        lap_cuda.solve_square_warm(np.zeros((2, 2)), np.zeros(2))
 
 
 # ------------------------------------------------------------------- GPU: parity
@@ -201,7 +203,7 @@ def test_parity_single(dtype, kind, shape, method, maximize):
     cost = make_cost(kind, *shape, rng, dtype)
     if maximize:
         cost = np.where(np.isinf(cost), -np.inf, cost).astype(dtype)
-    rows, cols = _cuda_ops.linear_sum_assignment(to_cuda(cost), maximize, method=method)
+    rows, cols = lap_cuda.linear_sum_assignment(to_cuda(cost), maximize, method=method)
     assert_optimal(cost, cpu(rows), cpu(cols), maximize)
 
 
@@ -225,7 +227,7 @@ def test_parity_large(dtype, kind, n, method):
     if method == "block" and n == 2048 and kind != "uniform":
         pytest.skip("one block per problem is the small-problem strategy; 1024 covers it")
     cost, want = large_case(dtype, kind, n)
-    rows, cols = _cuda_ops.linear_sum_assignment(to_cuda(cost), method=method)
+    rows, cols = lap_cuda.linear_sum_assignment(to_cuda(cost), method=method)
     got = objective(cost, cpu(rows), cpu(cols))
     tol = (1e-3 if dtype == "float32" else 1e-8) * max(1.0, abs(want))
     assert abs(got - want) <= tol
@@ -238,7 +240,7 @@ def test_parity_large(dtype, kind, n, method):
 @requires_cuda
 def test_parity_large_rectangular(shape, method):
     cost = make_cost("uniform", *shape, np.random.default_rng(7), "float32")
-    rows, cols = _cuda_ops.linear_sum_assignment(to_cuda(cost), method=method)
+    rows, cols = lap_cuda.linear_sum_assignment(to_cuda(cost), method=method)
     assert_optimal(cost, cpu(rows), cpu(cols))
 
 
@@ -264,7 +266,7 @@ def test_parity_batch(dtype, kind, shape, method):
     rng = np.random.default_rng(seed_of(dtype, kind, shape))
     b, n, m = shape
     costs = np.stack([make_cost(kind, n, m, rng, dtype) for _ in range(b)])
-    rows, cols = _cuda_ops.batch_linear_sum_assignment(to_cuda(costs), method=method)
+    rows, cols = lap_cuda.batch_linear_sum_assignment(to_cuda(costs), method=method)
     assert rows.shape == cols.shape == (b, min(n, m))
     rows, cols = cpu(rows), cpu(cols)
     ref_rows, ref_cols = pyperm.batch_linear_sum_assignment(costs)
@@ -287,7 +289,7 @@ def test_kernel_variants_agree(variant):
     rng = np.random.default_rng(11)
     costs = np.stack([make_cost(k, 96, 96, rng, "float32") for k in FAMILIES for _ in range(4)])
     kwargs = {"method": "block", **variant}
-    rows, cols, stats = _cuda_ops.batch_linear_sum_assignment(to_cuda(costs), return_stats=True, **kwargs)
+    rows, cols, stats = lap_cuda.batch_linear_sum_assignment(to_cuda(costs), return_stats=True, **kwargs)
     assert stats["method"] == kwargs["method"]
     if "stage" in variant:
         assert stats["staged"] is bool(variant["stage"])
@@ -327,7 +329,7 @@ def test_second_device():
 def test_constant_matrix_gives_identity():
     torch = _torch()
     for method in METHODS:
-        rows, cols = _cuda_ops.linear_sum_assignment(torch.ones(300, 300, device="cuda"), method=method)
+        rows, cols = lap_cuda.linear_sum_assignment(torch.ones(300, 300, device="cuda"), method=method)
         assert torch.equal(cols.cpu(), torch.arange(300))
 
 
@@ -338,9 +340,9 @@ def test_deterministic():
     g = torch.Generator(device="cuda").manual_seed(0)
     cost = torch.randint(0, 5, (700, 700), device="cuda", generator=g).float()
     for method in METHODS:
-        first = _cuda_ops.linear_sum_assignment(cost, method=method)[1]
+        first = lap_cuda.linear_sum_assignment(cost, method=method)[1]
         for _ in range(3):
-            assert torch.equal(_cuda_ops.linear_sum_assignment(cost, method=method)[1], first)
+            assert torch.equal(lap_cuda.linear_sum_assignment(cost, method=method)[1], first)
 
 
 @pytest.mark.cuda
@@ -416,11 +418,11 @@ def test_invalid_entries(dtype, method):
         cost = torch.rand(300, 300, device="cuda", dtype=dt)
         cost[123, 45] = bad
         with pytest.raises(ValueError, match="matrix contains invalid numeric entries"):
-            _cuda_ops.linear_sum_assignment(cost, maximize, method=method)
+            lap_cuda.linear_sum_assignment(cost, maximize, method=method)
     costs = torch.rand(4, 6, 6, device="cuda", dtype=dt)
     costs[2, 1, 1] = float("nan")
     with pytest.raises(ValueError, match="problem 2 of the batch: matrix contains invalid numeric entries"):
-        _cuda_ops.batch_linear_sum_assignment(costs, method=method)
+        lap_cuda.batch_linear_sum_assignment(costs, method=method)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -438,10 +440,10 @@ def test_infeasible(dtype, method, shape):
     else:
         cost[:, : min(2, m)] = float("inf")
     with pytest.raises(ValueError, match="cost matrix is infeasible"):
-        _cuda_ops.linear_sum_assignment(cost, method=method)
+        lap_cuda.linear_sum_assignment(cost, method=method)
     # Forbidden (-inf) when maximising: the same.
     with pytest.raises(ValueError, match="cost matrix is infeasible"):
-        _cuda_ops.linear_sum_assignment(-cost, True, method=method)
+        lap_cuda.linear_sum_assignment(-cost, True, method=method)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -454,12 +456,12 @@ def test_infeasible_subtle(method):
     cost[:, 0] = 1.0  # rows 0..398 can only use column 0 ...
     cost[399] = 2.0  # ... and row 399 can use anything
     with pytest.raises(ValueError, match="cost matrix is infeasible"):
-        _cuda_ops.linear_sum_assignment(cost, method=method)
+        lap_cuda.linear_sum_assignment(cost, method=method)
     costs = torch.rand(3, 50, 50, device="cuda")
     costs[1, :, :] = float("inf")
     costs[1, :, 0] = 1.0
     with pytest.raises(ValueError, match="problem 1 of the batch: cost matrix is infeasible"):
-        _cuda_ops.batch_linear_sum_assignment(costs, method=method)
+        lap_cuda.batch_linear_sum_assignment(costs, method=method)
 
 
 @pytest.mark.cuda
@@ -484,9 +486,9 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="cost must be real"):
         pyperm.linear_sum_assignment(torch.rand(3, 3, device="cuda", dtype=torch.complex64))
     with pytest.raises(ValueError, match="threads must be"):
-        _cuda_ops.linear_sum_assignment(torch.rand(3, 3, device="cuda"), threads=48)
+        lap_cuda.linear_sum_assignment(torch.rand(3, 3, device="cuda"), threads=48)
     with pytest.raises(ValueError, match="stage must be"):
-        _cuda_ops.linear_sum_assignment(torch.rand(3, 3, device="cuda"), stage=2)
+        lap_cuda.linear_sum_assignment(torch.rand(3, 3, device="cuda"), stage=2)
 
 
 # -------------------------------------------------------------- GPU: warm start
@@ -501,7 +503,7 @@ def test_warm_start(dtype, n, method):
     g = torch.Generator(device="cuda").manual_seed(n)
     cost = torch.rand(n, n, device="cuda", dtype=dt, generator=g)
     v = torch.zeros(n, device="cuda", dtype=dt)
-    cols = _cuda_ops.solve_square_warm(cost, v, method=method)
+    cols = lap_cuda.solve_square_warm(cost, v, method=method)
     c = cost.cpu().numpy()
     assert_optimal(c, np.arange(n), cpu(cols))
     # The returned duals certify optimality: reduced costs are non-negative, zero on the matching.
@@ -510,7 +512,7 @@ def test_warm_start(dtype, n, method):
     assert (c - vv[None, :] - u[:, None]).min() > -1e-3
     # A perturbed problem warm-started from those duals.
     cost2 = cost + 0.01 * torch.rand(n, n, device="cuda", dtype=dt, generator=g)
-    cols2 = _cuda_ops.solve_square_warm(cost2, v, method=method)
+    cols2 = lap_cuda.solve_square_warm(cost2, v, method=method)
     assert_optimal(cost2.cpu().numpy(), np.arange(n), cpu(cols2))
 
 
@@ -520,16 +522,16 @@ def test_warm_start_batched_and_infeasible():
     torch = _torch()
     cost = torch.rand(4, 30, 30, device="cuda", dtype=torch.float64)
     v = torch.randn(4, 30, device="cuda", dtype=torch.float64)
-    cols = _cuda_ops.solve_square_warm(cost, v)
+    cols = lap_cuda.solve_square_warm(cost, v)
     for k in range(4):
         assert_optimal(cost[k].cpu().numpy(), np.arange(30), cpu(cols[k]))
     cost[2, :, 1:] = float("inf")
     with pytest.raises(ValueError, match="problem 2 of the batch: cost matrix is infeasible"):
-        _cuda_ops.solve_square_warm(cost, torch.zeros(4, 30, device="cuda", dtype=torch.float64))
+        lap_cuda.solve_square_warm(cost, torch.zeros(4, 30, device="cuda", dtype=torch.float64))
     with pytest.raises(ValueError, match="v must have shape"):
-        _cuda_ops.solve_square_warm(cost, torch.zeros(30, device="cuda", dtype=torch.float64))
+        lap_cuda.solve_square_warm(cost, torch.zeros(30, device="cuda", dtype=torch.float64))
     with pytest.raises(ValueError, match="v must be finite"):
-        _cuda_ops.solve_square_warm(cost[0], torch.full((30,), float("nan"), device="cuda", dtype=torch.float64))
+        lap_cuda.solve_square_warm(cost[0], torch.full((30,), float("nan"), device="cuda", dtype=torch.float64))
 
 
 # ---------------------------------------------------------------------- GPU: BvN
@@ -550,7 +552,7 @@ def test_birkhoff_max_weight(dtype, n):
     torch = _torch()
     d = _doubly_stochastic(n, 6, np.random.default_rng(n)).astype(dtype)
     D = torch.from_numpy(d).cuda()
-    coeffs, perms = _cuda_ops.birkhoff_max_weight(D, tol=1e-12 if dtype == "float64" else 1e-6)
+    coeffs, perms = pyperm.birkhoff_decomposition(D, tol=1e-12 if dtype == "float64" else 1e-6)
     assert coeffs.device == D.device and coeffs.dtype == D.dtype and perms.dtype == torch.int64
     c, p = coeffs.cpu().numpy().astype(np.float64), perms.cpu().numpy()
     assert np.all(c > 0) and p.shape == (len(c), n)
@@ -565,9 +567,12 @@ def test_birkhoff_max_weight(dtype, n):
     assert abs(d[np.arange(n), p[0]].sum() - d[r, col].sum()) <= 1e-5
     # max_terms and the progress callback stop it early.
     seen = []
-    coeffs2, perms2 = _cuda_ops.birkhoff_max_weight(D, max_terms=2, progress=lambda *a: seen.append(a))
+    coeffs2, perms2 = pyperm.birkhoff_decomposition(D, max_terms=2, progress=lambda *a: seen.append(a))
     assert len(coeffs2) == min(2, len(c)) and len(seen) == len(coeffs2)
-    coeffs3, _ = _cuda_ops.birkhoff_max_weight(D, progress=lambda *a: False)
+    def stop(*args):
+        raise StopIteration  # the progress contract of pyperm._progress
+
+    coeffs3, _ = pyperm.birkhoff_decomposition(D, progress=stop)
     assert len(coeffs3) == 1
 
 
@@ -576,12 +581,12 @@ def test_birkhoff_max_weight(dtype, n):
 def test_birkhoff_errors():
     torch = _torch()
     with pytest.raises(ValueError, match="D must be square"):
-        _cuda_ops.birkhoff_max_weight(torch.ones(2, 3, device="cuda"))
-    with pytest.raises(ValueError, match="NaN or infinity"):
-        _cuda_ops.birkhoff_max_weight(torch.full((2, 2), float("nan"), device="cuda"))
+        pyperm.birkhoff_decomposition(torch.ones(2, 3, device="cuda"))
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        pyperm.birkhoff_decomposition(torch.full((2, 2), float("nan"), device="cuda"))
     with pytest.raises(ValueError, match="max_terms"):
-        _cuda_ops.birkhoff_max_weight(torch.eye(2, device="cuda"), max_terms=0)
-    coeffs, perms = _cuda_ops.birkhoff_max_weight(torch.zeros(0, 0, device="cuda"))
+        pyperm.birkhoff_decomposition(torch.eye(2, device="cuda"), max_terms=0)
+    coeffs, perms = pyperm.birkhoff_decomposition(torch.zeros(0, 0, device="cuda"))
     assert coeffs.shape == (0,) and perms.shape == (0, 0)
 
 
@@ -596,9 +601,9 @@ def test_xcorr_update_matches_numpy(dtype):
     a = (1e3 + z * np.arange(12) + rng.standard_normal((900, 12))).astype(dtype)  # far from 0: cancellation test
     b = (z + 0.5 * rng.standard_normal((900, 9))).astype(dtype)
     b[:, 0] = 5.0  # a constant channel: exactly zero variance
-    state = _cuda_ops.xcorr_new_state(12, 9, "cuda")
+    state = xcorr_cuda.new_state(12, 9, "cuda")
     for lo, hi in [(0, 1), (1, 300), (300, 301), (301, 900)]:
-        _cuda_ops.xcorr_update(state, torch.from_numpy(a[lo:hi]).cuda(), torch.from_numpy(b[lo:hi]).cuda())
+        xcorr_cuda.update(state, torch.from_numpy(a[lo:hi]).cuda(), torch.from_numpy(b[lo:hi]).cuda())
     assert state["count"] == 900
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     ma, mb = state["moments_a"].cpu().numpy(), state["moments_b"].cpu().numpy()
@@ -611,10 +616,10 @@ def test_xcorr_update_matches_numpy(dtype):
     cov = (a64 - a64.mean(0)).T @ (b64 - b64.mean(0))
     np.testing.assert_allclose(state["comoment"].cpu().numpy(), cov, rtol=rtol * 10, atol=rtol * 10 * np.abs(cov).max())
     # Merging two accumulators equals accumulating everything in one.
-    left, right = _cuda_ops.xcorr_new_state(12, 9, "cuda"), _cuda_ops.xcorr_new_state(12, 9, "cuda")
-    _cuda_ops.xcorr_update(left, torch.from_numpy(a[:400]).cuda(), torch.from_numpy(b[:400]).cuda())
-    _cuda_ops.xcorr_update(right, torch.from_numpy(a[400:]).cuda(), torch.from_numpy(b[400:]).cuda())
-    _cuda_ops.xcorr_merge(left, right)
+    left, right = xcorr_cuda.new_state(12, 9, "cuda"), xcorr_cuda.new_state(12, 9, "cuda")
+    xcorr_cuda.update(left, torch.from_numpy(a[:400]).cuda(), torch.from_numpy(b[:400]).cuda())
+    xcorr_cuda.update(right, torch.from_numpy(a[400:]).cuda(), torch.from_numpy(b[400:]).cuda())
+    xcorr_cuda.merge(left, right)
     assert left["count"] == 900
     np.testing.assert_allclose(left["comoment"].cpu().numpy(), cov, rtol=rtol * 10, atol=rtol * 10 * np.abs(cov).max())
 
@@ -623,18 +628,62 @@ def test_xcorr_update_matches_numpy(dtype):
 @requires_cuda
 def test_xcorr_errors_leave_state_unchanged():
     torch = _torch()
-    state = _cuda_ops.xcorr_new_state(3, 2, "cuda")
+    state = xcorr_cuda.new_state(3, 2, "cuda")
     x = torch.randn(10, 3, device="cuda", dtype=torch.float64)
-    _cuda_ops.xcorr_update(state, x, x[:, :2])
+    xcorr_cuda.update(state, x, x[:, :2])
     before = {k: (v.clone() if hasattr(v, "clone") else v) for k, v in state.items()}
     bad = x.clone()
     bad[4, 1] = float("nan")
     with pytest.raises(ValueError, match="xa contains NaN or infinity"):
-        _cuda_ops.xcorr_update(state, bad, x[:, :2])
+        xcorr_cuda.update(state, bad, x[:, :2])
     with pytest.raises(ValueError, match="same number of samples"):
-        _cuda_ops.xcorr_update(state, x, x[:5, :2])
+        xcorr_cuda.update(state, x, x[:5, :2])
     with pytest.raises(ValueError, match=r"xb must have shape \(samples, 2\)"):
-        _cuda_ops.xcorr_update(state, x, x)
+        xcorr_cuda.update(state, x, x)
     assert state["count"] == before["count"]
     for k in ("moments_a", "moments_b", "comoment"):
         assert torch.equal(state[k], before[k])
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_birkhoff_dispatch_keeps_cuda_input_on_the_device():
+    torch = _torch()
+    d = _doubly_stochastic(40, 5, np.random.default_rng(4))
+    D = torch.from_numpy(d).cuda()
+    coeffs, perms = pyperm.birkhoff_decomposition(D)
+    assert coeffs.device == D.device and perms.device == D.device
+    ref_coeffs, _ = pyperm.birkhoff_decomposition(d)
+    assert abs(float(coeffs.sum()) - float(ref_coeffs.sum())) <= 1e-9
+    samples = pyperm.sample_permutations(D, 7, generator=0)
+    assert samples.device == D.device and samples.shape == (7, 40)
+    with pytest.raises(ValueError, match="not doubly stochastic"):
+        pyperm.birkhoff_decomposition(D * 1.1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.cuda
+@requires_cuda
+def test_cross_correlation_accumulates_cuda_tensors_on_the_device(dtype):
+    torch = _torch()
+    rng = np.random.default_rng(5)
+    a = (3.0 + rng.standard_normal((500, 6))).astype(dtype)
+    b = (a[:, ::-1] + 0.1 * rng.standard_normal((500, 6))).astype(dtype)
+    on_gpu = pyperm.CrossCorrelation(6, 6)
+    on_cpu = pyperm.CrossCorrelation(6, 6)
+    for lo, hi in [(0, 200), (200, 500)]:
+        on_gpu.update(torch.from_numpy(a[lo:hi]).cuda(), torch.from_numpy(b[lo:hi]).cuda())
+        on_cpu.update(a[lo:hi], b[lo:hi])
+    assert on_gpu.count == 500
+    tol = 1e-9 if dtype == "float64" else 1e-4
+    for name in ("correlation", "covariance", "cross_product"):
+        got = getattr(on_gpu, name)()
+        assert got.device.type == "cuda"
+        np.testing.assert_allclose(got.cpu().numpy(), getattr(on_cpu, name)(), rtol=tol, atol=tol)
+    np.testing.assert_allclose(on_gpu.std_a.cpu().numpy(), on_cpu.std_a, rtol=tol)
+    # merge brings host statistics to the device; state() is host arrays
+    on_gpu.merge(on_cpu)
+    assert on_gpu.count == 1000 and on_gpu.mean_a.device.type == "cuda"
+    assert isinstance(on_gpu.state()["comoment"], np.ndarray)
+    with pytest.raises(ValueError, match="holds CPU statistics"):
+        on_cpu.update(torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda())

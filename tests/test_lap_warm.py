@@ -9,7 +9,7 @@ import pytest
 from scipy.optimize import linear_sum_assignment as scipy_lsa
 
 from pyperm import _core
-from pyperm._lap import incremental_solver, solve_square_warm
+from pyperm.lap.warm import incremental_solver, solve_square_warm
 
 
 def _best(cost):

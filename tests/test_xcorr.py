@@ -174,13 +174,13 @@ def test_multi_tile_shapes_and_thread_independence():
 def test_instruction_set_variants_agree(monkeypatch, dtype, acc_dtype):
     # The core's loops are compiled for several instruction sets (FMA contraction may round
     # differently); every variant this CPU runs must give the same statistics.
-    import pyperm._xcorr as xcorr_module
+    import pyperm.xcorr._state as xcorr_state
 
     rng = np.random.default_rng(19)
     batches = _batches(rng, [300, 70], 530, 33, dtype=dtype, loc=1e3)
     results = {}
     for isa in ("baseline", "avx2", "avx512"):
-        monkeypatch.setattr(xcorr_module, "_ISA", isa)
+        monkeypatch.setattr(xcorr_state, "ISA", isa)
         acc = _accumulate(batches, 530, 33, dtype=acc_dtype)
         acc.merge(_accumulate(batches[:1], 530, 33))
         results[isa] = (acc.correlation(), acc.cross_product(), acc.covariance(), acc.mean_a, acc.std_b)
@@ -188,7 +188,7 @@ def test_instruction_set_variants_agree(monkeypatch, dtype, acc_dtype):
     for isa in ("avx2", "avx512"):
         for got, want in zip(results[isa], results["baseline"]):
             np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
-    monkeypatch.setattr(xcorr_module, "_ISA", "sse9")
+    monkeypatch.setattr(xcorr_state, "ISA", "sse9")
     with pytest.raises(ValueError, match="isa must be"):
         CrossCorrelation(2, 2).update(np.eye(2), np.eye(2))
 
@@ -637,12 +637,20 @@ def test_update_rejects_overflow():
         small.update(np.array([[1e25], [-1e25]]), np.array([[1e25], [-1e25]]))
 
 
-def test_update_rejects_cuda_arrays():
+def test_cuda_arrays_go_to_the_device_or_are_refused():
     class FakeCuda:
         __cuda_array_interface__ = {"shape": (2, 2), "typestr": "<f4", "data": (0, False), "version": 3}
 
-    with pytest.raises(ValueError, match=r"xa is a CUDA array; .* pass xa.cpu\(\)"):
+    # An empty accumulator would move to the batch's device, which only torch tensors name.
+    with pytest.raises(TypeError, match="xa must be a torch CUDA tensor"):
         CrossCorrelation(2, 2).update(FakeCuda(), np.zeros((2, 2)))
+    # One holding CPU statistics keeps them there.
+    acc = CrossCorrelation(2, 2).update(np.eye(2), np.eye(2))
+    with pytest.raises(ValueError, match=r"xb is a CUDA array, but this accumulator holds CPU statistics: pass xb.cpu\(\)"):
+        acc.update(np.zeros((2, 2)), FakeCuda())
+    with pytest.raises(ValueError, match=r"pairs\[1\] xa is a CUDA array"):
+        CrossCorrelation.update_many([CrossCorrelation(2, 2), acc], [(np.eye(2), np.eye(2)), (FakeCuda(), np.eye(2))])
+    assert acc.count == 2
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 //
 // Device memory crosses this boundary as raw pointers (Python ints) with shapes, element
 // strides, the device index and the caller's stream handle, so the module never links
-// libtorch: pyperm/_cuda_ops.py takes them from torch tensors, __cuda_array_interface__
+// libtorch: pyperm/_cuda_arrays.py takes them from torch tensors, __cuda_array_interface__
 // or DLPack and allocates the outputs with the input's library. The wrapper has validated
 // shapes, dtypes and pointers; the kernels check the numbers.
 #include <pybind11/pybind11.h>
@@ -79,7 +79,7 @@ bool is_double(const std::string& dtype) {
   throw py::value_error("dtype must be 'float32' or 'float64', got '" + dtype + "'");
 }
 
-py::object lap_solve_batch(uintptr_t cost, const std::string& dtype, int64_t batch, int64_t n_rows, int64_t n_cols,
+py::object lap_solve_strided(uintptr_t cost, const std::string& dtype, int64_t batch, int64_t n_rows, int64_t n_cols,
                            int64_t stride_b, int64_t stride_r, int64_t stride_c, bool maximize, uintptr_t row_ind,
                            uintptr_t col_ind, int device, uintptr_t stream, bool batched, const std::string& method,
                            int threads, int stage, int state_smem, int max_rounds, int patience, bool want_stats) {
@@ -227,7 +227,7 @@ PYBIND11_MODULE(_cuda, m) {
   m.def("pointer_device", &pc::pointer_device, py::arg("ptr"),
         "The device owning a CUDA pointer, or -1 for memory that is not on a device.");
 
-  m.def("lap_solve_batch", &lap_solve_batch, py::arg("cost"), py::arg("dtype"), py::arg("batch"), py::arg("n_rows"),
+  m.def("lap_solve_strided", &lap_solve_strided, py::arg("cost"), py::arg("dtype"), py::arg("batch"), py::arg("n_rows"),
         py::arg("n_cols"), py::arg("stride_b"), py::arg("stride_r"), py::arg("stride_c"), py::arg("maximize"),
         py::arg("row_ind"), py::arg("col_ind"), py::arg("device"), py::arg("stream"), py::arg("batched"),
         py::arg("method") = "auto", py::arg("threads") = 0, py::arg("stage") = -1, py::arg("state_smem") = -1, py::arg("max_rounds") = -1,

@@ -4,7 +4,7 @@
 //   lap_cuda.h's batch_solve_square_warm on that cost, warm-started from the previous
 //                      term's column duals (the terms change little from one to the next);
 //   bvn_subtract_term  alpha = min_i R[i, perm[i]], R -= alpha P, and the residual mass.
-// The loop over terms (stopping rules, progress reporting) is pyperm/_cuda_ops.py's.
+// The loop over terms (stopping rules, progress reporting) is pyperm/bvn/_cuda.py's.
 // Declared without cuda_runtime.h: streams are void* (a cudaStream_t).
 #pragma once
 #include <cstdint>

@@ -4,23 +4,54 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 
-def median_time(fn: Callable[[], object], repeat: int, clock: str = "wall") -> float:
-    """Median seconds of ``repeat`` calls after one warm-up call.
+@dataclass
+class Timing:
+    """Seconds of each timed call, and the last call's result."""
 
-    ``clock="cpu"`` measures the calling thread's CPU time, which ignores time spent
-    descheduled on a busy machine (only meaningful for single-threaded solvers).
+    samples: list[float] = field(default_factory=list)
+    result: object = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def best(self) -> float:
+        return min(self.samples)
+
+
+def time_calls(
+    fns: Mapping[str, Callable[[], object]], repeat: int, *, clock: str = "wall", warmup: bool = True
+) -> dict[str, Timing]:
+    """Times each of ``fns`` ``repeat`` times, alternating between them round by round.
+
+    Alternating makes a slow spell of a busy machine hit every contender alike, so ratios
+    stay meaningful. ``warmup``: one untimed call of each first (first calls pay one-time
+    costs: allocations, page faults, lazy imports). ``clock="cpu"`` measures the calling
+    thread's CPU time, which ignores time spent descheduled (only meaningful for
+    single-threaded code).
     """
     timer = time.perf_counter if clock == "wall" else time.thread_time
-    fn()
-    samples = []
+    timings = {name: Timing() for name in fns}
+    if warmup:
+        for fn in fns.values():
+            fn()
     for _ in range(max(1, repeat)):
-        start = timer()
-        fn()
-        samples.append(timer() - start)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            start = timer()
+            result = fn()
+            timings[name].samples.append(timer() - start)
+            timings[name].result = result
+    return timings
+
+
+def time_call(fn: Callable[[], object], repeat: int, *, clock: str = "wall", warmup: bool = True) -> Timing:
+    """:func:`time_calls` of one function."""
+    return time_calls({"": fn}, repeat, clock=clock, warmup=warmup)[""]
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -22,12 +22,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Callable
 
 import numpy as np
 
 import pyperm
+from pyperm._ext import core
+from pyperm.benchmarks._report import time_call
+from pyperm.testing import (
+    dense_doubly_stochastic,
+    planted,
+    reconstruct,
+    scipy_bottleneck_greedy,
+    scipy_max_weight_greedy,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,90 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-# ----------------------------------------------------------------------------- inputs
-def dense_doubly_stochastic(n: int, seed: int, dtype=np.float64) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return pyperm.sinkhorn(np.exp(2.0 * rng.standard_normal((n, n))), iters=10000, tol=1e-12).astype(dtype)
-
-
-def planted(n: int, k: int, seed: int, dtype=np.float64):
-    rng = np.random.default_rng(seed)
-    weights = rng.dirichlet(np.ones(k))
-    perms = np.array([rng.permutation(n) for _ in range(k)])
-    D = np.zeros((n, n))
-    for w, p in zip(weights, perms):
-        D[np.arange(n), p] += w
-    return D.astype(dtype), weights, perms
-
-
-# ----------------------------------------------------------------------------- scipy references
-def scipy_bottleneck_matching(R: np.ndarray) -> tuple[float, np.ndarray] | None:
-    """The perfect matching on ``R > 0`` whose smallest matched entry is largest, by binary
-    search over the distinct positive values with scipy's Hopcroft-Karp: ``(that entry,
-    column of each row)``, or None when ``R > 0`` has no perfect matching."""
-    from scipy.sparse import csr_matrix
-    from scipy.sparse.csgraph import maximum_bipartite_matching
-
-    values = np.unique(R[R > 0])
-    lo, hi, best = 0, len(values) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        match = maximum_bipartite_matching(csr_matrix(R >= values[mid]), perm_type="column")
-        if (match >= 0).all():
-            best, lo = (float(values[mid]), match), mid + 1
-        else:
-            hi = mid - 1
-    return best
-
-
-def scipy_bottleneck_greedy(D: np.ndarray, max_terms: int | None = None, tol: float = 1e-9):
-    """Greedy Birkhoff with a bottleneck matching per term: binary search + Hopcroft-Karp."""
-    R = np.array(D, dtype=np.float64)
-    n = R.shape[0]
-    rows = np.arange(n)
-    coeffs, perms = [], []
-    while (max_terms is None or len(coeffs) < max_terms) and R.sum() / n > tol:
-        found = scipy_bottleneck_matching(R)
-        if found is None:
-            break
-        best = found[1]
-        alpha = R[rows, best].min()
-        R[rows, best] -= alpha
-        R[R <= 1e-14] = 0.0
-        coeffs.append(alpha)
-        perms.append(best.astype(np.int64))
-    return np.array(coeffs), np.array(perms, dtype=np.int64).reshape(-1, n)
-
-
-def scipy_max_weight_greedy(D: np.ndarray, max_terms: int):
-    """Greedy Birkhoff with scipy's linear_sum_assignment solved from scratch every term."""
-    from scipy.optimize import linear_sum_assignment
-
-    R = np.array(D, dtype=np.float64)
-    n = R.shape[0]
-    rows = np.arange(n)
-    coeffs, perms = [], []
-    for _ in range(max_terms):
-        cost = np.where(R > 0, -R, 1e6)  # finite and large: off the support
-        _, cols = linear_sum_assignment(cost)
-        if (R[rows, cols] <= 0).any():
-            break
-        alpha = R[rows, cols].min()
-        R[rows, cols] -= alpha
-        R[R <= 1e-14] = 0.0
-        coeffs.append(alpha)
-        perms.append(cols.astype(np.int64))
-    return np.array(coeffs), np.array(perms, dtype=np.int64).reshape(-1, n)
-
-
-# ----------------------------------------------------------------------------- timing
 def best_time(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
-    best, out = float("inf"), None
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+    """Best seconds of ``repeats`` calls (no warm-up: the first call is one of them) and the result."""
+    t = time_call(fn, repeats, warmup=False)
+    return t.best, t.result
 
 
 def _fmt_ms(seconds: float | None) -> str:
@@ -184,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             failures.append(f"dense1024-maxweight10: first term weight {ours} vs scipy {theirs}")
         # The same terms with lap_cpu's solve_square_warm (warm from the column duals only).
         t, (c_lw, _, _, _) = best_time(
-            lambda: pyperm._core.bvn_decompose(np.ascontiguousarray(D), "max-weight-lapwarm", 10, tol), 1
+            lambda: core.bvn_decompose(np.ascontiguousarray(D), "max-weight-lapwarm", 10, tol), 1
         )
         lap_t.append(t)
         if not np.allclose(c_lw, coeffs, rtol=1e-5):
@@ -219,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         ratio = t_ref / t_pl
     rows_out.append(("planted1024-k20-bottleneck", 1024, len(coeffs), t_pl, t_ref, ratio, "< 50 ms", note))
 
-    print(f"pyperm {pyperm.__version__}, kernels: {pyperm._core.best_isa()}, dtype {dtype.name}, "
+    print(f"pyperm {pyperm.__version__}, kernels: {core.best_isa()}, dtype {dtype.name}, "
           f"best of {args.repeats}")
     header = f"{'case':28s} {'n':>5s} {'terms':>6s} {'pyperm ms':>10s} {'scipy ms':>10s} {'ratio':>7s}  target"
     print(header)
@@ -230,19 +158,6 @@ def run(args: argparse.Namespace) -> int:
     for f in failures:
         print(f"MISMATCH: {f}", file=sys.stderr)
     return 1 if failures else 0
-
-
-def reconstruct(coeffs, perms, n: int | None = None) -> np.ndarray:
-    """sum_t coeffs[t] * P_t as a dense (n, n) float64 matrix (n: the permutations' length
-    by default; give it when there may be no terms)."""
-    perms = np.asarray(perms)
-    if n is None:
-        n = perms.shape[1]
-    out = np.zeros((n, n))
-    rows = np.arange(n)
-    for c, p in zip(np.asarray(coeffs, dtype=np.float64), perms):
-        out[rows, p] += c
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 import pyperm
-from pyperm.benchmarks._report import format_table, median_time, save_bar_plot
+from pyperm._ext import core
+from pyperm.benchmarks._report import format_table, save_bar_plot, time_call
 
 Solver = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
 
@@ -177,7 +178,7 @@ def run_case(case: Case, rng: np.random.Generator, repeat: int, threads: int | N
             results.append((name, None, "WRONG answer"))
             continue
         # Threaded batch solvers work off the calling thread: only wall time sees them.
-        results.append((name, median_time(lambda: solve(cost), repeat, "wall" if case.batch else clock), ""))
+        results.append((name, time_call(lambda: solve(cost), repeat, clock="wall" if case.batch else clock).median, ""))
     return results
 
 
@@ -198,8 +199,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in CASES]
     if unknown:
         raise SystemExit(f"unknown case(s) {unknown}; choose from {list(CASES)}")
-    print(f"pyperm {pyperm.__version__}, kernels: {pyperm._core.best_isa()}, "
-          f"threads: {args.threads or pyperm._core.hardware_threads()}, clock: {args.clock}, medians of {args.repeat}")
+    print(f"pyperm {pyperm.__version__}, kernels: {core.best_isa()}, "
+          f"threads: {args.threads or core.hardware_threads()}, clock: {args.clock}, medians of {args.repeat}")
     rng = np.random.default_rng(args.seed)
     table, plot_series, summary = [], {}, []
     for name in names:

@@ -19,11 +19,12 @@ identical permutations. Exit status 1 when pyperm's objective is below the refer
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from pyperm.benchmarks._report import time_call
+from pyperm.testing import reference_weight_matching
 
 # Target seconds on the 2-core development machine (the pyperm.nn issue).
 TARGETS = {"mlp512": 0.04, "mlp2048": 3.0, "resnet20x16": 1.0, "vgg16": 2.0}
@@ -54,56 +55,6 @@ def build_model(name: str, seed: int):
         return factories[name]()
 
 
-def reference_weight_matching(
-    spec, state_a: Mapping, state_b: Mapping, max_iter: int = 100, seed: int = 0, lsa: Callable | None = None
-) -> tuple[dict, int]:
-    """Git Re-Basin's Algorithm 1 written plainly, as the public PyTorch port does it.
-
-    Every step permutes all of the group's tensors of B by the other groups' current
-    permutations, rebuilds the similarity with float32 torch matmuls, and solves it with
-    ``lsa`` (default ``scipy.optimize.linear_sum_assignment``). The visiting order is
-    drawn like pyperm's (``torch.randperm`` from a generator seeded with ``seed``, anew
-    each sweep). Returns the permutations and the number of sweeps.
-    """
-    import torch
-
-    if lsa is None:
-        from scipy.optimize import linear_sum_assignment as lsa
-    keys = {k for k in spec.axes if state_a[k].is_floating_point()}
-    perm = {g: torch.arange(n) for g, n in spec.sizes.items()}
-    names = list(spec.sizes)
-    gen = torch.Generator().manual_seed(seed)
-    sweeps = 0
-    for _ in range(max_iter):
-        sweeps += 1
-        progress = False
-        for ix in torch.randperm(len(names), generator=gen).tolist():
-            p = names[ix]
-            n = spec.sizes[p]
-            sim = torch.zeros((n, n))
-            for key, axis in spec.group_axes[p]:
-                if key not in keys:
-                    continue
-                w_a = state_a[key].float()
-                w_b = state_b[key].float()
-                for ax, g in enumerate(spec.axes[key]):
-                    if ax != axis and g is not None:
-                        w_b = torch.index_select(w_b, ax, perm[g])
-                w_a = torch.moveaxis(w_a, axis, 0).reshape((n, -1))
-                w_b = torch.moveaxis(w_b, axis, 0).reshape((n, -1))
-                sim += w_a @ w_b.T
-            _, ci = lsa(sim.numpy(), maximize=True)
-            ci = torch.as_tensor(ci, dtype=torch.int64)
-            rows = torch.arange(n)
-            old_l = sim[rows, perm[p]].sum()
-            new_l = sim[rows, ci].sum()
-            progress = progress or bool(new_l > old_l + 1e-12)
-            perm[p] = ci
-        if not progress:
-            break
-    return perm, sweeps
-
-
 @dataclass
 class Row:
     name: str
@@ -117,21 +68,6 @@ class Row:
     ref_sweeps: int | None = None
     ref_obj: float | None = None
     same_perms: bool | None = None
-
-
-def timed(fn: Callable[[], object], repeat: int, warmup: bool = False) -> tuple[float, float, object]:
-    """Median and best wall-clock seconds of ``repeat`` calls, and the last result.
-    ``warmup``: one untimed call first (the process's first call of weight matching pays
-    about 12 ms of one-time costs, a third of MLP-512's time; the reference's runs last
-    seconds, where those costs do not show)."""
-    times, out = [], None
-    if warmup:
-        fn()
-    for _ in range(max(1, repeat)):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times), out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -172,7 +108,10 @@ def run(args: argparse.Namespace) -> int:
         model_b = build_model(name, args.model_seeds[1])
         spec = model_a.permutation_spec()
         sa, sb = model_a.state_dict(), model_b.state_dict()
-        t_ours, best, res = timed(lambda: weight_matching(spec, sa, sb, seed=args.seed), args.repeat, warmup=True)
+        # One untimed run first: the process's first call of weight matching pays about 12 ms
+        # of one-time costs, a third of MLP-512's time.
+        ours = time_call(lambda: weight_matching(spec, sa, sb, seed=args.seed), args.repeat)
+        t_ours, best, res = ours.median, ours.best, ours.result
         row = Row(
             name=name,
             params=sum(p.numel() for p in model_a.parameters()),
@@ -183,9 +122,11 @@ def run(args: argparse.Namespace) -> int:
             ours_obj=matching_objective(spec, sa, sb, res.perms),
         )
         if not args.no_reference:
-            t_ref, _, (perm_ref, sweeps_ref) = timed(
-                lambda: reference_weight_matching(spec, sa, sb, seed=args.seed), args.reference_repeat
+            # The reference's runs last seconds, where one-time costs do not show: no warm-up.
+            ref = time_call(
+                lambda: reference_weight_matching(spec, sa, sb, seed=args.seed), args.reference_repeat, warmup=False
             )
+            t_ref, (perm_ref, sweeps_ref) = ref.median, ref.result
             row.ref_s, row.ref_sweeps = t_ref, sweeps_ref
             row.ref_obj = matching_objective(spec, sa, sb, perm_ref)
             row.same_perms = all(torch.equal(perm_ref[g], res.perms[g]) for g in spec.sizes)

@@ -10,12 +10,12 @@ most 1.5. Also runnable as ``python -m pyperm.benchmarks.xcorr``.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from typing import Any
 
 import numpy as np
+
+from pyperm.benchmarks._report import time_calls
 
 DEFAULT_DIMS = (512, 1024, 2048, 4096)
 DEFAULT_BATCHES = (256, 1024, 4096)
@@ -33,10 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="dims 512 1024, batches 256 1024, 3 repeats")
     parser.add_argument("--plot", metavar="PNG", default=None, help="also save a plot of the ratios")
-
-
-def _median_ms(samples: list[float]) -> float:
-    return 1e3 * statistics.median(samples)
 
 
 def _check(acc_cls: Any, xa: np.ndarray, xb: np.ndarray, threads: int | None) -> float:
@@ -58,25 +54,17 @@ def measure(dim: int, batch: int, dtype: np.dtype, repeats: int, threads: int | 
     xb = (0.5 * xa[:, ::-1] + rng.standard_normal((batch, dim), dtype=np.float32)).astype(dtype)
     error = _check(CrossCorrelation, xa[: min(batch, 512)], xb[: min(batch, 512)], threads)
     acc = CrossCorrelation(dim, dim, threads=threads)
-    acc.update(xa, xb)  # first update allocates the accumulator and the workspace
-    xa.T @ xb
-    upd, blas = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        acc.update(xa, xb)
-        t1 = time.perf_counter()
-        xa.T @ xb
-        t2 = time.perf_counter()
-        upd.append(t1 - t0)
-        blas.append(t2 - t1)
-    u, b = _median_ms(upd), _median_ms(blas)
+    # The warm-up update allocates the accumulator and the workspace.
+    t = time_calls({"update": lambda: acc.update(xa, xb), "blas": lambda: xa.T @ xb}, repeats)
+    upd, blas = t["update"].samples, t["blas"].samples
+    u, b = 1e3 * t["update"].median, 1e3 * t["blas"].median
     return {"dim": dim, "batch": batch, "update_ms": u, "blas_ms": b, "ratio": u / b,
             "min_ratio": min(upd) / min(blas), "gflops": 2.0 * batch * dim * dim / (u * 1e6), "check": error}
 
 
 def run(args: argparse.Namespace) -> int:
     import pyperm
-    from pyperm import _core
+    from pyperm._ext import core
 
     dims = [512, 1024] if args.quick else args.dims
     batches = [256, 1024] if args.quick else args.batches
@@ -86,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     dtype = np.dtype(args.dtype)
     rng = np.random.default_rng(args.seed)
-    print(f"pyperm {pyperm.__version__}  numpy {np.__version__}  hardware threads {_core.hardware_threads()}  "
+    print(f"pyperm {pyperm.__version__}  numpy {np.__version__}  hardware threads {core.hardware_threads()}  "
           f"kernel threads {args.threads or 'all'}  dtype {dtype}  repeats {repeats}")
     print("update = CrossCorrelation.update(xa, xb); blas = xa.T @ xb on the same (batch, dim) data; "
           "median ms, alternating runs;\nratio = median update / median blas; (min) = fastest update / fastest "

@@ -1,0 +1,83 @@
+"""The argument checks shared by pyperm's public functions.
+
+Each raises TypeError for a value of the wrong type and ValueError for one out of range,
+with a message that names the argument, and returns the value in its canonical Python
+type (so that numpy integers and the like never reach the compiled core).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "check_bool",
+    "check_int",
+    "check_nonnegative_real",
+    "check_positive_int",
+    "check_threads",
+    "numpy_generator",
+]
+
+
+def check_int(value: Any, name: str, minimum: int | None = None, *, allow_none: bool = False) -> int | None:
+    """An integer (bool excluded) of at least ``minimum``; None passes through when allowed."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        kind = "an int or None" if allow_none else "an int"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return int(value)
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    """An integer of at least 1 (a dimension, a count of something that must exist)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return int(value)
+
+
+def check_threads(threads: Any) -> int:
+    """A ``threads=`` argument: None gives 0 (all hardware threads), else a positive int."""
+    if threads is None:
+        return 0
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral):
+        raise TypeError(f"threads must be a positive int or None, got {type(threads).__name__}")
+    return check_positive_int(threads, "threads")
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """A Python or numpy bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def check_nonnegative_real(value: Any, name: str) -> float:
+    """A finite real number >= 0 (a tolerance)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be finite and non-negative, got {value}")
+    return value
+
+
+def numpy_generator(generator: Any, name: str = "generator") -> np.random.Generator:
+    """A numpy Generator from a Generator (used as is), a non-negative int seed, or None (OS entropy)."""
+    if generator is None:
+        return np.random.default_rng()
+    if isinstance(generator, np.random.Generator):
+        return generator
+    if isinstance(generator, numbers.Integral) and not isinstance(generator, bool):
+        if generator < 0:
+            raise ValueError(f"{name} seed must be non-negative, got {generator}")
+        return np.random.default_rng(int(generator))
+    raise TypeError(f"{name} must be a numpy Generator, an int seed or None, got {type(generator).__name__}")

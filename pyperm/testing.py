@@ -1,0 +1,168 @@
+"""Reference implementations and test inputs shared by pyperm's tests and benchmarks.
+
+Plain, obviously correct versions of what pyperm computes fast (scipy-based Birkhoff
+greedies, Git Re-Basin's weight matching as the public PyTorch port writes it) and the
+inputs both sides use. Tests check pyperm against them; benchmarks check every answer
+against them before timing. scipy and torch are imported only by the functions that need
+them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+__all__ = [
+    "dense_doubly_stochastic",
+    "planted",
+    "reconstruct",
+    "reference_weight_matching",
+    "scipy_bottleneck_greedy",
+    "scipy_bottleneck_matching",
+    "scipy_max_weight_greedy",
+]
+
+
+# ----------------------------------------------------------------------------- inputs
+def dense_doubly_stochastic(n: int, seed: int, dtype=np.float64) -> np.ndarray:
+    """A dense (n, n) doubly stochastic matrix: Sinkhorn scaling of log-normal entries."""
+    from pyperm import sinkhorn
+
+    rng = np.random.default_rng(seed)
+    return sinkhorn(np.exp(2.0 * rng.standard_normal((n, n))), iters=10000, tol=1e-12).astype(dtype)
+
+
+def planted(n: int, k: int, seed: int, dtype=np.float64):
+    """A convex combination of ``k`` random permutations: ``(D, weights, perms)``."""
+    rng = np.random.default_rng(seed)
+    weights = rng.dirichlet(np.ones(k))
+    perms = np.array([rng.permutation(n) for _ in range(k)])
+    D = np.zeros((n, n))
+    for w, p in zip(weights, perms):
+        D[np.arange(n), p] += w
+    return D.astype(dtype), weights, perms
+
+
+def reconstruct(coeffs, perms, n: int | None = None) -> np.ndarray:
+    """sum_t coeffs[t] * P_t as a dense (n, n) float64 matrix (n: the permutations' length
+    by default; give it when there may be no terms)."""
+    perms = np.asarray(perms)
+    if n is None:
+        n = perms.shape[1]
+    out = np.zeros((n, n))
+    rows = np.arange(n)
+    for c, p in zip(np.asarray(coeffs, dtype=np.float64), perms):
+        out[rows, p] += c
+    return out
+
+
+# ----------------------------------------------------------------------------- Birkhoff-von Neumann references
+def scipy_bottleneck_matching(R: np.ndarray) -> tuple[float, np.ndarray] | None:
+    """The perfect matching on ``R > 0`` whose smallest matched entry is largest, by binary
+    search over the distinct positive values with scipy's Hopcroft-Karp: ``(that entry,
+    column of each row)``, or None when ``R > 0`` has no perfect matching."""
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import maximum_bipartite_matching
+
+    values = np.unique(R[R > 0])
+    lo, hi, best = 0, len(values) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        match = maximum_bipartite_matching(csr_matrix(R >= values[mid]), perm_type="column")
+        if (match >= 0).all():
+            best, lo = (float(values[mid]), match), mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def scipy_bottleneck_greedy(D: np.ndarray, max_terms: int | None = None, tol: float = 1e-9):
+    """Greedy Birkhoff with a bottleneck matching per term: binary search + Hopcroft-Karp."""
+    R = np.array(D, dtype=np.float64)
+    n = R.shape[0]
+    rows = np.arange(n)
+    coeffs, perms = [], []
+    while (max_terms is None or len(coeffs) < max_terms) and R.sum() / n > tol:
+        found = scipy_bottleneck_matching(R)
+        if found is None:
+            break
+        best = found[1]
+        alpha = R[rows, best].min()
+        R[rows, best] -= alpha
+        R[R <= 1e-14] = 0.0
+        coeffs.append(alpha)
+        perms.append(best.astype(np.int64))
+    return np.array(coeffs), np.array(perms, dtype=np.int64).reshape(-1, n)
+
+
+def scipy_max_weight_greedy(D: np.ndarray, max_terms: int):
+    """Greedy Birkhoff with scipy's linear_sum_assignment solved from scratch every term."""
+    from scipy.optimize import linear_sum_assignment
+
+    R = np.array(D, dtype=np.float64)
+    n = R.shape[0]
+    rows = np.arange(n)
+    coeffs, perms = [], []
+    for _ in range(max_terms):
+        cost = np.where(R > 0, -R, 1e6)  # finite and large: off the support
+        _, cols = linear_sum_assignment(cost)
+        if (R[rows, cols] <= 0).any():
+            break
+        alpha = R[rows, cols].min()
+        R[rows, cols] -= alpha
+        R[R <= 1e-14] = 0.0
+        coeffs.append(alpha)
+        perms.append(cols.astype(np.int64))
+    return np.array(coeffs), np.array(perms, dtype=np.int64).reshape(-1, n)
+
+
+# ----------------------------------------------------------------------------- weight matching reference
+def reference_weight_matching(
+    spec, state_a: Mapping, state_b: Mapping, max_iter: int = 100, seed: int = 0, lsa: Callable | None = None
+) -> tuple[dict, int]:
+    """Git Re-Basin's Algorithm 1 written plainly, as the public PyTorch port does it.
+
+    Every step permutes all of the group's tensors of B by the other groups' current
+    permutations, rebuilds the similarity with float32 torch matmuls, and solves it with
+    ``lsa`` (default ``scipy.optimize.linear_sum_assignment``). The visiting order is
+    drawn like pyperm's (``torch.randperm`` from a generator seeded with ``seed``, anew
+    each sweep). Returns the permutations and the number of sweeps.
+    """
+    import torch
+
+    if lsa is None:
+        from scipy.optimize import linear_sum_assignment as lsa
+    keys = {k for k in spec.axes if state_a[k].is_floating_point()}
+    perm = {g: torch.arange(n) for g, n in spec.sizes.items()}
+    names = list(spec.sizes)
+    gen = torch.Generator().manual_seed(seed)
+    sweeps = 0
+    for _ in range(max_iter):
+        sweeps += 1
+        progress = False
+        for ix in torch.randperm(len(names), generator=gen).tolist():
+            p = names[ix]
+            n = spec.sizes[p]
+            sim = torch.zeros((n, n))
+            for key, axis in spec.group_axes[p]:
+                if key not in keys:
+                    continue
+                w_a = state_a[key].float()
+                w_b = state_b[key].float()
+                for ax, g in enumerate(spec.axes[key]):
+                    if ax != axis and g is not None:
+                        w_b = torch.index_select(w_b, ax, perm[g])
+                w_a = torch.moveaxis(w_a, axis, 0).reshape((n, -1))
+                w_b = torch.moveaxis(w_b, axis, 0).reshape((n, -1))
+                sim += w_a @ w_b.T
+            _, ci = lsa(sim.numpy(), maximize=True)
+            ci = torch.as_tensor(ci, dtype=torch.int64)
+            rows = torch.arange(n)
+            old_l = sim[rows, perm[p]].sum()
+            new_l = sim[rows, ci].sum()
+            progress = progress or bool(new_l > old_l + 1e-12)
+            perm[p] = ci
+        if not progress:
+            break
+    return perm, sweeps

@@ -1,0 +1,139 @@
+"""The CUDA backend of the cross-correlation accumulator: moments and merges on the device.
+
+A device accumulator is a dict of torch tensors (float64 moments, a co-moment in the
+accumulator's dtype) that these functions update in place; :mod:`pyperm.xcorr._state`
+wraps it for :class:`pyperm.CrossCorrelation`. Every call synchronises the stream (error
+codes and bounds are read back).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from pyperm._arrays import is_torch_tensor
+from pyperm._cuda_arrays import dtype_name, require_torch, torch_launch
+from pyperm._ext import cuda_module
+
+__all__ = ["merge", "new_state", "update"]
+
+
+def new_state(dim_a: int, dim_b: int, device: Any, dtype: Any = None) -> dict[str, Any]:
+    """An empty device accumulator for :func:`update`: float64 moments, float64 co-moment.
+
+    Keys: ``count`` (int), ``moments_a`` (4, dim_a) and ``moments_b`` (4, dim_b) with rows
+    mean, m2 (centred sum of squares), min, max, and ``comoment`` (dim_a, dim_b), the centred
+    co-moment. Correlation is ``comoment / sqrt(m2_a[:, None] * m2_b[None, :])``.
+    """
+    torch = require_torch("the cross-correlation accumulator")
+    dtype = torch.float64 if dtype is None else dtype
+    return {
+        "count": 0,
+        "moments_a": torch.zeros((4, dim_a), dtype=torch.float64, device=device),
+        "moments_b": torch.zeros((4, dim_b), dtype=torch.float64, device=device),
+        "comoment": torch.zeros((dim_a, dim_b), dtype=dtype, device=device),
+    }
+
+
+def _xcorr_side(x: Any):
+    torch = sys.modules["torch"]
+    t = x.detach()
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.float()
+    elif t.dtype not in (torch.float32, torch.float64):
+        t = t.double()
+    if t.stride(1) != 1 or t.stride(0) < t.shape[1]:
+        t = t.contiguous()
+    return t
+
+
+def update(state: dict[str, Any], xa: Any, xb: Any, prefix: str = "") -> None:
+    """Fold one batch of paired activations into a device accumulator, in place.
+
+    The device twin of one ``CrossCorrelation.update``: the centring and moment kernels run
+    on the device, the batch product is ``torch.matmul`` in the batch's precision, and the
+    Chan merge into the float64 accumulator is a device kernel.
+
+    Parameters
+    ----------
+    state : dict
+        From :func:`new_state`.
+    xa : (samples, dim_a) torch.Tensor on the accumulator's device
+    xb : (samples, dim_b) torch.Tensor on the same device
+    prefix : str
+        Put before "xa" and "xb" in error messages (which pair of a set failed).
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match the accumulator or each other, NaN or infinity in a batch,
+        or moments that would overflow (the accumulator is then unchanged).
+    """
+    torch = require_torch("xcorr_update")
+    if not (is_torch_tensor(xa) and is_torch_tensor(xb)):
+        raise TypeError("xa and xb must be torch tensors")
+    da, db = state["moments_a"].shape[1], state["moments_b"].shape[1]
+    if xa.dim() != 2 or xa.shape[1] != da:
+        raise ValueError(f"xa must have shape (samples, {da}), got {tuple(xa.shape)}")
+    if xb.dim() != 2 or xb.shape[1] != db:
+        raise ValueError(f"xb must have shape (samples, {db}), got {tuple(xb.shape)}")
+    if xa.shape[0] != xb.shape[0]:
+        raise ValueError(f"xa and xb must have the same number of samples, got {xa.shape[0]} and {xb.shape[0]}")
+    dev = state["comoment"].device
+    if xa.device != dev or xb.device != dev:
+        raise ValueError(f"xa and xb must be on the accumulator's device {dev}")
+    rows = xa.shape[0]
+    if rows == 0:
+        return
+    a, b = _xcorr_side(xa), _xcorr_side(xb)
+    if a.dtype != b.dtype:  # a float32/float64 mix runs in float64
+        a, b = a.double(), b.double()
+    dtype = dtype_name(a)
+    mod = cuda_module()
+    device, stream = torch_launch(state["comoment"])
+    sides = []
+    for t, name in ((a, f"{prefix}xa"), (b, f"{prefix}xb")):
+        centred = torch.empty((rows, t.shape[1]), dtype=t.dtype, device=dev)
+        moments = torch.empty((4, t.shape[1]), dtype=torch.float64, device=dev)
+        resid = torch.empty(t.shape[1], dtype=torch.float64, device=dev)
+        err, max_sumsq = mod.xcorr_batch_moments(t.data_ptr(), dtype, rows, t.shape[1], t.stride(0),
+                                                 centred.data_ptr(), moments.data_ptr(), resid.data_ptr(), device,
+                                                 stream)
+        if err == 1:
+            raise ValueError(f"{name} contains NaN or infinity")
+        if err == 2:
+            raise ValueError(f"{name} has values so large that its moments overflow")
+        sides.append((centred, moments, resid, max_sumsq))
+    (ca, ma, ra, sa), (cb, mb, rb, sb) = sides
+    # Every entry of the product is bounded by sqrt(sumsq_a sumsq_b) (Cauchy-Schwarz).
+    if (sa ** 0.5) * (sb ** 0.5) > float(torch.finfo(a.dtype).max) / 4:
+        raise ValueError("xa and xb have values so large that their product overflows")
+    g = torch.matmul(ca.t(), cb).contiguous()
+    c = state["comoment"]
+    err = mod.xcorr_merge_comoments(
+        da, db, int(state["count"]), state["moments_a"].data_ptr(), state["moments_b"].data_ptr(), c.data_ptr(),
+        dtype_name(c), rows, ma.data_ptr(), mb.data_ptr(), g.data_ptr(),
+        dtype, ra.data_ptr(), rb.data_ptr(), device, stream)
+    if err:
+        raise ValueError("the accumulated moments would overflow the accumulator's dtype")
+    state["count"] = int(state["count"]) + rows
+
+
+def merge(state: dict[str, Any], other: dict[str, Any]) -> None:
+    """Add the samples of accumulator ``other`` to ``state`` (in place), on the device."""
+    torch = require_torch("xcorr_merge")
+    if state["comoment"].shape != other["comoment"].shape:
+        raise ValueError("the accumulators have different dimensions")
+    m = int(other["count"])
+    if m == 0:
+        return
+    device, stream = torch_launch(state["comoment"])
+    c, g = state["comoment"], other["comoment"].contiguous()
+    err = cuda_module().xcorr_merge_comoments(
+        c.shape[0], c.shape[1], int(state["count"]), state["moments_a"].data_ptr(), state["moments_b"].data_ptr(),
+        c.data_ptr(), dtype_name(c), m, other["moments_a"].data_ptr(),
+        other["moments_b"].data_ptr(), g.data_ptr(), dtype_name(g), 0, 0,
+        device, stream)
+    if err:
+        raise ValueError("the merged moments would overflow the accumulator's dtype")
+    state["count"] = int(state["count"]) + m
