@@ -1,0 +1,73 @@
+"""Building a :class:`~pyperm.nn.PermutationSpec` by tracing a model with :mod:`torch.fx`.
+
+How it works
+------------
+The model is traced symbolically (``torch.fx``; the standard ``torch.nn`` layers and
+module types with a registered rule stay leaves) and the graph is then run once on the
+example input by an interpreter (:mod:`~pyperm.nn.trace.interpreter`) that labels every
+tensor it computes: for each axis of the tensor, the *unit class* acting on that axis,
+or ``None`` when the axis is invariant (not permuted).
+
+Unit classes live in a union-find over *atoms* (:mod:`~pyperm.nn.trace.labels`); an atom
+is one axis of one ``state_dict`` tensor. A parameter read by the graph is labelled with
+its own atoms, so ``Linear`` turns an input labelled ``(.., a)`` into an output labelled
+``(.., W0)`` and joins ``a`` with ``W1`` (the weight's input axis); BatchNorm, LayerNorm,
+biases, elementwise products with parameters and residual additions join classes the
+same way. A join with an invariant axis (the model input, a constant, a buffer outside
+the ``state_dict``) *fixes* the class: it is never permuted. The model's outputs fix
+every class they carry, so a model's inputs and outputs are never permuted.
+
+Each operation is labelled by a *rule* registered for its module type, function or
+Tensor method (:mod:`~pyperm.nn.trace.rules`, one module per operation family; users add
+rules with :func:`register_trace_rule`). After the run, every class that reaches an
+activation and is not fixed becomes one permutation group.
+
+Composite axes
+--------------
+:class:`~pyperm.nn.PermutationSpec` names one group per axis. Some operations build a
+channel axis out of several groups or out of parts of one: ``torch.cat`` along channels,
+``F.pad`` or slicing along channels (ResNet "option A" shortcuts), and ``flatten`` of a
+convolution output whose spatial extent is larger than 1x1 (the next Linear's input then
+holds blocks of ``H*W`` features per channel). A spec cannot name such an axis. With
+``composite="fix"`` (the default) every group that enters such an axis is fixed, which
+keeps the spec exact (the permuted model computes the same function) at the price of
+leaving those units unaligned; with ``composite="raise"`` the operation raises
+:class:`TraceError`. A flatten whose spatial extent is 1 (global pooling, then flatten:
+the common case) is not composite: the features are the channels. The same policy covers
+a group that would act on two axes of one tensor (a layer applied to its own output, or
+weights tied across layers: ``P W P^T``), which a spec cannot name either, and a grouped
+convolution of the model input (its units may only be permuted within their channel
+group). Every group fixed this way is listed in ``TraceResult.composites``.
+
+Operations that cannot be handled at all (a reshape that splits a channel axis, an
+order-dependent operation such as ``sort``/``cumsum``/``flip`` along channels, an unknown
+function or module applied to permuted channels, a grouped convolution) raise
+:class:`TraceError` naming the operation, the graph node and the module path. Unknown
+operations applied only to invariant tensors are accepted: their results are invariant.
+
+Activation sites
+----------------
+See :mod:`~pyperm.nn.trace.sites`: where each group's units appear before and after the
+nonlinearity, which :func:`pyperm.nn.activation_matching` hooks.
+"""
+
+from pyperm.nn.trace import rules
+from pyperm.nn.trace.call import TraceCall
+from pyperm.nn.trace.errors import TraceError
+from pyperm.nn.trace.labels import Label
+from pyperm.nn.trace.registry import register_trace_rule
+from pyperm.nn.trace.sites import ActivationSite, Role
+from pyperm.nn.trace.tracer import TraceResult, symbolic_trace, trace_model
+
+__all__ = [
+    "ActivationSite",
+    "Label",
+    "Role",
+    "TraceCall",
+    "TraceError",
+    "TraceResult",
+    "register_trace_rule",
+    "rules",
+    "symbolic_trace",
+    "trace_model",
+]

@@ -1,0 +1,80 @@
+"""Joining and splitting tensors: ``torch.cat``, ``torch.stack``, ``chunk``/``split``/``unbind``.
+
+(Residual additions are elementwise: :mod:`pyperm.nn.trace.rules.pointwise` joins the
+classes of their operands.) Concatenating along an axis of units builds an axis out of
+several classes, and splitting one into parts of different classes: a *composite*.
+Along any other axis the parts' classes join.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pyperm.nn.trace.call import TraceCall
+from pyperm.nn.trace.labels import Label, map_tensors, tensor_leaves, tensors
+from pyperm.nn.trace.registry import register_all
+from pyperm.nn.trace.sites import Role
+
+__all__: list[str] = []
+
+CAT_FUNCTIONS = (torch.cat, torch.concat, torch.concatenate)
+SPLIT_FUNCTIONS = (torch.chunk, torch.split, torch.tensor_split, torch.unbind)
+SPLIT_METHODS = ("chunk", "split", "tensor_split", "unbind")
+
+
+def _parts(call: TraceCall) -> list[tuple[torch.Tensor, Label]]:
+    values = call.get(0, "tensors")
+    labels = call.get_label(0, "tensors")
+    return tensor_leaves(list(values), list(labels))
+
+
+def cat(call: TraceCall) -> Label:
+    out_t = call.out_tensor()
+    parts = [(t, lab) for t, lab in _parts(call) if not (t.ndim == 1 and t.numel() == 0)]  # legacy empty tensors
+    d = int(call.get(1, "dim", 0)) % out_t.ndim
+    call.role = Role.PASS
+    if len(parts) == 1:
+        return parts[0][1]
+    out: list[int | None] = []
+    for k in range(out_t.ndim):
+        atoms = [lab[k] for _, lab in parts]
+        if k != d:
+            out.append(call.join(*atoms) if any(a is not None for a in atoms) else None)
+        else:
+            call.composite(f"concatenates along axis {d}, which carries permuted units", atoms)
+            out.append(None)
+    return Label(out)
+
+
+def stack(call: TraceCall) -> Label:
+    parts = _parts(call)
+    out_t = call.out_tensor()
+    d = int(call.get(1, "dim", 0)) % out_t.ndim
+    joined = [call.join(*[lab[k] for _, lab in parts]) if any(lab[k] is not None for _, lab in parts) else None
+              for k in range(out_t.ndim - 1)]  # fmt: skip
+    call.role = Role.PASS
+    return Label(joined[:d] + [None] + joined[d:])
+
+
+def split(call: TraceCall) -> Any:
+    x, lx = call.first()
+    if call.target_name == "unbind":
+        d = int(call.get(1, "dim", 0)) % x.ndim
+        if lx[d] is not None:
+            call.composite(f"unbinds axis {d}, which carries permuted units", [lx[d]])
+        piece = Label(a for i, a in enumerate(lx) if i != d)
+        return map_tensors(call.result, lambda v: piece)
+    d = int(call.get(2, "dim", 0)) % x.ndim
+    lab = lx
+    if lx[d] is not None and any(p.shape[d] != x.shape[d] for p in tensors(call.result)):
+        call.composite(f"splits axis {d}, which carries permuted units", [lx[d]])
+        lab = Label(None if i == d else a for i, a in enumerate(lx))
+    call.role = Role.PASS
+    return map_tensors(call.result, lambda v: lab)
+
+
+register_all(CAT_FUNCTIONS, cat)
+register_all([torch.stack], stack)
+register_all(SPLIT_FUNCTIONS + SPLIT_METHODS, split)

@@ -1,0 +1,132 @@
+"""Activation sites: where each group's units appear before and after the nonlinearity.
+
+While labelling, every graph node gets a :class:`Role` from the rule that labels it. The
+tracer records where each group's units are *produced* (the output axis of a Linear,
+convolution, embedding or ``x @ W``). From every producer it follows the graph forward:
+the *pre-activation* site is the producer's output, or the output of the normalisation
+layers directly after it; the *post-activation* site is the first nonlinearity after
+that, reached through normalisation, residual additions, pooling and dropout (for a
+ResNet block: the ReLU after the residual addition). When a fork, a layer or the model
+output comes first, the last tensor before it is the site.
+:func:`pyperm.nn.activation_matching` hooks these sites.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import fx
+
+from pyperm.nn.trace.labels import is_label
+
+if TYPE_CHECKING:
+    from pyperm.nn.trace.interpreter import Labeler
+
+__all__ = ["ActivationSite", "Role", "find_sites"]
+
+
+class Role(str, enum.Enum):
+    """What a graph node is for the activation sites (set by the rule that labels it)."""
+
+    PRODUCER = "producer"  #: opens the units of a group (Linear, convolution, embedding, x @ W)
+    NORM = "norm"  #: BatchNorm, LayerNorm, ...: still a pre-activation
+    NONLINEAR = "nonlinear"  #: the post-activation
+    PASS = "pass"  #: keeps units as they are (add, dropout, pooling, reshape, ...)
+    OTHER = "other"  #: ends the walk (the default)
+
+
+@dataclass(frozen=True)
+class ActivationSite:
+    """One place where a group's units appear as activations.
+
+    Attributes
+    ----------
+    node : str
+        Name of the ``torch.fx`` node whose output holds the activations.
+    module : str
+        Path of the module that computes it (``""`` for the model itself).
+    op : str
+        Readable name of the operation (``"ReLU"``, ``"relu"``, ``"add"``, ...).
+    axis : int
+        The tensor axis that carries the group's units; every other axis indexes
+        samples (batch, spatial positions, tokens).
+    """
+
+    node: str
+    module: str
+    op: str
+    axis: int
+
+
+def _carries(labeler: Labeler, node: fx.Node, root: int) -> int | None:
+    """The axis of ``node``'s output that carries class ``root``, or None."""
+    lab = labeler.labels.get(node)
+    if not is_label(lab):
+        return None
+    for axis, a in enumerate(lab):
+        if a is not None and labeler.units.root(a) == root:
+            return axis
+    return None
+
+
+def _next(labeler: Labeler, cur: fx.Node, root: int, roles: tuple[Role, ...]) -> fx.Node | None:
+    """The node after ``cur`` on the walk from a producer, if it has one of ``roles`` and carries ``root``."""
+    # Only a node's single user continues the walk: at a fork the site is here.
+    users = list(cur.users)
+    if len(users) == 1 and labeler.roles.get(users[0]) in roles and _carries(labeler, users[0], root) is not None:
+        return users[0]
+    return None
+
+
+def _site(labeler: Labeler, node: fx.Node, axis: int) -> ActivationSite:
+    return ActivationSite(
+        node=node.name,
+        module=labeler.module_path(node),
+        op=labeler.op_name(node),
+        axis=axis,
+    )
+
+
+def find_sites(
+    labeler: Labeler, group_roots: Mapping[str, int]
+) -> tuple[dict[str, tuple[ActivationSite, ...]], dict[str, tuple[ActivationSite, ...]]]:
+    """The pre- and post-activation sites of every group, in graph order.
+
+    Parameters
+    ----------
+    labeler : Labeler
+        The interpreter after its run.
+    group_roots : mapping of str to int
+        Every group's name and the root atom of its class.
+    """
+    order = {n: i for i, n in enumerate(labeler.module.graph.nodes)}
+    pre: dict[str, dict[fx.Node, int]] = {g: {} for g in group_roots}
+    post: dict[str, dict[fx.Node, int]] = {g: {} for g in group_roots}
+    root_to_group = {r: g for g, r in group_roots.items()}
+    for node, atom in labeler.producers:
+        g = root_to_group.get(labeler.units.root(atom))
+        if g is None:
+            continue
+        root = group_roots[g]
+
+        cur = node
+        while (nxt := _next(labeler, cur, root, (Role.NORM,))) is not None:
+            cur = nxt
+        pre[g].setdefault(cur, _carries(labeler, cur, root))  # type: ignore[arg-type]
+        while labeler.roles.get(cur) != Role.NONLINEAR:
+            nxt = _next(labeler, cur, root, (Role.NORM, Role.PASS, Role.NONLINEAR))
+            if nxt is None:
+                break
+            cur = nxt
+        post[g].setdefault(cur, _carries(labeler, cur, root))  # type: ignore[arg-type]
+
+    def pack(
+        sites: dict[str, dict[fx.Node, int]],
+    ) -> dict[str, tuple[ActivationSite, ...]]:
+        return {g: tuple(_site(labeler, n, ax) for n, ax in sorted(s.items(), key=lambda kv: order[kv[0]]))
+                for g, s in sites.items()}  # fmt: skip
+
+    return pack(pre), pack(post)

@@ -1,0 +1,214 @@
+"""The entry points: trace a model, label it, and turn the unit classes into a spec.
+
+After the labelling run, every class that reaches an activation and is not fixed
+becomes one permutation group, named ``P_`` + the path of the first layer producing its
+units; the axes of its atoms are the spec's axes. Axes never reached (convolution
+kernels, an embedding's vocabulary) are ``None``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from pyperm.nn.spec import PermutationSpec
+from pyperm.nn.trace import registry
+from pyperm.nn.trace.errors import TraceError
+from pyperm.nn.trace.interpreter import COMPOSITE_POLICIES, Labeler
+from pyperm.nn.trace.sites import ActivationSite, find_sites
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TraceResult", "symbolic_trace", "trace_model"]
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """What :func:`trace_model` found.
+
+    Attributes
+    ----------
+    spec : PermutationSpec
+        The permutation spec of the model.
+    graph_module : torch.fx.GraphModule
+        The traced graph; its submodules are the model's own modules (not copies).
+    pre_activation_sites, post_activation_sites : mapping of str to tuple of ActivationSite
+        For every group of ``spec``, where its units appear before and after the
+        nonlinearity, in graph order.
+    composites : tuple of str
+        One description per composite axis whose groups were fixed (``composite="fix"``).
+    """
+
+    spec: PermutationSpec
+    graph_module: fx.GraphModule
+    pre_activation_sites: Mapping[str, tuple[ActivationSite, ...]]
+    post_activation_sites: Mapping[str, tuple[ActivationSite, ...]]
+    composites: tuple[str, ...] = ()
+
+    def sites(self, pre_activation: bool = False) -> Mapping[str, tuple[ActivationSite, ...]]:
+        """The pre- or post-activation sites of every group."""
+        return self.pre_activation_sites if pre_activation else self.post_activation_sites
+
+
+class _Tracer(fx.Tracer):
+    """``torch.fx``'s tracer, with modules that have a registered rule kept whole."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return registry.is_registered_module(m) or super().is_leaf_module(m, module_qualified_name)
+
+
+def symbolic_trace(model: nn.Module) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace`` with registered module types as leaves and errors turned into :class:`TraceError`."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    try:
+        tracer = _Tracer()
+        graph = tracer.trace(model)
+        return fx.GraphModule(tracer.root, graph, type(model).__name__)
+    except Exception as exc:  # fx raises TraceError, TypeError, NotImplementedError, ... on dynamic code
+        raise TraceError(
+            f"torch.fx could not trace {type(model).__name__} ({type(exc).__name__}: {exc}); data-dependent "
+            "control flow cannot be traced: move it into a leaf module or pass a hand-written PermutationSpec"
+        ) from exc
+
+
+def _as_args(example_input: Any) -> tuple:
+    if isinstance(example_input, torch.Tensor):
+        return (example_input,)
+    if isinstance(example_input, (tuple, list)):
+        return tuple(example_input)
+    raise TypeError(
+        "example_input must be a tensor or a tuple of the model's positional inputs, "
+        f"got {type(example_input).__name__}"
+    )
+
+
+def _fix_self_loops(labeler: Labeler, composite: str) -> None:
+    """A class acting on two axes of one tensor (a layer applied twice, or weights tied
+    across layers) would need ``P W P^T``, which a spec cannot say: fix it, or raise."""
+    units = labeler.units
+    for key in units.state_dict:
+        seen: dict[int, int] = {}
+        for axis, a in units.atoms_of(key):
+            if a is None or not units.is_group(a):
+                continue
+            r = units.root(a)
+            if r in seen:
+                what = (f"parameter {key!r} needs the same permutation on axes {seen[r]} and {axis} (a layer "
+                        "applied to its own output, or weights tied across layers)")  # fmt: skip
+                if composite == "raise":
+                    raise TraceError(f"{what}, which a PermutationSpec cannot name; pass composite='fix' to leave "
+                                     "these units unpermuted")  # fmt: skip
+                units.fix(a)
+                labeler.composites.append(f"{what}: units fixed")
+                logger.info("pyperm.nn trace: %s: units fixed", what)
+            seen[r] = axis
+
+
+def _build_spec(labeler: Labeler) -> tuple[PermutationSpec, dict[str, int]]:
+    """One group per class that reaches an activation and is not fixed; and each group's root atom."""
+    units = labeler.units
+    names: dict[int, str] = {}
+    for atom, where in labeler.openers.items():
+        r = units.root(atom)
+        if r not in names and units.is_group(atom):
+            names[r] = f"P_{where}"
+    axes: dict[str, tuple[str | None, ...]] = {}
+    sizes: dict[str, int] = {}
+    roots: dict[str, int] = {}
+    for key in units.state_dict:
+        groups: list[str | None] = []
+        for axis, a in units.atoms_of(key):
+            if a is None or not units.is_group(a):
+                groups.append(None)
+                continue
+            r = units.root(a)
+            if r not in names:  # a class without a producing layer (a free parameter, say)
+                names[r] = f"P_{key}_{axis}"
+            groups.append(names[r])
+            sizes.setdefault(names[r], units.size(a))
+            roots.setdefault(names[r], r)
+        axes[key] = tuple(groups)
+    # Keep the groups in graph order of their first producer, then the rest.
+    ordered: dict[str, int] = {}
+    for _, atom in labeler.producers:
+        r = units.root(atom)
+        if r in names and names[r] in sizes:
+            ordered.setdefault(names[r], sizes[names[r]])
+    for g, n in sizes.items():
+        ordered.setdefault(g, n)
+    return PermutationSpec(axes, ordered), {g: roots[g] for g in ordered}
+
+
+def trace_model(model: nn.Module, example_input: Any, *, composite: str = "fix") -> TraceResult:
+    """Trace ``model`` and build its permutation spec and activation sites.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model. It is traced with :func:`torch.fx.symbolic_trace` and run once in
+        eval mode under ``torch.no_grad`` on ``example_input``; its training flags and
+        state are left as they were.
+    example_input : torch.Tensor or tuple
+        One input batch (or a tuple of the forward's positional inputs) on the
+        model's device.
+    composite : {"fix", "raise"}, default "fix"
+        What to do with an axis built out of several groups or parts of one
+        (``torch.cat`` or ``F.pad`` along channels, channel slicing, flatten of a
+        convolution output larger than 1x1): leave the units involved unpermuted, or
+        raise :class:`TraceError`.
+
+    Returns
+    -------
+    TraceResult
+        The spec, the traced graph module, and the activation sites of every group.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not a module, or ``example_input`` is neither a tensor nor a tuple.
+    ValueError
+        ``composite`` is not "fix" or "raise".
+    TraceError
+        The model cannot be traced, or an operation acts on permutable units in a way
+        the tracer cannot follow (the message names the operation and module path).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from pyperm.nn.trace import trace_model
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> result = trace_model(model, torch.randn(3, 4))
+    >>> dict(result.spec.sizes)
+    {'P_0': 8}
+    >>> result.post_activation_sites["P_0"][0].module
+    '1'
+    """
+    if composite not in COMPOSITE_POLICIES:
+        raise ValueError(f"composite must be 'fix' or 'raise', got {composite!r}")
+    args = _as_args(example_input)
+    gm = symbolic_trace(model)
+    state_dict = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
+    labeler = Labeler(gm, state_dict, composite)
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        with torch.no_grad():
+            labeler.run(*args)
+    except TraceError:
+        raise
+    except Exception as exc:
+        raise TraceError(f"running the traced {type(model).__name__} on example_input failed: {exc}") from exc
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    _fix_self_loops(labeler, composite)
+    spec, roots = _build_spec(labeler)
+    pre, post = find_sites(labeler, roots)
+    return TraceResult(spec=spec, graph_module=gm, pre_activation_sites=pre, post_activation_sites=post,
+                       composites=tuple(labeler.composites))  # fmt: skip
