@@ -8,27 +8,43 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 from pyperm.nn import models
 from pyperm.nn.align import (
     ActivationMatchingResult,
+    MergeResult,
+    STEMatchingResult,
     WeightMatchingResult,
     activation_matching,
     matching_objective,
+    merge_many,
+    ste_matching,
     weight_matching,
 )
+from pyperm.nn.eval import BarrierResult, barrier, repair, reset_bn_stats
 from pyperm.nn.permutations import Permutations, apply_permutation
 from pyperm.nn.spec import PermutationSpec
+from pyperm.nn.state import average, interpolate
 from pyperm.nn.trace import ActivationSite, TraceError, TraceResult, trace_model
 
 __all__ = [
     "ActivationMatchingResult",
     "ActivationSite",
+    "BarrierResult",
+    "MergeResult",
     "PermutationSpec",
     "Permutations",
+    "STEMatchingResult",
     "TraceError",
     "TraceResult",
     "WeightMatchingResult",
     "activation_matching",
     "apply_permutation",
+    "average",
+    "barrier",
+    "interpolate",
     "matching_objective",
+    "merge_many",
     "models",
+    "repair",
+    "reset_bn_stats",
+    "ste_matching",
     "trace_model",
     "weight_matching",
 ]

@@ -107,7 +107,7 @@ def _objective_keys(spec: PermutationSpec, sa: Mapping[str, torch.Tensor], keys:
     return list(dict.fromkeys(chosen))
 
 
-def _make_generator(seed: int | torch.Generator) -> torch.Generator:
+def make_generator(seed: int | torch.Generator) -> torch.Generator:
     if isinstance(seed, torch.Generator):
         return seed
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
@@ -308,7 +308,7 @@ def weight_matching(
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
-    gen = _make_generator(seed)
+    gen = make_generator(seed)
     sa = _check_state(spec, state_a, "state_a")
     sb = _check_state(spec, state_b, "state_b")
     obj_keys = _objective_keys(spec, sa, keys)

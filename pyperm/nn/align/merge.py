@@ -1,0 +1,178 @@
+r"""Merging many models: Git Re-Basin's MergeMany (Ainsworth et al. 2023, Algorithm 3).
+
+Every model in turn is weight-matched to the mean of the others (permuted as they are
+now), until a whole round changes no permutation; the merged model is the mean of the
+permuted models. Each matching is warm-started from the model's current permutations,
+so after the first round a match is a sweep or two of cheap corrections rather than a
+search from scratch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pyperm._progress import progress_bar
+from pyperm.nn.align.weight import make_generator, weight_matching
+from pyperm.nn.permutations import Permutations
+from pyperm.nn.spec import PermutationSpec
+from pyperm.nn.state import average
+
+__all__ = ["MergeResult", "merge_many"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MergeResult:
+    """What :func:`merge_many` found.
+
+    Attributes
+    ----------
+    perms : list of Permutations
+        One per model, in the order given; the first model's are the identity (the
+        merged model lives in its basin). ``apply_permutation(spec, perms[i], states[i])``
+        is model ``i`` aligned to the others.
+    merged : dict of str to torch.Tensor
+        The mean of the permuted models (integer buffers from the first model).
+    rounds : int
+        Rounds over the models that were run.
+    converged : bool
+        Whether the last round changed no permutation (otherwise ``max_iter`` stopped it).
+    """
+
+    perms: list[Permutations]
+    merged: dict[str, torch.Tensor]
+    rounds: int = 0
+    converged: bool = False
+    history: list[int] = field(default_factory=list)  # permutations changed per round
+
+
+def merge_many(
+    spec: PermutationSpec,
+    states: Sequence[Mapping[str, torch.Tensor]],
+    *,
+    max_iter: int = 100,
+    seed: int | torch.Generator = 0,
+    progress: bool = False,
+) -> MergeResult:
+    r"""Align several models to each other and average them (Git Re-Basin, Algorithm 3).
+
+    Repeats, for every model :math:`i` in a random order:
+
+    .. math::
+
+        \Theta' = \frac{1}{N-1} \sum_{j \ne i} \pi_j(\Theta_j), \qquad
+        \pi_i \leftarrow \operatorname{WeightMatching}(\Theta', \Theta_i),
+
+    until a round leaves every :math:`\pi_i` unchanged, then returns
+    :math:`\frac{1}{N} \sum_j \pi_j(\Theta_j)`. All permutations are finally composed with
+    the inverse of the first model's, which changes no alignment but makes the first
+    model's the identity.
+
+    Parameters
+    ----------
+    spec : PermutationSpec
+        The models' permutation groups.
+    states : sequence of mapping of str to torch.Tensor
+        At least two state dicts of one architecture (the spec's keys, equal shapes),
+        on one device.
+    max_iter : int, default 100
+        Most rounds over the models.
+    seed : int or torch.Generator, default 0
+        Seeds the order of the models in each round and the weight matchings' group orders.
+    progress : bool, default False
+        Show a progress bar over the rounds.
+
+    Returns
+    -------
+    MergeResult
+        ``perms`` (one :class:`~pyperm.nn.Permutations` per model), ``merged``,
+        ``rounds`` and ``converged``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``spec`` is not a PermutationSpec, ``states`` is not a sequence of at least two
+        matching state dicts, or ``max_iter`` or ``seed`` is invalid.
+
+    Notes
+    -----
+    A model with BatchNorm needs its statistics recomputed after merging
+    (:func:`~pyperm.nn.reset_bn_stats`), as for any point off the endpoints.
+
+    References
+    ----------
+    S. K. Ainsworth, J. Hayase, S. Srinivasa, "Git Re-Basin: Merging Models modulo
+    Permutation Symmetries", ICLR 2023, section 5 and Algorithm 3 (appendix A.6).
+
+    Examples
+    --------
+    >>> from pyperm.nn import merge_many
+    >>> from pyperm.nn.models import MLP
+    >>> models = [MLP([8, 16, 4]) for _ in range(3)]
+    >>> result = merge_many(models[0].permutation_spec(), [m.state_dict() for m in models])
+    >>> result.perms[0].is_identity(), sorted(result.merged) == sorted(models[0].state_dict())
+    (True, True)
+    """
+    if not isinstance(spec, PermutationSpec):
+        raise TypeError(f"spec must be a PermutationSpec, got {type(spec).__name__}")
+    if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
+        raise TypeError(f"states must be a sequence of state dicts, got {type(states).__name__}")
+    if len(states) < 2:
+        raise ValueError(f"states must hold at least two state dicts, got {len(states)}")
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int):
+        raise TypeError(f"max_iter must be an int, got {type(max_iter).__name__}")
+    if max_iter < 1:
+        raise ValueError(f"max_iter must be at least 1, got {max_iter}")
+    gen = make_generator(seed)
+    for i, state in enumerate(states):
+        spec.check_state_dict(state, f"states[{i}]")
+    states = [{k: v.detach() for k, v in s.items()} for s in states]
+    n = len(states)
+    perms = [Permutations.identity(spec) for _ in range(n)]
+    permuted = [dict(s) for s in states]
+    # A running sum of the permuted models, so each model's "mean of the others" is one subtraction.
+    total = {k: sum(s[k].double() for s in states) if v.is_floating_point() else v for k, v in states[0].items()}
+
+    bar = progress_bar(progress, max_iter, "merge many", "round")
+    rounds, converged, history = 0, False, []
+    try:
+        for _ in range(max_iter):
+            rounds += 1
+            changed = 0
+            for i in torch.randperm(n, generator=gen).tolist():
+                others = {
+                    k: ((v - permuted[i][k].double()) / (n - 1)).to(states[i][k].dtype) if v.is_floating_point() else v
+                    for k, v in total.items()
+                }
+                result = weight_matching(spec, others, states[i], init=perms[i], seed=gen)
+                new = Permutations(spec, result.perms)
+                if new == perms[i]:
+                    continue
+                changed += 1
+                perms[i] = new
+                new_state = new.apply(states[i])
+                for k, v in new_state.items():
+                    if v.is_floating_point():
+                        total[k] += v.double() - permuted[i][k].double()
+                permuted[i] = new_state
+            history.append(changed)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(changed=changed)
+            if changed == 0:
+                converged = True
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+    # The first model's basin: compose every permutation with the inverse of its.
+    back = perms[0].inverse()
+    perms = [back.compose(p) for p in perms]
+    merged = average([p.apply(s) for p, s in zip(perms, states)])
+    logger.debug("merge_many: %d models, %d rounds, converged=%s", n, rounds, converged)
+    return MergeResult(perms=perms, merged=merged, rounds=rounds, converged=converged, history=history)
