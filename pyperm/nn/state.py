@@ -1,0 +1,231 @@
+"""State-dict operations: checking that two state dicts pair up, interpolating, averaging.
+
+A state dict here is a mapping of names to tensors, as ``model.state_dict()`` returns.
+Floating (and complex) entries are parameters and running statistics, which mix
+linearly; integer and boolean entries are counters and masks (``num_batches_tracked``),
+which have no meaningful mixture and are taken from the first state. Nothing here
+modifies its inputs: every result holds new tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from numbers import Real
+from typing import Any
+
+import torch
+
+__all__ = ["average", "check_pair", "check_state", "interpolate", "is_mixable"]
+
+
+def is_mixable(tensor: torch.Tensor) -> bool:
+    """Whether an entry mixes linearly (floating or complex) rather than being copied (integers, booleans)."""
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def check_state(state: Any, name: str = "state") -> Mapping[str, torch.Tensor]:
+    """``state`` itself, or a TypeError naming ``name`` (and the key) when it is not a mapping of str to tensors."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{name} must be a mapping of names to tensors (a state dict), got {type(state).__name__}")
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{name} must have str keys, got {type(key).__name__} key {key!r}")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
+    return state
+
+
+def check_pair(
+    state_a: Any, state_b: Any, names: tuple[str, str] = ("state_a", "state_b"), *, strict: bool = True
+) -> tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]:
+    """Check that two state dicts have the same keys, shapes, dtypes and devices.
+
+    Parameters
+    ----------
+    state_a, state_b : mapping of str to torch.Tensor
+        The two state dicts.
+    names : (str, str)
+        How error messages call them.
+    strict : bool, default True
+        Also compare dtypes and devices (needed to mix the tensors); with False only
+        keys and shapes (enough to load one into a model holding the other).
+
+    Returns
+    -------
+    (mapping, mapping)
+        The two inputs, unchanged.
+
+    Raises
+    ------
+    TypeError
+        Either is not a mapping of str to tensors.
+    ValueError
+        A key is in one and not the other, or an entry differs in shape, dtype or
+        device (with ``strict``); the message names the key.
+    """
+    name_a, name_b = names
+    check_state(state_a, name_a)
+    check_state(state_b, name_b)
+    only_a = [k for k in state_a if k not in state_b]
+    only_b = [k for k in state_b if k not in state_a]
+    if only_a or only_b:
+        first = only_a[0] if only_a else only_b[0]
+        raise ValueError(
+            f"{name_a} and {name_b} have different keys: {first!r} is only in {name_a if only_a else name_b} "
+            f"(only in {name_a}: {only_a[:5]}, only in {name_b}: {only_b[:5]})"
+        )
+    for key, a in state_a.items():
+        b = state_b[key]
+        if a.shape != b.shape:
+            raise ValueError(f"{name_a} and {name_b} differ in {key!r}: shapes {tuple(a.shape)} and {tuple(b.shape)}")
+        if not strict:
+            continue
+        if a.dtype != b.dtype:
+            raise ValueError(f"{name_a} and {name_b} differ in {key!r}: dtypes {a.dtype} and {b.dtype}")
+        if a.device != b.device:
+            raise ValueError(f"{name_a} and {name_b} differ in {key!r}: devices {a.device} and {b.device}")
+    return state_a, state_b
+
+
+def _check_real(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def interpolate(state_a: Mapping[str, torch.Tensor], state_b: Mapping[str, torch.Tensor], t: float) -> dict[str, torch.Tensor]:
+    r"""The state dict on the line through two models: :math:`(1 - t)\,\Theta_A + t\,\Theta_B`.
+
+    Parameters
+    ----------
+    state_a, state_b : mapping of str to torch.Tensor
+        The endpoints: the same keys, and per key the same shape, dtype and device.
+    t : float
+        The position on the line: 0 gives A, 1 gives B; values outside [0, 1]
+        extrapolate.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        New tensors, in ``state_a``'s key order. Floating and complex entries are
+        :math:`(1 - t) A + t B` computed in their own dtype (so ``t=0`` and ``t=1``
+        give A and B exactly); integer and boolean entries (``num_batches_tracked``)
+        are copies of A's. Interpolated BatchNorm running statistics are not the
+        statistics of the interpolated network: see
+        :func:`pyperm.nn.eval.batchnorm.reset_bn_stats`.
+
+    Raises
+    ------
+    TypeError
+        A state is not a mapping of str to tensors, or ``t`` is not a real number.
+    ValueError
+        The keys differ, or an entry differs in shape, dtype or device (the message
+        names the key); ``t`` is not finite.
+
+    References
+    ----------
+    .. [1] S. Ainsworth, J. Hayase, S. Srinivasa, "Git Re-Basin: Merging Models modulo
+       Permutation Symmetries", ICLR 2023, Definition 2.2.
+
+    Examples
+    --------
+    >>> import torch
+    >>> a = {"w": torch.zeros(2), "n": torch.tensor(3)}
+    >>> b = {"w": torch.ones(2), "n": torch.tensor(5)}
+    >>> mid = interpolate(a, b, 0.25)
+    >>> mid["w"], mid["n"]
+    (tensor([0.2500, 0.2500]), tensor(3))
+    """
+    check_pair(state_a, state_b)
+    t = _check_real(t, "t")
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, a in state_a.items():
+            a = a.detach()
+            if is_mixable(a):
+                out[key] = (1.0 - t) * a + t * state_b[key].detach()
+            else:
+                out[key] = a.clone()
+    return out
+
+
+def average(
+    states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float] | None = None
+) -> dict[str, torch.Tensor]:
+    r"""The weighted mean of several state dicts: :math:`\sum_i w_i \Theta_i / \sum_i w_i`.
+
+    Parameters
+    ----------
+    states : sequence of mapping of str to torch.Tensor
+        At least one state dict; all have the same keys, and per key the same shape,
+        dtype and device.
+    weights : sequence of float, optional
+        One non-negative weight per state, with a positive sum; equal weights when
+        omitted. They are normalised to sum to 1.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        New tensors, in the first state's key order. Floating and complex entries are
+        the weighted mean, accumulated in double precision (float64 / complex128) and
+        cast back to the entry's dtype; integer and boolean entries are copies of the
+        first state's.
+
+    Raises
+    ------
+    TypeError
+        ``states`` is not a sequence of state dicts (a single state dict is refused),
+        or ``weights`` is not a sequence of real numbers.
+    ValueError
+        ``states`` is empty, the states do not pair up (the message names the key),
+        or ``weights`` has the wrong length, a negative or non-finite entry, or a
+        zero sum.
+
+    Examples
+    --------
+    >>> import torch
+    >>> s = [{"w": torch.tensor([0.0])}, {"w": torch.tensor([1.0])}, {"w": torch.tensor([5.0])}]
+    >>> average(s)["w"], average(s, weights=[1, 1, 0])["w"]
+    (tensor([2.]), tensor([0.5000]))
+    """
+    if isinstance(states, Mapping) or isinstance(states, (str, bytes)) or not isinstance(states, Sequence):
+        raise TypeError(f"states must be a sequence of state dicts, got {type(states).__name__}")
+    if len(states) == 0:
+        raise ValueError("states must hold at least one state dict, got an empty sequence")
+    check_state(states[0], "states[0]")
+    for i in range(1, len(states)):
+        check_pair(states[0], states[i], ("states[0]", f"states[{i}]"))
+    if weights is None:
+        w = [1.0 / len(states)] * len(states)
+    else:
+        if isinstance(weights, (str, bytes, Mapping)) or not isinstance(weights, (Sequence, torch.Tensor)):
+            raise TypeError(f"weights must be a sequence of real numbers or None, got {type(weights).__name__}")
+        if isinstance(weights, torch.Tensor):
+            weights = weights.tolist()
+        if len(weights) != len(states):
+            raise ValueError(f"weights has {len(weights)} entries for {len(states)} states")
+        raw = [_check_real(x, f"weights[{i}]") for i, x in enumerate(weights)]
+        if any(x < 0 for x in raw):
+            raise ValueError(f"weights must be non-negative, got {raw}")
+        total = sum(raw)
+        if total <= 0:
+            raise ValueError("weights must have a positive sum")
+        w = [x / total for x in raw]
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, first in states[0].items():
+            first = first.detach()
+            if not is_mixable(first):
+                out[key] = first.clone()
+                continue
+            wide = torch.complex128 if first.is_complex() else torch.float64
+            acc = torch.zeros(first.shape, dtype=wide, device=first.device)
+            for wi, state in zip(w, states):
+                if wi != 0.0:
+                    acc.add_(state[key].detach().to(wide), alpha=wi)
+            out[key] = acc.to(first.dtype)
+    return out
