@@ -12,15 +12,24 @@
 """
 
 from pyperm.nn.curves.bezier import BezierCurve
+from pyperm.nn.curves.connect import ConnectResult, connect
 from pyperm.nn.curves.evaluate import CurveResult, evaluate_curve, plot_curve_results, summary_table
+from pyperm.nn.curves.plane import PlaneResult, loss_plane
 from pyperm.nn.curves.polychain import PolyChain
+from pyperm.nn.curves.signature import CorrelationSignature, correlation_signature
 from pyperm.nn.curves.train import train_curve
 
 __all__ = [
     "BezierCurve",
+    "ConnectResult",
+    "CorrelationSignature",
     "CurveResult",
+    "PlaneResult",
     "PolyChain",
+    "connect",
+    "correlation_signature",
     "evaluate_curve",
+    "loss_plane",
     "plot_curve_results",
     "summary_table",
     "train_curve",
