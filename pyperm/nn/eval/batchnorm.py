@@ -1,0 +1,168 @@
+"""Exact BatchNorm running statistics for a model's current weights (``reset_bn_stats``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pyperm.nn._runtime import check_module, eval_mode, iterate_batches, model_inputs, module_device, to_device
+from pyperm.nn.eval._moments import Moments
+
+__all__ = ["batchnorm_modules", "reset_bn_stats"]
+
+logger = logging.getLogger(__name__)
+
+_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def batchnorm_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(path, module)`` of every BatchNorm of ``model`` that keeps running statistics."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, _BATCHNORMS) and m.track_running_stats and m.running_mean is not None
+    ]
+
+
+def reset_bn_stats(model: nn.Module, data: Iterable[Any], *, max_batches: int | None = None) -> nn.Module:
+    r"""Recompute every BatchNorm's running statistics exactly over the samples of ``data``.
+
+    After interpolating (or permuting and averaging) weights, the running statistics
+    of the BatchNorm layers no longer describe the activations the network computes,
+    and a model evaluated with them can look far worse than it is (Tatro et al.,
+    appendix B; Git Re-Basin, section 4, "the BatchNorm statistics are recomputed").
+    This function runs the model once over ``data`` with its BatchNorms in train mode
+    and sets, for each BatchNorm and channel :math:`c`,
+
+    .. math::
+
+        \mu_c = \frac{1}{N} \sum_{i=1}^{N} x_{ic}, \qquad
+        \sigma^2_c = \frac{1}{N - 1} \sum_{i=1}^{N} (x_{ic} - \mu_c)^2,
+
+    where :math:`x_{ic}` runs over every sample of every batch (and every spatial
+    position) of the BatchNorm's input: the mean and unbiased variance of all samples
+    together, each batch weighted by its size. (Torch's ``momentum=None`` instead
+    averages the per-batch means and variances with equal weights, which
+    over-weights a short last batch and leaves out the spread between batch means.)
+    The moments are accumulated in float64 with pairwise merging.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model; its BatchNorm1d/2d/3d (and SyncBatchNorm) modules with
+        ``track_running_stats=True`` are reset in place.
+    data : iterable
+        Batches of inputs: tensors, or sequences ``(inputs, targets, ...)`` whose first
+        element is the input tensor (or a tuple of the forward's inputs), as a
+        DataLoader yields them. Moved to the model's device.
+    max_batches : int, optional
+        Read at most this many batches.
+
+    Returns
+    -------
+    torch.nn.Module
+        ``model`` itself. Its parameters are unchanged; each BatchNorm's
+        ``running_mean`` and ``running_var`` hold the statistics above (in their own
+        dtype) and ``num_batches_tracked`` the number of batches read; every module's
+        training flag and each BatchNorm's momentum are as before. A model without
+        BatchNorm is returned untouched (and ``data`` is not read).
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not a module, ``data`` not an iterable of batches, or
+        ``max_batches`` not an int.
+    ValueError
+        ``data`` yields no batches, ``max_batches`` is below 1, or a BatchNorm saw
+        fewer than two values per channel (no variance can be estimated).
+
+    Notes
+    -----
+    Only the BatchNorm modules run in train mode; every other module runs in eval
+    mode, so dropout is off and the statistics are those of the network as it is
+    evaluated, and deterministic. As in training, and in every published reset, a
+    BatchNorm normalises its batch with the batch's own statistics while they are
+    collected, so a deeper BatchNorm sees its input as the earlier layers compute it
+    in train mode. The forward runs under ``torch.no_grad``. The pass sets each
+    BatchNorm's momentum to 0 so that the module's own exponential update leaves the
+    buffers alone until the exact values are written.
+
+    References
+    ----------
+    .. [1] N. Tatro et al., "Optimizing Mode Connectivity via Neuron Alignment",
+       NeurIPS 2020, appendix B.
+    .. [2] S. Ioffe, C. Szegedy, "Batch Normalization: Accelerating Deep Network
+       Training by Reducing Internal Covariate Shift", ICML 2015.
+
+    Examples
+    --------
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    >>> x = torch.randn(10, 3)
+    >>> _ = reset_bn_stats(model, [x[:7], x[7:]])
+    >>> h = model[0](x).detach()
+    >>> torch.allclose(model[1].running_mean, h.mean(0), atol=1e-6)
+    True
+    >>> torch.allclose(model[1].running_var, h.var(0), atol=1e-5)
+    True
+    """
+    check_module(model)
+    bns = batchnorm_modules(model)
+    if not bns:
+        logger.debug("reset_bn_stats: %s has no BatchNorm with running statistics; nothing to reset",
+                     type(model).__name__)
+        return model
+    device = module_device(model)
+    moments = {name: Moments() for name, _ in bns}
+    saved = [(m, m.momentum, m.num_batches_tracked.clone()) for _, m in bns]
+    hooks = []
+
+    def collect(name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and x.ndim >= 2:  # anything else: the module raises its own error
+                moments[name].update(x, 1)
+
+        return hook
+
+    batches = 0
+    try:
+        for name, m in bns:
+            m.momentum = 0.0
+            hooks.append(m.register_forward_pre_hook(collect(name)))
+        with torch.no_grad(), eval_mode(model):
+            for _, m in bns:
+                m.train()
+            for i, batch in iterate_batches(data, max_batches):
+                model(*to_device(model_inputs(batch, i), device))
+                batches += 1
+        for name, _ in bns:
+            if 0 < moments[name].count < 2:
+                raise ValueError(
+                    f"BatchNorm {name!r} saw one value per channel in data; its variance needs at least two"
+                )
+    except BaseException:
+        for m, _, tracked in saved:
+            m.num_batches_tracked.copy_(tracked)
+        raise
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, momentum, _ in saved:
+            m.momentum = momentum
+
+    with torch.no_grad():
+        for name, m in bns:
+            acc = moments[name]
+            if acc.count == 0:
+                logger.warning("reset_bn_stats: BatchNorm %r was not reached by the forward; left as it was", name)
+                continue
+            m.running_mean.copy_(acc.mean.to(m.running_mean.dtype))
+            m.running_var.copy_(acc.var(unbiased=True).to(m.running_var.dtype))
+            m.num_batches_tracked.fill_(batches)
+    logger.debug("reset_bn_stats: %d BatchNorm modules over %d batches", len(bns), batches)
+    return model
