@@ -1,0 +1,116 @@
+r"""The loss along the straight line between two students, and its barrier.
+
+Definition 2.2 of Git Re-Basin, with the exact population loss:
+
+.. math::
+
+    B(W_A, W_B) = \max_{t \in [0, 1]} \Big( L\big((1 - t) W_A + t W_B\big)
+                  - \big((1 - t) L(W_A) + t L(W_B)\big) \Big),
+
+evaluated on ``num_points`` evenly spaced values of :math:`t` (paper 004 uses steps of 0.1,
+i.e. 11 points, and finds the path smooth enough for that). Between two global minima the
+endpoint losses are zero and the barrier is the largest loss on the path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pyperm.teacher_student._checks import as_teacher, as_weights, check_pair, check_same_shape, positive_int
+from pyperm.teacher_student.loss import loss_unchecked
+
+__all__ = ["interpolation_losses", "path_barrier"]
+
+# Paths are evaluated in chunks of at most this many (student, student-or-teacher) pairs, to
+# bound the memory of the pairwise angle matrices in a big sweep.
+_CHUNK_PAIRS = 1 << 21
+
+
+def interpolation_losses(
+    W_a: torch.Tensor, W_b: torch.Tensor, W_teacher: torch.Tensor, num_points: int = 11
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The exact loss at ``num_points`` evenly spaced points of the segment from A to B.
+
+    .. math::
+
+        L_i = L\big((1 - t_i) W_A + t_i W_B\big), \qquad t_i = \frac{i}{\mathrm{num\_points} - 1}.
+
+    Parameters
+    ----------
+    W_a, W_b : (..., m, d) torch.Tensor
+        The endpoints (a batch of pairs in the leading dimensions).
+    W_teacher : (K, d) torch.Tensor
+        Teacher weights.
+    num_points : int, default 11
+        Points on the segment, endpoints included (at least 2).
+
+    Returns
+    -------
+    t : (num_points,) torch.Tensor
+    losses : (..., num_points) torch.Tensor
+        float64; differentiable with respect to the endpoints.
+    """
+    A = as_weights(W_a, "W_a")
+    B = as_weights(W_b, "W_b")
+    check_same_shape(A, B, "W_a", "W_b")
+    wt = as_teacher(W_teacher)
+    check_pair(A, "W_a", wt)
+    num_points = positive_int(num_points, "num_points", minimum=2)
+    return _path_losses(A, B, wt, num_points)
+
+
+def _path_losses(A: torch.Tensor, B: torch.Tensor, wt: torch.Tensor, num_points: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.linspace(0.0, 1.0, num_points, dtype=A.dtype, device=A.device)
+    batch = A.shape[:-2]
+    A = A.reshape(-1, *A.shape[-2:])
+    B = B.reshape(-1, *B.shape[-2:])
+    n = A.shape[-2] + wt.shape[0]
+    per_chunk = max(1, _CHUNK_PAIRS // (n * n * num_points))
+    pieces = []
+    for start in range(0, A.shape[0], per_chunk):
+        a, b = A[start : start + per_chunk, None], B[start : start + per_chunk, None]
+        s = t[:, None, None]
+        pieces.append(loss_unchecked((1.0 - s) * a + s * b, wt))
+    return t, torch.cat(pieces).reshape(*batch, num_points)
+
+
+def barrier_from_losses(t: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
+    """Definition 2.2 from the losses on the path: the largest excess over the chord."""
+    chord = (1.0 - t) * losses[..., :1] + t * losses[..., -1:]
+    return (losses - chord).amax(dim=-1)
+
+
+def path_barrier(W_a: torch.Tensor, W_b: torch.Tensor, W_teacher: torch.Tensor, num_points: int = 11) -> torch.Tensor:
+    r"""The loss barrier on the straight line between two students (Git Re-Basin, Def. 2.2).
+
+    .. math::
+
+        B(W_A, W_B) = \max_{t} \Big( L\big((1 - t) W_A + t W_B\big)
+                      - \big((1 - t) L(W_A) + t L(W_B)\big) \Big),
+        \qquad t \in \Big\{0, \tfrac{1}{\mathrm{num\_points} - 1}, \dots, 1\Big\},
+
+    with :math:`L` the exact population loss. Align B first (``W_b[..., perm, :]`` with a
+    permutation from :func:`type_matching` or :func:`lap_matching`) for the barrier modulo
+    permutation.
+
+    Parameters
+    ----------
+    W_a, W_b : (..., m, d) torch.Tensor
+        The endpoints (a batch of pairs in the leading dimensions).
+    W_teacher : (K, d) torch.Tensor
+        Teacher weights.
+    num_points : int, default 11
+        Points on the segment, endpoints included (at least 2); 11 is the paper's step 0.1.
+
+    Returns
+    -------
+    torch.Tensor
+        Shape ``W_a.shape[:-2]``, float64, never negative (the endpoints give 0).
+
+    References
+    ----------
+    Ainsworth, Hayase and Srinivasa, "Git Re-Basin", ICLR 2023, Definition 2.2; paper 004,
+    Section 2 (the linear barrier between two minima).
+    """
+    t, losses = interpolation_losses(W_a, W_b, W_teacher, num_points)
+    return barrier_from_losses(t, losses)

@@ -1,0 +1,187 @@
+r"""Full-batch gradient descent on the exact population loss, many seeds on one tensor.
+
+.. math::
+
+    W^{(0)}_{jk} \sim \mathcal N(0, \sigma^2) \text{ i.i.d.}, \qquad
+    W^{(t+1)} = W^{(t)} - \eta\, \nabla L\big(W^{(t)}\big), \qquad \eta = c / m
+    \text{ when } c \text{ is given},
+
+with the closed-form gradient of :mod:`pyperm.teacher_student.loss` (no sampling: this is
+gradient descent on the population loss, the paper's GD). Runs with different seeds are
+stacked on a leading dimension and advance together, one batched gradient per step; each has
+its own generator and stops on its own (converged or diverged) by being frozen, so a run's
+trajectory does not depend on the other runs of its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pyperm._progress import progress_bar
+from pyperm.teacher_student._checks import (
+    DTYPE,
+    as_teacher,
+    generator,
+    positive_float,
+    positive_int,
+    seed_list,
+)
+from pyperm.teacher_student.loss import signed_stack, stack_loss_and_grad
+
+__all__ = ["GDResult", "train_gd"]
+
+# A run whose loss exceeds this multiple of the larger of its initial loss and L(0) diverged.
+_DIVERGENCE_FACTOR = 1e4
+# Steps between checks of the stopping flags (each check is a host-device sync on a GPU).
+_CHECK_EVERY = 25
+
+
+@dataclass(frozen=True)
+class GDResult:
+    """What :func:`train_gd` returns.
+
+    Attributes
+    ----------
+    weights : (m, d) or (R, m, d) torch.Tensor
+        Final weights (the weights at which a run stopped); ``(R, m, d)`` when ``seed`` was a
+        sequence of ``R`` seeds.
+    loss : () or (R,) torch.Tensor
+        The exact loss at ``weights``.
+    converged : () or (R,) torch.Tensor
+        bool: the loss reached ``tol``.
+    diverged : () or (R,) torch.Tensor
+        bool: the loss became non-finite or exceeded ``1e4`` times the larger of its initial
+        value and the loss of the zero student (the run was frozen there).
+    steps : () or (R,) torch.Tensor
+        int64: gradient steps taken by each run.
+    lr : float
+        The step size used.
+    seeds : tuple of int
+        The seeds, in the order of the runs.
+    """
+
+    weights: torch.Tensor
+    loss: torch.Tensor
+    converged: torch.Tensor
+    diverged: torch.Tensor
+    steps: torch.Tensor
+    lr: float
+    seeds: tuple[int, ...]
+
+
+def _step_size(lr: object, c: object, m: int) -> float:
+    if (lr is None) == (c is None):
+        raise ValueError("give exactly one of lr (the step) and c (the step is c / m)")
+    if lr is not None:
+        return positive_float(lr, "lr")
+    return positive_float(c, "c") / m
+
+
+def initial_weights(seeds: list[int], m: int, d: int, scale: float, device: torch.device) -> torch.Tensor:
+    runs = [torch.randn(m, d, generator=generator(s, device), dtype=DTYPE, device=device) for s in seeds]
+    return torch.stack(runs) * scale
+
+
+def train_gd(
+    W_teacher: torch.Tensor,
+    m: int,
+    *,
+    lr: float | None = None,
+    c: float | None = None,
+    steps: int = 20000,
+    init_scale: float = 1e-2,
+    seed: int | list[int] = 0,
+    tol: float = 1e-8,
+    progress: bool = False,
+) -> GDResult:
+    r"""Train students by full-batch gradient descent on the exact population loss.
+
+    .. math::
+
+        W^{(t+1)} = W^{(t)} - \eta \nabla L\big(W^{(t)}\big), \qquad
+        W^{(0)}_{jk} \sim \mathcal N(0, \sigma^2), \qquad \eta = c / m \text{ if } c \text{ is given}.
+
+    Parameters
+    ----------
+    W_teacher : (K, d) torch.Tensor
+        Teacher weights; the students live on its device.
+    m : int
+        Student width (any ``m >= 1``; below ``K`` no run reaches zero loss).
+    lr : float, optional
+        Step size :math:`\eta`. Give exactly one of ``lr`` and ``c``.
+    c : float, optional
+        Width-scaled step: :math:`\eta = c / m` (paper 004, Section 5).
+    steps : int, default 20000
+        Maximum number of gradient steps.
+    init_scale : float, default 1e-2
+        Standard deviation :math:`\sigma` of the Gaussian initialisation (paper 004, B.1).
+    seed : int or sequence of int, default 0
+        One seed per run. A sequence of ``R`` seeds trains ``R`` runs at once on one
+        ``(R, m, d)`` tensor; run ``r`` equals the single run with ``seed=seeds[r]``.
+    tol : float, default 1e-8
+        A run has converged, and stops, once its loss is at most ``tol``.
+    progress : bool, default False
+        Show a tqdm progress bar over the steps.
+
+    Returns
+    -------
+    GDResult
+        ``weights``, ``loss``, ``converged``, ``diverged``, ``steps``, ``lr``, ``seeds``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad teacher, ``m < 1``, both or neither of ``lr`` and ``c``, non-positive
+        ``steps``, ``init_scale``, ``lr``, ``c`` or ``tol``, or a bad seed.
+
+    References
+    ----------
+    Paper 004, Section 4 (GD solutions), Section 5 (learning rate ``c / m``) and Appendix B.1.
+    """
+    wt = as_teacher(W_teacher).detach()
+    m = positive_int(m, "m")
+    eta = _step_size(lr, c, m)
+    steps = positive_int(steps, "steps")
+    scale = positive_float(init_scale, "init_scale")
+    tol = positive_float(tol, "tol")
+    seeds, batched = seed_list(seed)
+
+    W = initial_weights(seeds, m, wt.shape[1], scale, wt.device)
+    etas = torch.full((len(seeds),), eta, dtype=DTYPE, device=wt.device)
+    W, loss, taken, converged, diverged = descend(W, wt, etas, steps, tol, progress)
+    result = GDResult(W, loss, converged, diverged, taken, eta, tuple(seeds))
+    if batched:
+        return result
+    return GDResult(W[0], loss[0], converged[0], diverged[0], taken[0], eta, tuple(seeds))
+
+
+def descend(W: torch.Tensor, wt: torch.Tensor, etas: torch.Tensor, steps: int, tol: float, progress: bool = False):
+    """The GD loop on a batch ``(R, m, d)`` with one step size per run; frozen runs keep their weights.
+
+    Returns the weights, losses, steps taken, and the converged and diverged flags.
+    """
+    m = W.shape[1]
+    loss, grad = stack_loss_and_grad(*signed_stack(W, wt))
+    zero_loss = stack_loss_and_grad(*signed_stack(torch.zeros_like(W[:1]), wt))[0][0]
+    ceiling = _DIVERGENCE_FACTOR * torch.maximum(loss, zero_loss)
+    active = torch.ones(W.shape[0], dtype=torch.bool, device=W.device)
+    taken = torch.zeros(W.shape[0], dtype=torch.int64, device=W.device)
+    bar = progress_bar(progress, steps, "gradient descent", "step")
+    for step in range(steps + 1):
+        diverged_now = ~torch.isfinite(loss) | (loss > ceiling)
+        active &= ~diverged_now & (loss > tol)
+        if step == steps or (step % _CHECK_EVERY == 0 and not bool(active.any())):
+            break
+        # Frozen runs take a zero step; their gradient is computed but not used.
+        W = W - (etas * active)[:, None, None] * grad[:, :m, :]
+        taken += active
+        loss, grad = stack_loss_and_grad(*signed_stack(W, wt))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    converged = loss <= tol
+    diverged = ~torch.isfinite(loss) | (loss > ceiling)
+    return W, loss, taken, converged, diverged
