@@ -319,7 +319,7 @@ def repair(
     Examples
     --------
     >>> import torch
-    >>> torch.manual_seed(0) and None
+    >>> _ = torch.manual_seed(0)
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> a = {k: v.clone() for k, v in model.state_dict().items()}
     >>> b = {k: torch.randn_like(v) for k, v in a.items()}
