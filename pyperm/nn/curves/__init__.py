@@ -17,13 +17,14 @@ from pyperm.nn.curves.evaluate import CurveResult, evaluate_curve, plot_curve_re
 from pyperm.nn.curves.plane import PlaneResult, loss_plane
 from pyperm.nn.curves.polychain import PolyChain
 from pyperm.nn.curves.signature import CorrelationSignature, correlation_signature
-from pyperm.nn.curves.train import train_curve
+from pyperm.nn.curves.train import CurveTrainer, train_curve
 
 __all__ = [
     "BezierCurve",
     "ConnectResult",
     "CorrelationSignature",
     "CurveResult",
+    "CurveTrainer",
     "PlaneResult",
     "PolyChain",
     "connect",

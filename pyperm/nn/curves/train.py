@@ -28,7 +28,7 @@ from pyperm._progress import progress_bar
 from pyperm.nn._runtime import inputs_and_targets, iterate_batches, num_batches, to_device, training_flags
 from pyperm.nn.curves._base import Curve
 
-__all__ = ["train_curve"]
+__all__ = ["CurveTrainer", "train_curve"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,111 @@ def _shard(tensors: tuple, rank: int, world: int) -> tuple:
     # torch.tensor_split gives contiguous, near-equal shards; every process computes the
     # same split of the same global batch.
     return tuple(torch.tensor_split(t, world)[rank] for t in tensors)
+
+
+class CurveTrainer:
+    r"""One optimizer and one stream of points ``t`` for a curve: the step of Algorithm 2.
+
+    :func:`train_curve` is a loop over epochs and batches around :meth:`step`; methods
+    that interleave curve steps with other work (PAM alternates them with permutation
+    updates) and benchmarks use the trainer directly. Arguments as in
+    :func:`train_curve`.
+
+    Attributes
+    ----------
+    curve : BezierCurve or PolyChain
+    optimizer : torch.optim.Optimizer
+        Built over the curve's trainable bends; its state (momentum) persists across steps.
+    generator : torch.Generator
+        Where the points ``t`` come from.
+    distributed : bool
+        Whether :func:`torch.distributed.is_initialized` was true when the trainer was
+        built (the bends were then broadcast from rank 0).
+    """
+
+    def __init__(self, curve: Curve, *, lr: float, optimizer: str | type[torch.optim.Optimizer] = "sgd",
+                 momentum: float = 0.9, weight_decay: float = 0.0, seed: int | torch.Generator = 0,
+                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.curve = check_curve(curve)
+        lr = _real(lr, "lr", positive=True)
+        momentum = _real(momentum, "momentum")
+        weight_decay = _real(weight_decay, "weight_decay")
+        if isinstance(seed, torch.Generator):
+            self.generator = seed
+        elif isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int or a torch.Generator, got {type(seed).__name__}")
+        else:
+            self.generator = torch.Generator().manual_seed(seed)
+        if loss_fn is None:
+            loss_fn = F.cross_entropy
+        elif not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        self.loss_fn = loss_fn
+        params = [p for p in curve.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("curve has no trainable bends (every bend has requires_grad=False)")
+        self.optimizer = _make_optimizer(optimizer, params, lr, momentum, weight_decay)
+        self.device = params[0].device
+        self.distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if self.distributed:
+            self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+            with torch.no_grad():
+                for p in params:
+                    torch.distributed.broadcast(p.data, src=0)
+        else:
+            self.rank, self.world = 0, 1
+
+    def step(self, inputs: tuple, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """One step on a global batch: draw ``t``, take this process's shard, step the bends.
+
+        Parameters
+        ----------
+        inputs : tuple of torch.Tensor
+            The forward's positional inputs (the whole global batch).
+        targets : torch.Tensor
+            The batch's targets.
+
+        Returns
+        -------
+        (torch.Tensor, int)
+            This process's mean loss times its number of samples (a float64 tensor on the
+            curve's device, without a host sync), and that number of samples.
+
+        Notes
+        -----
+        The curve runs in its own mode: call ``curve.train()`` first (as
+        :func:`train_curve` does) for Algorithm 2's batch statistics.
+        """
+        curve, opt = self.curve, self.optimizer
+        # Drawn before anything can skip the batch: every process sees one sequence.
+        t = float(torch.rand((), generator=self.generator, dtype=torch.float64))
+        total = targets.shape[0] if targets.ndim else 1
+        weighted = torch.zeros((), dtype=torch.float64, device=self.device)
+        if total == 0:
+            return weighted, 0
+        if self.distributed:
+            inputs, (targets,) = _shard(inputs, self.rank, self.world), _shard((targets,), self.rank, self.world)
+        inputs, targets = to_device(inputs, self.device), targets.to(self.device)
+        local = targets.shape[0] if targets.ndim else 1
+        opt.zero_grad(set_to_none=True)
+        if local > 0:
+            loss = self.loss_fn(curve(inputs, t), targets)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError("loss_fn must return the batch's mean loss as a one-element tensor")
+            loss = loss.reshape(())
+            # Each shard's mean weighted by its share: the sum over processes is the global mean.
+            (loss * (local / total) if local != total else loss).backward()
+            weighted = loss.detach().to(torch.float64) * local
+        active = [p for p in curve.active_parameters(t) if p.requires_grad]
+        for p in active:
+            if p.grad is None:
+                # Same steps in every process, empty shard or not.
+                p.grad = torch.zeros_like(p)
+        if self.distributed:
+            for p in active:
+                torch.distributed.all_reduce(p.grad)
+        opt.step()
+        return weighted, local
 
 
 def train_curve(
@@ -197,33 +302,10 @@ def train_curve(
         raise TypeError(f"epochs must be an int, got {type(epochs).__name__}")
     if epochs < 0:
         raise ValueError(f"epochs must be non-negative, got {epochs}")
-    lr = _real(lr, "lr", positive=True)
-    momentum = _real(momentum, "momentum")
-    weight_decay = _real(weight_decay, "weight_decay")
-    if isinstance(seed, torch.Generator):
-        generator = seed
-    elif isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int or a torch.Generator, got {type(seed).__name__}")
-    else:
-        generator = torch.Generator().manual_seed(seed)
-    if loss_fn is None:
-        loss_fn = F.cross_entropy
-    elif not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable, got {type(callback).__name__}")
-    params = [p for p in curve.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("curve has no trainable bends (every bend has requires_grad=False)")
-    opt = _make_optimizer(optimizer, params, lr, momentum, weight_decay)
-
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
-    device = params[0].device
-    if distributed:
-        with torch.no_grad():
-            for p in params:
-                torch.distributed.broadcast(p.data, src=0)
+    trainer = CurveTrainer(curve, lr=lr, optimizer=optimizer, momentum=momentum, weight_decay=weight_decay,
+                           seed=seed, loss_fn=loss_fn)
 
     history: list[float] = []
     per_epoch = num_batches(data)
@@ -231,39 +313,14 @@ def train_curve(
     try:
         with training_flags(curve, train=True):
             for epoch in range(1, epochs + 1):
-                totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss * samples, samples
+                totals = torch.zeros(2, dtype=torch.float64, device=trainer.device)  # loss * samples, samples
                 for index, batch in iterate_batches(data, name="data"):
-                    inputs, targets = inputs_and_targets(batch, index, "data")
-                    # Drawn before anything can skip the batch: all processes see one sequence.
-                    t = float(torch.rand((), generator=generator, dtype=torch.float64))
-                    total = targets.shape[0] if targets.ndim else 1
-                    if total == 0:
-                        continue
-                    if distributed:
-                        inputs, (targets,) = _shard(inputs, rank, world), _shard((targets,), rank, world)
-                    inputs, targets = to_device(inputs, device), targets.to(device)
-                    local = targets.shape[0] if targets.ndim else 1
-                    opt.zero_grad(set_to_none=True)
-                    if local > 0:
-                        loss = loss_fn(curve(inputs, t), targets)
-                        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                            raise ValueError("loss_fn must return the batch's mean loss as a one-element tensor")
-                        (loss * (local / total)).reshape(()).backward()
-                        totals[0] += loss.detach().reshape(()).to(torch.float64) * local
-                        totals[1] += local
-                    active = curve.active_parameters(t)
-                    for p in active:
-                        if p.requires_grad and p.grad is None:
-                            # Same steps in every process, empty shard or not.
-                            p.grad = torch.zeros_like(p)
-                    if distributed:
-                        for p in active:
-                            if p.requires_grad:
-                                torch.distributed.all_reduce(p.grad)
-                    opt.step()
+                    weighted, local = trainer.step(*inputs_and_targets(batch, index, "data"))
+                    totals[0] += weighted
+                    totals[1] += local
                     if bar is not None:
                         bar.update(1)
-                if distributed:
+                if trainer.distributed:
                     torch.distributed.all_reduce(totals)
                 mean = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
                 history.append(mean)
