@@ -1,4 +1,4 @@
-"""The ``pyperm`` command line: ``pyperm bench lap|xcorr|bvn|match``, and more jobs as they land."""
+"""The ``pyperm`` command line: ``pyperm bench lap|xcorr|bvn|match``, ``align``, ``barrier``, ``merge``, ``reproduce``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,15 @@ BENCHMARKS = {
     "match": ("pyperm.benchmarks.match", "weight matching (Git Re-Basin Algorithm 1): pyperm vs a reference"),
 }
 
+# The checkpoint and reproduction jobs, one module each in pyperm.commands with
+# HELP, add_arguments(parser) and run(args) -> int.
+COMMANDS = {
+    "align": "pyperm.commands.align",
+    "barrier": "pyperm.commands.barrier",
+    "merge": "pyperm.commands.merge",
+    "reproduce": "pyperm.commands.reproduce",
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyperm", description="Fast tools for neural-network permutation symmetry.")
@@ -25,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
         p = bench_sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         importlib.import_module(module).add_arguments(p)
+    for name, module in COMMANDS.items():
+        command = importlib.import_module(module)
+        p = sub.add_parser(name, help=command.HELP, description=command.HELP)
+        p.set_defaults(_module=module)
+        command.add_arguments(p)
     return parser
 
 

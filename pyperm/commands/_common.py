@@ -1,0 +1,368 @@
+"""What the checkpoint sub-commands share: options, ``--model`` specs, data, output folders, errors.
+
+Top-level imports stay light (no torch) so that ``pyperm --help`` and ``pyperm bench`` do not
+pay for importing torch; everything torch-related is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = [
+    "CommandError",
+    "LoadedModel",
+    "add_common_arguments",
+    "add_data_arguments",
+    "add_model_arguments",
+    "build_model",
+    "cli_errors",
+    "load_data",
+    "prepare_out",
+    "resolve_device",
+    "write_json",
+]
+
+# One line per bundled model: the positional argument (if any) and the keyword arguments it takes.
+BUNDLED_MODELS = {
+    "mlp": "mlp:IN,HIDDEN...,OUT (e.g. mlp:784,512,512,10)",
+    "resnet20": "resnet20[:WIDTH_MULTIPLIER] (e.g. resnet20:4)",
+    "vgg16": "vgg16[:WIDTH_MULTIPLIER]",
+    "vgg11": "vgg11[:WIDTH_MULTIPLIER]",
+    "tinyten": "tinyten[:WIDTH_MULTIPLIER]",
+}
+MODEL_HELP = (
+    "the architecture: "
+    + ", ".join(BUNDLED_MODELS.values())
+    + ", or path/to/file.py:ClassName (constructed without arguments); conv models take keyword options after the name,"
+    " e.g. resnet20:4,in_channels=1,num_classes=10"
+)
+
+
+class CommandError(Exception):
+    """A problem with the user's input, reported as one line without a traceback."""
+
+
+# ------------------------------------------------------------------------------ options
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--example-input-shape``."""
+    parser.add_argument("--model", required=True, metavar="SPEC", help=MODEL_HELP)
+    parser.add_argument(
+        "--example-input-shape",
+        metavar="N,C,H,W",
+        help="shape of an input batch, for tracing a user model that has no permutation_spec() method (e.g. 1,3,32,32)",
+    )
+
+
+def add_data_arguments(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    """``--data``, ``--batch-size``, ``--max-samples``."""
+    parser.add_argument(
+        "--data",
+        required=required,
+        metavar="NAME",
+        help="digits (scikit-learn's, no download), mnist:DIR (the idx files) or cifar10:DIR (the python batches); "
+        "images are scaled to [0, 1]",
+    )
+    parser.add_argument("--batch-size", type=int, default=256, help="batch size of every pass over the data (default 256)")
+    parser.add_argument(
+        "--max-samples", type=int, default=None, metavar="N", help="use the first N training and N test samples only (default: all)"
+    )
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--out``, ``--force``, ``--device``, ``--seed``, ``--no-progress``."""
+    parser.add_argument("--out", required=True, metavar="DIR", help="folder for the outputs (created if missing)")
+    parser.add_argument("--force", action="store_true", help="overwrite existing output files")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    # Errors pyperm raises for bad input already name what is wrong; anything else gets its type.
+    expected = isinstance(exc, (CommandError, ValueError, TypeError, OSError, ImportError, KeyError))
+    return text if expected else f"{type(exc).__name__}: {text}"
+
+
+def cli_errors(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
+    """Decorate a sub-command's ``run``: any exception becomes one ``pyperm NAME: error: ...`` line and exit status 1.
+
+    ``PYPERM_TRACEBACK=1`` in the environment re-raises instead (for bug reports).
+    """
+
+    def wrap(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        @functools.wraps(run)
+        def guarded(args: argparse.Namespace) -> int:
+            try:
+                return int(run(args) or 0)
+            except KeyboardInterrupt:
+                print(f"pyperm {name}: interrupted", file=sys.stderr)
+                return 130
+            except Exception as exc:
+                if os.environ.get("PYPERM_TRACEBACK"):
+                    raise
+                print(f"pyperm {name}: error: {_one_line(exc)}", file=sys.stderr)
+                return 1
+
+        return guarded
+
+    return wrap
+
+
+# ------------------------------------------------------------------------------ outputs
+
+
+def prepare_out(out: str | Path, names: list[str], force: bool) -> Path:
+    """Create the output folder and refuse, before any work, to overwrite one of ``names`` without ``--force``."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise CommandError(f"--out {out}: exists and is not a folder")
+    for name in names:
+        if (out / name).exists() and not force:
+            raise CommandError(f"{out / name}: exists; pass --force to overwrite it")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    """``obj`` as indented json (NaN written as null, which json parsers accept)."""
+    path.write_text(json.dumps(_finite(obj), indent=2) + "\n")
+    return path
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if obj == obj and abs(obj) != float("inf") else None
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+class Timer:
+    """Wall time of a block: ``with Timer() as t: ...; t.seconds``."""
+
+    def __enter__(self) -> Timer:
+        self.start = time.perf_counter()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
+# ------------------------------------------------------------------------------ device
+
+
+def resolve_device(name: str) -> Any:
+    """``--device`` as a torch.device; a CUDA device that is not there is an error, not a fallback."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise CommandError(f"--device {name!r}: not a device ({exc})") from exc
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CommandError(f"--device {name}: torch sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise CommandError(f"--device {name}: only {torch.cuda.device_count()} CUDA devices")
+    elif device.type != "cpu":
+        raise CommandError(f"--device {name!r}: expected cpu, cuda or cuda:N")
+    return device
+
+
+# ------------------------------------------------------------------------------ models
+
+
+@dataclass
+class LoadedModel:
+    """A model built from ``--model``, its permutation spec and an input batch shape."""
+
+    name: str
+    module: Any
+    spec: Any
+    input_shape: tuple[int, ...]
+
+    def example_input(self, device: Any = "cpu") -> Any:
+        import torch
+
+        return torch.randn(self.input_shape, generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def _parse_shape(text: str | None, option: str = "--example-input-shape") -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise CommandError(f"{option} {text!r}: expected comma-separated positive integers (e.g. 1,3,32,32)") from None
+    if not shape or min(shape) < 1:
+        raise CommandError(f"{option} {text!r}: expected comma-separated positive integers (e.g. 1,3,32,32)")
+    return shape
+
+
+def _parse_options(name: str, text: str) -> tuple[list[int], dict[str, int]]:
+    """``"4,in_channels=1"`` -> ([4], {"in_channels": 1})."""
+    positional: list[int] = []
+    keywords: dict[str, int] = {}
+    for part in filter(None, text.split(",")):
+        key, eq, value = part.partition("=")
+        try:
+            number = int(value if eq else key)
+        except ValueError:
+            raise CommandError(f"--model {name}: {part!r} is not an integer or key=integer") from None
+        if eq:
+            keywords[key.strip()] = number
+        elif keywords:
+            raise CommandError(f"--model {name}: positional {part!r} after a key=value option")
+        else:
+            positional.append(number)
+    return positional, keywords
+
+
+def _user_model(spec_text: str, shape: tuple[int, ...] | None) -> LoadedModel:
+    file_name, _, class_name = spec_text.rpartition(":")
+    path = Path(file_name)
+    if not path.is_file():
+        raise CommandError(f"--model {spec_text}: file {path} does not exist")
+    module_spec = importlib.util.spec_from_file_location(f"_pyperm_user_model_{path.stem}", path)
+    if module_spec is None or module_spec.loader is None:
+        raise CommandError(f"--model {spec_text}: {path} cannot be imported")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        raise CommandError(f"--model {spec_text}: importing {path} failed ({type(exc).__name__}: {exc})") from exc
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise CommandError(f"--model {spec_text}: {path} defines no {class_name!r}")
+    try:
+        model = cls()
+    except Exception as exc:
+        raise CommandError(f"--model {spec_text}: {class_name}() failed ({type(exc).__name__}: {exc})") from exc
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise CommandError(f"--model {spec_text}: {class_name}() is a {type(model).__name__}, not a torch.nn.Module")
+    if callable(getattr(model, "permutation_spec", None)):
+        if shape is None:
+            raise CommandError(f"--model {spec_text}: needs --example-input-shape (the shape of an input batch)")
+        return LoadedModel(spec_text, model, model.permutation_spec(), shape)
+    if shape is None:
+        raise CommandError(f"--model {spec_text}: {class_name} has no permutation_spec(); pass --example-input-shape to trace it")
+    from pyperm.nn import PermutationSpec
+
+    example = torch.zeros(shape)
+    return LoadedModel(spec_text, model, PermutationSpec.from_model(model, example), shape)
+
+
+def build_model(spec_text: str, example_input_shape: str | None = None) -> LoadedModel:
+    """The model named by ``--model`` and its permutation spec.
+
+    Raises
+    ------
+    CommandError
+        An unknown name, bad options, or a user model file that cannot be used.
+    """
+    shape = _parse_shape(example_input_shape)
+    if ".py:" in spec_text:
+        return _user_model(spec_text, shape)
+    from pyperm.nn import models
+
+    name, _, options = spec_text.partition(":")
+    name = name.lower()
+    if name not in BUNDLED_MODELS:
+        raise CommandError(f"--model {spec_text!r}: unknown model {name!r}; expected {MODEL_HELP}")
+    positional, keywords = _parse_options(spec_text, options)
+    try:
+        if name == "mlp":
+            if keywords or len(positional) < 2:
+                raise CommandError(f"--model {spec_text!r}: expected mlp:IN,HIDDEN...,OUT (e.g. mlp:784,512,512,10)")
+            model = models.MLP(positional)
+            default_shape: tuple[int, ...] = (2, positional[0])
+        else:
+            if len(positional) > 1:
+                raise CommandError(f"--model {spec_text!r}: takes one positional option, the width multiplier")
+            if positional:
+                keywords["width_multiplier"] = positional[0]
+            cls = {"resnet20": models.ResNet20, "vgg16": models.VGG16, "vgg11": models.VGG11, "tinyten": models.TinyTen}[name]
+            model = cls(**keywords)
+            default_shape = (2, keywords.get("in_channels", 3), 32, 32)
+    except TypeError as exc:
+        raise CommandError(f"--model {spec_text!r}: {exc}") from exc
+    return LoadedModel(spec_text, model, model.permutation_spec(), shape or default_shape)
+
+
+# ------------------------------------------------------------------------------ data
+
+
+@dataclass
+class Data:
+    """Batches of the training and test splits of ``--data``, on the device."""
+
+    name: str
+    train: list
+    test: list
+    num_train: int
+    num_test: int
+
+
+def load_data(args: argparse.Namespace, device: Any) -> Data | None:
+    """The ``--data`` option's batches, or None when it was not given."""
+    if not getattr(args, "data", None):
+        return None
+    from pyperm.datasets import load_dataset, to_batches
+
+    if args.batch_size < 1:
+        raise CommandError(f"--batch-size must be positive, got {args.batch_size}")
+    if args.max_samples is not None and args.max_samples < 1:
+        raise CommandError(f"--max-samples must be positive, got {args.max_samples}")
+    ds = load_dataset(args.data, seed=args.seed).subset(args.max_samples, args.max_samples)
+    return Data(
+        args.data,
+        to_batches(ds.x_train, ds.y_train, args.batch_size, device=device),
+        to_batches(ds.x_test, ds.y_test, args.batch_size, device=device),
+        len(ds.y_train),
+        len(ds.y_test),
+    )
+
+
+def has_batchnorm(model: Any) -> bool:
+    """Whether the model has BatchNorm layers (its statistics need recomputing off the endpoints)."""
+    import torch
+
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def float_state(state: dict, device: Any) -> dict:
+    """The state with floating tensors in float32 on ``device`` (the methods compute in float32)."""
+    return {k: (v.float() if v.is_floating_point() else v).to(device) for k, v in state.items()}
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table; floats with 4 significant digits."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return "n/a" if v != v else f"{v:.4g}"
+        return "n/a" if v is None else str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)

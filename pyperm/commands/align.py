@@ -1,0 +1,168 @@
+"""``pyperm align A B``: permute checkpoint B into checkpoint A's basin and write it in B's own format.
+
+Outputs in ``--out``: B permuted (``<B>_permuted`` with B's suffix; a sharded B keeps its shard
+names), ``permutations.json`` (unit ``i`` of the permuted model is unit ``perm[i]`` of B),
+``report.json`` and ``report.md`` (groups, the objective per sweep, time, and with ``--data``
+the barriers before and after), and with ``--data`` ``barrier.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from pyperm.commands._common import (
+    add_common_arguments,
+    add_data_arguments,
+    add_model_arguments,
+    cli_errors,
+    markdown_table,
+    write_json,
+)
+from pyperm.commands._matching import METHODS, add_matching_arguments
+
+HELP = "permute checkpoint B into checkpoint A's basin (weight, activation or STE matching)"
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``pyperm align``."""
+    parser.epilog = (
+        "example: pyperm align a.safetensors b.safetensors --model mlp:784,512,512,10 --method weight --out aligned/ ; "
+        "checkpoints are .pt/.pth/.bin state dicts (possibly under 'state_dict' or 'model'), .safetensors, "
+        "or a sharded checkpoint's index json"
+    )
+    parser.add_argument("a", metavar="A", help="the reference checkpoint (left as it is)")
+    parser.add_argument("b", metavar="B", help="the checkpoint to permute")
+    add_model_arguments(parser)
+    parser.add_argument("--method", choices=METHODS, default="weight", help="how to match units (default weight; the others need --data)")
+    add_data_arguments(parser)
+    add_matching_arguments(parser)
+    parser.add_argument("--num-points", type=int, default=11, help="points on each path for the barriers (default 11)")
+    add_common_arguments(parser)
+
+
+def path_barriers(loaded: Any, state_a: dict, paths: dict[str, dict], data: Any, num_points: int, device: Any, progress: bool) -> dict:
+    """``barrier`` of A with each state of ``paths`` on the test batches (BatchNorm reset on the training batches)."""
+    from pyperm import nn as pnn
+    from pyperm.commands._common import has_batchnorm
+
+    import copy
+
+    model = copy.deepcopy(loaded.module).to(device)
+    reset = data.train if has_batchnorm(model) else None
+    return {
+        label: pnn.barrier(model, state_a, state_b, data.test, num_points=num_points, reset_bn=reset, progress=progress)
+        for label, state_b in paths.items()
+    }
+
+
+@cli_errors("align")
+def run(args: argparse.Namespace) -> int:
+    """Align, write the permuted checkpoint and the reports; print where they are."""
+    from pyperm.checkpoints import default_name, output_paths, save_checkpoint
+    from pyperm.commands._checkpoint_pair import function_gap, load_for_model, refuse_inputs
+    from pyperm.commands._common import CommandError, build_model, float_state, load_data, prepare_out, resolve_device
+    from pyperm.commands._matching import match
+    from pyperm.commands._plots import plot_paths
+    from pyperm.nn import apply_permutation
+
+    device = resolve_device(args.device)
+    if args.num_points < 2:
+        raise CommandError(f"--num-points must be at least 2, got {args.num_points}")
+    loaded = build_model(args.model, args.example_input_shape)
+    ckpt_a, ckpt_b = load_for_model([args.a, args.b], loaded)
+    out = Path(args.out)
+    stem = ckpt_b.path.name.split(".")[0] + "_permuted"
+    ckpt_files = output_paths(ckpt_b, out / default_name(ckpt_b, stem))
+    names = [p.name for p in ckpt_files] + ["permutations.json", "report.json", "report.md"] + (["barrier.png"] if args.data else [])
+    refuse_inputs([out / n for n in names], [ckpt_a, ckpt_b])
+    prepare_out(out, names, args.force)
+    data = load_data(args, device)
+
+    state_a = float_state(ckpt_a.state, device)
+    state_b = float_state(ckpt_b.state, device)
+    perms, info = match(args.method, loaded, state_a, state_b, data, args, device)
+    # Permute B as stored (its own dtypes), so the written file differs from B by the permutation only.
+    permuted = apply_permutation(loaded.spec, perms, ckpt_b.state)
+    permuted_f32 = float_state(permuted, device)
+    probe = data.test[0][0] if data is not None else loaded.example_input(device)
+    gap = function_gap(loaded, state_b, permuted_f32, probe)
+
+    report: dict[str, Any] = {
+        "command": "align",
+        "a": str(ckpt_a.path),
+        "b": str(ckpt_b.path),
+        "model": loaded.name,
+        "format": ckpt_b.format,
+        "groups": [
+            {"name": g, "size": int(p.numel()), "units_moved": int((p != _arange(p)).sum())} for g, p in perms.items()
+        ],
+        "matching": info,
+        "max_output_change_of_b": gap,
+        "dropped_wrapper_entries": ckpt_b.dropped,
+        "outputs": [str(p) for p in ckpt_files],
+    }
+    barriers = None
+    if data is not None:
+        barriers = path_barriers(loaded, state_a, {"naive": state_b, args.method: permuted_f32}, data, args.num_points, device, args.progress)
+        report["data"] = {"name": data.name, "train_samples": data.num_train, "test_samples": data.num_test}
+        report["barriers"] = {label: r.to_dict() for label, r in barriers.items()}
+
+    written = save_checkpoint(ckpt_b, permuted, ckpt_files[0], force=args.force)
+    write_json(out / "permutations.json", {g: [int(i) for i in p] for g, p in perms.items()})
+    write_json(out / "report.json", report)
+    if barriers is not None:
+        plot_paths(out / "barrier.png", barriers, f"{loaded.name}: naive vs {args.method} matching")
+    (out / "report.md").write_text(_markdown(report, barriers))
+
+    print(f"B permuted into A's basin by {args.method} matching in {info['seconds']:.2f} s: {written[0]}")
+    print(f"objective vec(A).vec(pi(B)): {info['identity_objective']:.6g} -> {info['objective']:.6g}")
+    if barriers is not None:
+        for label, r in barriers.items():
+            print(f"{label:>10} path: loss barrier {r.loss_barrier:.4f}, accuracy barrier {100 * r.accuracy_barrier:.2f} pp")
+    print(f"report: {out / 'report.md'}")
+    return 0
+
+
+def _arange(p: Any) -> Any:
+    import torch
+
+    return torch.arange(p.numel(), device=p.device)
+
+
+def _markdown(report: dict[str, Any], barriers: dict | None) -> str:
+    info = report["matching"]
+    lines = [
+        f"# pyperm align: {report['b']} into {report['a']}'s basin",
+        "",
+        f"- model: `{report['model']}`, checkpoint format: {report['format']}",
+        f"- method: {info['method']} matching, {info['seconds']:.3f} s",
+        f"- objective vec(A)·vec(π(B)): {info['identity_objective']:.6g} before, {info['objective']:.6g} after",
+        f"- largest change of B's outputs after permuting (should be ~0): {report['max_output_change_of_b']:.3g}",
+        f"- written: {', '.join(f'`{p}`' for p in report['outputs'])}",
+    ]
+    if report["dropped_wrapper_entries"]:
+        lines.append(f"- entries of B's checkpoint not written back (they describe the unpermuted model): {report['dropped_wrapper_entries']}")
+    lines += ["", "## Groups", "", markdown_table(["group", "units", "units moved"], [[g["name"], g["size"], g["units_moved"]] for g in report["groups"]])]
+    if "objective_per_sweep" in info:
+        # The first value is the objective before any sweep (B as it is).
+        rows = [[i if i else "0 (B as is)", v] for i, v in enumerate(info["objective_per_sweep"])]
+        lines += ["", f"## Objective per sweep ({info['sweeps']} sweeps, converged: {info['converged']})", "", markdown_table(["sweep", "objective"], rows)]
+    if "similarity" in info:
+        rows = [[g, info["identity_similarity"][g], v] for g, v in info["similarity"].items()]
+        lines += ["", "## Mean correlation of matched units", "", markdown_table(["group", "before", "after"], rows)]
+    if "midpoint_loss_per_step" in info:
+        losses = info["midpoint_loss_per_step"]
+        lines += ["", f"## STE: midpoint batch loss, {len(losses)} steps, best step {info['best_step']}", ""]
+        lines.append(markdown_table(["step", "midpoint loss"], [[i, v] for i, v in enumerate(losses)]))
+    if barriers is not None:
+        d = report["data"]
+        lines += ["", f"## Barriers on {d['name']} (test split, {d['test_samples']} samples)", "", "![paths](barrier.png)", ""]
+        rows = [[label, r.loss_barrier, 100 * r.accuracy_barrier, float(r.loss[len(r.loss) // 2]), 100 * float(r.accuracy[len(r.accuracy) // 2])] for label, r in barriers.items()]
+        lines.append(markdown_table(["path", "loss barrier", "accuracy barrier (pp)", "midpoint loss", "midpoint accuracy (%)"], rows))
+        for label, r in barriers.items():
+            lines += ["", f"### {label} path", "", r.to_markdown()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,106 @@
+"""``pyperm barrier A B``: loss and accuracy along the linear path between two checkpoints.
+
+The naive path always; with ``--align weight|activation|ste`` also the path to B permuted into
+A's basin. Outputs in ``--out``: ``report.json``, ``report.md`` and ``barrier.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from pyperm.commands._common import (
+    add_common_arguments,
+    add_data_arguments,
+    add_model_arguments,
+    cli_errors,
+    markdown_table,
+    write_json,
+)
+from pyperm.commands._matching import METHODS, add_matching_arguments
+
+HELP = "loss and accuracy along the linear path between two checkpoints, naive and (with --align) matched"
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``pyperm barrier``."""
+    parser.epilog = "example: pyperm barrier a.pt b.pt --model mlp:64,128,10 --data digits --align weight --out barrier/"
+    parser.add_argument("a", metavar="A", help="the checkpoint at t = 0")
+    parser.add_argument("b", metavar="B", help="the checkpoint at t = 1")
+    add_model_arguments(parser)
+    add_data_arguments(parser, required=True)
+    parser.add_argument(
+        "--align", choices=METHODS, action="append", default=[], help="also the path to B matched by this method (repeatable)"
+    )
+    add_matching_arguments(parser)
+    parser.add_argument("--num-points", type=int, default=11, help="evenly spaced points on each path (default 11)")
+    add_common_arguments(parser)
+
+
+@cli_errors("barrier")
+def run(args: argparse.Namespace) -> int:
+    """Evaluate the paths, write the reports and the plot, print the barriers."""
+    from pyperm.commands._checkpoint_pair import load_for_model
+    from pyperm.commands._common import CommandError, build_model, float_state, load_data, prepare_out, resolve_device
+    from pyperm.commands._matching import match
+    from pyperm.commands._plots import plot_paths
+    from pyperm.commands.align import path_barriers
+    from pyperm.nn import apply_permutation
+
+    device = resolve_device(args.device)
+    if args.num_points < 2:
+        raise CommandError(f"--num-points must be at least 2, got {args.num_points}")
+    loaded = build_model(args.model, args.example_input_shape)
+    ckpt_a, ckpt_b = load_for_model([args.a, args.b], loaded)
+    out = prepare_out(Path(args.out), ["report.json", "report.md", "barrier.png"], args.force)
+    data = load_data(args, device)
+    state_a = float_state(ckpt_a.state, device)
+    state_b = float_state(ckpt_b.state, device)
+
+    paths = {"naive": state_b}
+    matchings: dict[str, Any] = {}
+    for method in dict.fromkeys(args.align):  # each method once, in the order given
+        perms, info = match(method, loaded, state_a, state_b, data, args, device)
+        paths[method] = apply_permutation(loaded.spec, perms, state_b)
+        matchings[method] = info
+    results = path_barriers(loaded, state_a, paths, data, args.num_points, device, args.progress)
+
+    report = {
+        "command": "barrier",
+        "a": str(ckpt_a.path),
+        "b": str(ckpt_b.path),
+        "model": loaded.name,
+        "data": {"name": data.name, "train_samples": data.num_train, "test_samples": data.num_test},
+        "paths": {label: r.to_dict() for label, r in results.items()},
+        "matching": matchings,
+    }
+    write_json(out / "report.json", report)
+    plot_paths(out / "barrier.png", results, f"{loaded.name} on {data.name} (test split)")
+    (out / "report.md").write_text(_markdown(report, results))
+    for label, r in results.items():
+        print(f"{label:>10} path: loss barrier {r.loss_barrier:.4f}, accuracy barrier {100 * r.accuracy_barrier:.2f} pp")
+    print(f"report: {out / 'report.md'}")
+    return 0
+
+
+def _markdown(report: dict[str, Any], results: dict) -> str:
+    d = report["data"]
+    lines = [
+        f"# pyperm barrier: {report['a']} to {report['b']}",
+        "",
+        f"- model: `{report['model']}`; data: {d['name']}, test split ({d['test_samples']} samples); "
+        "barriers as in Git Re-Basin Definition 2.2 (height above the chord between the endpoints)",
+        "",
+        "![paths](barrier.png)",
+        "",
+    ]
+    rows = [[label, r.loss_barrier, 100 * r.accuracy_barrier] for label, r in results.items()]
+    lines.append(markdown_table(["path", "loss barrier", "accuracy barrier (pp)"], rows))
+    for method, info in report["matching"].items():
+        lines.append(f"\n{method} matching took {info['seconds']:.3f} s")
+    for label, r in results.items():
+        lines += ["", f"## {label} path", "", r.to_markdown()]
+    return "\n".join(lines) + "\n"
