@@ -8,7 +8,7 @@ import torch
 from _digits import batches, digits, one_thread, trained_pair
 from torch import nn
 
-from pyperm.nn.eval.barrier import BarrierResult, barrier
+from pyperm.nn.eval.barrier import BarrierResult, barrier, plot_paths
 from pyperm.nn.eval.batchnorm import reset_bn_stats
 
 
@@ -149,6 +149,13 @@ def test_rendering_and_plot(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(TypeError, match="path must be"):
         result.plot(3)
+    other = barrier(model, _random_state(model, 1), _random_state(model, 1), _data(), num_points=3)
+    both = plot_paths(tmp_path / "both.png", {"random": result, "same": other}, title="two paths")
+    assert both.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(TypeError, match="results must be a mapping"):
+        plot_paths(tmp_path / "x.png", [result])
+    with pytest.raises(ValueError, match="at least one"):
+        plot_paths(tmp_path / "x.png", {})
 
 
 def test_progress_bar(capsys):
@@ -165,6 +172,12 @@ def test_evaluation_device(device):
     there = barrier(model, a, b, _data(), num_points=3, device=device)
     np.testing.assert_allclose(there.loss, here.loss, rtol=1e-4)
     assert next(model.parameters()).device.type == "cpu"
+
+
+def test_result_is_a_barrier_result():
+    model = _model()
+    assert isinstance(barrier(model, _random_state(model, 1), _random_state(model, 2), _data(), num_points=2),
+                      BarrierResult)
 
 
 def test_bad_arguments():

@@ -7,8 +7,8 @@
   unit's pre-activation statistics renormalised to the interpolation of the endpoints'.
 """
 
-from pyperm.nn.eval.barrier import BarrierResult, barrier
+from pyperm.nn.eval.barrier import BarrierResult, barrier, plot_paths
 from pyperm.nn.eval.batchnorm import reset_bn_stats
 from pyperm.nn.eval.repair import repair
 
-__all__ = ["BarrierResult", "barrier", "repair", "reset_bn_stats"]
+__all__ = ["BarrierResult", "barrier", "plot_paths", "repair", "reset_bn_stats"]

@@ -22,7 +22,7 @@ from pyperm.nn.eval._common import check_model_states, check_reiterable
 from pyperm.nn.eval.batchnorm import batchnorm_modules, reset_bn_stats
 from pyperm.nn.state import interpolate
 
-__all__ = ["BarrierResult", "barrier"]
+__all__ = ["BarrierResult", "barrier", "plot_paths"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,11 +99,7 @@ class BarrierResult:
         return self.to_markdown()
 
     def plot(self, path: str | Path, *, title: str | None = None, label: str | None = None) -> Path:
-        """Write a PNG of the loss (and accuracy) along the path, with the chords between the endpoints.
-
-        matplotlib is imported here, not with pyperm, and drawn through its Agg canvas
-        directly (no pyplot), so the caller's matplotlib backend and open figures are
-        left alone.
+        """Write a PNG of the loss (and accuracy) along the path, with the chord between the endpoints.
 
         Parameters
         ----------
@@ -123,36 +119,82 @@ class BarrierResult:
         ------
         ImportError
             matplotlib is not installed.
+
+        See Also
+        --------
+        plot_paths : several paths (naive, matched, repaired) in one figure.
         """
-        if not isinstance(path, (str, Path)):
-            raise TypeError(f"path must be a str or pathlib.Path, got {type(path).__name__}")
-        try:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.figure import Figure
-        except ImportError as exc:
-            raise ImportError("BarrierResult.plot needs matplotlib: pip install matplotlib") from exc
-        path = Path(path)
-        panels = 1 if self.accuracy is None else 2
-        fig = Figure(figsize=(4.5 * panels, 3.6), layout="constrained")
-        FigureCanvasAgg(fig)
-        series = [("loss", self.loss, 1.0)]
-        if self.accuracy is not None:
-            series.append(("accuracy (%)", self.accuracy, 100.0))
-        for k, (name, values, scale) in enumerate(series):
-            ax = fig.add_subplot(1, panels, k + 1)
-            ax.plot(self.ts, scale * values, marker="o", markersize=3, label=label or "path")
-            ax.plot(self.ts, scale * _chord(self.ts, values), linestyle="--", color="gray", label="chord")
-            ax.set_xlabel("t")
-            ax.set_ylabel(name)
-            ax.grid(alpha=0.3)
-            ax.legend(loc="best", fontsize="small")
         if title is None:
             title = f"loss barrier {self.loss_barrier:.4g}"
             if self.accuracy_barrier is not None:
                 title += f", accuracy barrier {100.0 * self.accuracy_barrier:.2f} pp"
+        return plot_paths(path, {label or "path": self}, title=title)
+
+
+def plot_paths(path: str | Path, results: Mapping[str, BarrierResult], *, title: str | None = None) -> Path:
+    """Write a PNG of the loss (and, when every result has it, accuracy) along several paths.
+
+    Each path is drawn with markers at its points and its chord (the line between its
+    endpoints' values) dashed in the same colour. matplotlib is imported here, not with
+    pyperm, and drawn through its Agg canvas directly (no pyplot), so the caller's
+    matplotlib backend and open figures are left alone.
+
+    Parameters
+    ----------
+    path : str or pathlib.Path
+        Where to write the image; parent folders must exist.
+    results : mapping of str to BarrierResult
+        The paths, by legend label (e.g. ``{"naive": r0, "weight matching": r1}``).
+    title : str, optional
+        The figure's title.
+
+    Returns
+    -------
+    pathlib.Path
+        ``path``.
+
+    Raises
+    ------
+    TypeError
+        ``path`` is not a str or Path, or ``results`` is not a mapping of labels to
+        BarrierResult.
+    ValueError
+        ``results`` is empty.
+    ImportError
+        matplotlib is not installed.
+    """
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"path must be a str or pathlib.Path, got {type(path).__name__}")
+    if not isinstance(results, Mapping) or not all(isinstance(r, BarrierResult) for r in results.values()):
+        raise TypeError("results must be a mapping of labels to BarrierResult")
+    if not results:
+        raise ValueError("results must hold at least one BarrierResult")
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError("plotting a barrier needs matplotlib: pip install matplotlib") from exc
+    path = Path(path)
+    panels = [("loss", 1.0, lambda r: r.loss)]
+    if all(r.accuracy is not None for r in results.values()):
+        panels.append(("accuracy (%)", 100.0, lambda r: r.accuracy))
+    fig = Figure(figsize=(4.5 * len(panels), 3.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    for k, (name, scale, values_of) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), k + 1)
+        for i, (label, r) in enumerate(results.items()):
+            values = values_of(r)
+            color = f"C{i % 10}"
+            ax.plot(r.ts, scale * values, marker="o", markersize=3, color=color, label=str(label))
+            ax.plot(r.ts, scale * _chord(r.ts, values), linestyle="--", linewidth=1, color=color, alpha=0.6)
+        ax.set_xlabel("t")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    if title:
         fig.suptitle(title)
-        fig.savefig(path, format="png", dpi=120)
-        return path
+    fig.savefig(path, format="png", dpi=120)
+    return path
 
 
 def _chord(ts: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -298,7 +340,8 @@ def barrier(
     -------
     BarrierResult
         ``ts``, ``loss``, ``accuracy``, ``loss_barrier``, ``accuracy_barrier``;
-        ``plot(path)`` draws the path, ``to_dict()`` and ``to_markdown()`` render it.
+        ``plot(path)`` draws the path (:func:`plot_paths` several), ``to_dict()`` and
+        ``to_markdown()`` render it.
 
     Raises
     ------
