@@ -122,15 +122,21 @@ def _order(traced: TraceResult, sites: list[_Site]) -> list[int]:
     return [upstream[s.node] for s in sites]
 
 
+class _Done(Exception):
+    """Raised by the last site hook of a batch: the rest of the forward is not needed."""
+
+
 def _measure(model: nn.Module, state: Mapping[str, torch.Tensor], sites: list[_Site], data: Iterable[Any],
              max_batches: int | None, device: torch.device) -> list[Moments]:
     """Per-unit moments at each site over ``data``, the model running ``state`` in eval mode.
 
     A site is read at its module's output, except a BatchNorm with running statistics,
     which is read at its input: its eval-mode output is an affine function of that input
-    whose coefficients the caller knows.
+    whose coefficients the caller knows. Each batch's forward stops as soon as every site
+    has been read (an early layer's round costs a fraction of a full pass).
     """
     moments = [Moments() for _ in sites]
+    fired: set[int] = set()
     hooks = []
 
     def reader(k: int, site: _Site):
@@ -139,6 +145,9 @@ def _measure(model: nn.Module, state: Mapping[str, torch.Tensor], sites: list[_S
             if not isinstance(x, torch.Tensor):
                 raise ValueError(f"repair: {site.describe()} did not compute a tensor")
             moments[k].update(x, 1 if site.running else site.axis)
+            fired.add(k)
+            if len(fired) == len(sites):
+                raise _Done
 
         return hook
 
@@ -147,7 +156,11 @@ def _measure(model: nn.Module, state: Mapping[str, torch.Tensor], sites: list[_S
             hooks.append(site.module.register_forward_hook(reader(k, site)))
         with torch.no_grad(), eval_mode(model):
             for i, batch in iterate_batches(data, max_batches, name="data"):
-                torch.func.functional_call(model, state, to_device(model_inputs(batch, i), device))
+                fired.clear()
+                try:
+                    torch.func.functional_call(model, state, to_device(model_inputs(batch, i), device))
+                except _Done:
+                    pass
     finally:
         for h in hooks:
             h.remove()
@@ -338,7 +351,8 @@ def repair(
         raise TypeError(f"spec must be a PermutationSpec or None, got {type(spec).__name__}")
     device = module_device(model)
     _, first = next(iterate_batches(data, max_batches, name="data"))
-    traced = trace_model(model, to_device(model_inputs(first, 0), device))
+    # Groups that a composite axis fixes are not groups of the spec, hence not repaired: say so quietly.
+    traced = trace_model(model, to_device(model_inputs(first, 0), device), composite="fix")
     if spec is None:
         groups = {g: g for g in traced.spec.groups}
     else:
