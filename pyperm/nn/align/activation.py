@@ -235,9 +235,9 @@ def activation_matching(
     The models are run through their traced graphs (``torch.fx``), which hand every
     site's output to the accumulators as soon as it is computed, so an in-place
     operation after a site (``ReLU(inplace=True)`` after a pre-activation) cannot alter
-    it. Model A's site activations of one batch are held (as CPU copies) until model B
-    produces the matching ones; then both go into the group's
-    :class:`pyperm.CrossCorrelation` and are released. Accumulation runs on the CPU in
+    it. Both models' site activations of one batch are held (as CPU copies), then go
+    into a :class:`pyperm.CrossCorrelationSet` in one call, which updates every (group,
+    site) accumulator on the thread pool at once, and are released. Accumulation runs on the CPU in
     float64 (``dtype``): activations of CUDA models are copied to the host, batch by batch.
 
     See Also
@@ -300,28 +300,29 @@ def activation_matching(
 
     # One accumulator per (group, site); the watch lists say which node feeds which.
     keys = [(g, i) for g in spec.groups for i in range(len(sites[g]))]
-    accs = {key: pyperm.CrossCorrelation(spec.sizes[key[0]], spec.sizes[key[0]], dtype=dtype) for key in keys}
+    accs = pyperm.CrossCorrelationSet({key: (spec.sizes[key[0]], spec.sizes[key[0]]) for key in keys}, dtype=dtype)
     watch: dict[str, list[tuple[Any, int]]] = {}
     for g, i in keys:
         watch.setdefault(sites[g][i].node, []).append(((g, i), sites[g][i].axis))
 
-    held: dict[Any, torch.Tensor] = {}
+    held_a: dict[Any, torch.Tensor] = {}
+    held_b: dict[Any, torch.Tensor] = {}
 
-    def keep_a(key: Any, z: torch.Tensor) -> None:
-        held[key] = z
-
-    def update_b(key: Any, z: torch.Tensor) -> None:
-        # Streaming: B's activations meet A's as soon as they exist, so at most one
-        # model's activations of one batch are held at a time.
-        za = held.pop(key)
+    def update_all() -> None:
+        # One call per batch: the set runs every (group, site) pair's kernel on the thread pool at once.
         try:
-            accs[key].update(za, z)
-        except ValueError as exc:
-            g, i = key
-            raise ValueError(f"activations of group {g!r} at {sites[g][i].node!r}: {exc}") from None
+            accs.update({key: (held_a[key], held_b[key]) for key in keys})
+        except ValueError:
+            for (g, i) in keys:  # name the site whose activations are bad
+                for z in (held_a[(g, i)], held_b[(g, i)]):
+                    if not bool(torch.isfinite(z).all()):
+                        raise ValueError(
+                            f"activations of group {g!r} at {sites[g][i].node!r} contain NaN or infinite values"
+                        ) from None
+            raise
 
-    reader_a = _SiteReader(traced.graph_module, watch, keep_a)
-    reader_b = _SiteReader(gm_b, watch, update_b)
+    reader_a = _SiteReader(traced.graph_module, watch, held_a.__setitem__)
+    reader_b = _SiteReader(gm_b, watch, held_b.__setitem__)
     bar = progress_bar(progress, num_batches(data, max_batches), "activation matching", "batch")
     used_batches = 0
     try:
@@ -330,7 +331,9 @@ def activation_matching(
                 inputs = model_inputs(batch, index)
                 reader_a.run(*(t.to(dev_a) for t in inputs))
                 reader_b.run(*(t.to(dev_b) for t in inputs))
-                held.clear()
+                update_all()
+                held_a.clear()
+                held_b.clear()
                 used_batches += 1
                 if bar is not None:
                     bar.update(1)
