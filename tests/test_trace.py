@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pyperm.nn import PermutationSpec, TraceError, apply_permutation, models, trace_model
+from pyperm.nn.trace import TraceWarning
 
 
 def random_perms(spec: PermutationSpec, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -303,7 +305,11 @@ def test_vgg_with_batchnorm():
 def test_residual_groups_are_merged(shortcut):
     torch.manual_seed(0)
     model = randomize_bn(TinyResNet(shortcut))
-    result = trace_model(model, torch.randn(2, 3, 8, 8))
+    if shortcut == "A":
+        with pytest.warns(TraceWarning, match=r"F\.pad \(graph node 'pad', module 'layer2\.0'\) pads axis 1"):
+            result = trace_model(model, torch.randn(2, 3, 8, 8))
+    else:
+        result = trace_model(model, torch.randn(2, 3, 8, 8))
     spec = result.spec
     stem = spec.axes["conv1.weight"][0]
     inner = {spec.axes[f"layer{i}.{j}.conv1.weight"][0] for i in (1, 2) for j in (0, 1)}
@@ -353,7 +359,8 @@ def test_mlp_sites_are_the_relus():
 def test_concatenation_fixes_the_concatenated_groups():
     torch.manual_seed(0)
     model = Concat()
-    result = trace_model(model, torch.randn(3, 5))
+    with pytest.warns(TraceWarning, match=r"\(1 cause\(s\)\).*\n  - torch\.cat \(graph node 'cat', module '<model>'\)"):
+        result = trace_model(model, torch.randn(3, 5))
     spec = result.spec
     # The branches' inner layers stay free, the concatenated outputs are fixed, the head is free.
     assert spec.axes["a1.weight"] == ("P_a1", None)
@@ -429,8 +436,9 @@ def test_tied_weights_are_permuted_alike():
 def test_same_group_on_two_axes_is_fixed(model):
     torch.manual_seed(0)
     example = torch.randint(0, 11, (2, 5)) if isinstance(model, TiedEmbedding) else torch.randn(2, 3)
-    result = trace_model(model, example)
     key = "hidden.0.0.weight" if isinstance(model, TiedEmbedding) else "rec.weight"
+    with pytest.warns(TraceWarning, match=f"parameter '{key}' needs the same permutation on axes 0 and 1"):
+        result = trace_model(model, example)
     assert result.spec.axes[key] == (None, None)
     assert "needs the same permutation on axes 0 and 1" in result.composites[0]
     if isinstance(model, Recurrent):
@@ -472,7 +480,7 @@ def test_conv1d_groupnorm_instancenorm_prelu():
 def test_flatten_larger_than_one_by_one():
     torch.manual_seed(0)
     model = randomize_bn(SmallVGG(pool_to=2))
-    result = trace_model(model, torch.randn(2, 3, 16, 16))
+    result = trace_model(model, torch.randn(2, 3, 16, 16), composite="fix")
     # The last conv's units reach the classifier as blocks of 2x2 features: fixed.
     assert result.spec.sizes == {"P_features.0": 8}
     assert result.spec.axes["classifier.1.weight"] == (None, None)
@@ -506,7 +514,7 @@ def test_split_along_channels():
 
     with pytest.raises(TraceError, match=r"torch\.split .*splits axis 1"):
         trace_model(Split(), torch.randn(2, 3), composite="raise")
-    result = trace_model(Split(), torch.randn(2, 3))
+    result = trace_model(Split(), torch.randn(2, 3), composite="fix")
     assert result.spec.sizes == {} and "torch.split" in result.composites[0]
 
 
@@ -592,7 +600,7 @@ def test_bundled_traced_spec_equals_hand_written(case):
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = factory()
-    result = trace_model(model, torch.randn(shape))
+    result = trace_model(model, torch.randn(shape), composite="fix")  # resnet20-A pads its shortcuts
     hand = model.permutation_spec()
     assert result.spec.equivalent(hand), case
     mapping = result.spec.group_correspondence(hand)
@@ -681,7 +689,8 @@ def test_attention_module_on_the_input_is_fine():
         def forward(self, x):
             return self.fc2(torch.relu(self.fc1(self.attn(x, x, x)[0])))
 
-    spec = PermutationSpec.from_model(M(), torch.randn(2, 3, 4))
+    with pytest.warns(TraceWarning, match=r"MultiheadAttention \(graph node 'attn', module 'attn'\) has no trace rule"):
+        spec = PermutationSpec.from_model(M(), torch.randn(2, 3, 4))
     assert spec.sizes == {"P_fc1": 6}
     assert all(g is None for k, axes in spec.axes.items() if k.startswith("attn") for g in axes)
 
@@ -738,7 +747,8 @@ def test_error_channel_slice_in_raise_mode():
     model = nn.Sequential(nn.Linear(4, 8), Lambda(lambda x: x[:, :4]), nn.Linear(4, 2))
     with pytest.raises(TraceError, match=r"operator\.getitem .*module '1'.*slices axis 1"):
         trace_model(model, torch.randn(2, 4), composite="raise")
-    spec = PermutationSpec.from_model(model, torch.randn(2, 4))
+    with pytest.warns(TraceWarning, match=r"operator\.getitem .*module '1'.*slices axis 1"):
+        spec = PermutationSpec.from_model(model, torch.randn(2, 4))
     assert spec.sizes == {}
 
 
@@ -787,3 +797,66 @@ def test_equivalent():
         assert a.group_correspondence(other) is None
     with pytest.raises(TypeError, match="other must be a PermutationSpec"):
         a.equivalent({"w1": ("h", None)})
+
+
+# --------------------------------------------------------------------------- warnings
+
+
+def test_warning_lists_every_cause_and_points_at_the_caller():
+    class Two(nn.Module):
+        """A concatenation and a flatten of a 2x2 feature map: two causes, two modules."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Conv2d(3, 4, 1), nn.Conv2d(3, 5, 1)
+            self.head = nn.Sequential(nn.Conv2d(9, 6, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten())
+            self.out = nn.Linear(24, 2)
+
+        def forward(self, x):
+            return self.out(self.head(torch.cat([torch.relu(self.a(x)), torch.relu(self.b(x))], 1)))
+
+    with pytest.warns(TraceWarning) as record:
+        spec = PermutationSpec.from_model(Two(), torch.randn(2, 3, 4, 4))
+    assert len(record) == 1 and record[0].filename == __file__
+    message = str(record[0].message)
+    assert "(2 cause(s))" in message
+    lines = [line for line in message.splitlines() if line.startswith("  - ")]
+    assert len(lines) == 2
+    assert "torch.cat (graph node 'cat', module '<model>')" in lines[0]
+    assert "Flatten (graph node 'head_3', module 'head.3')" in lines[1]
+    assert spec.sizes == {}
+    # Passing composite="fix" explicitly accepts the same result silently.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed = PermutationSpec.from_model(Two(), torch.randn(2, 3, 4, 4), composite="fix")
+        result = trace_model(Two(), torch.randn(2, 3, 4, 4), composite="fix")
+    assert fixed == spec and len(result.composites) == 2
+    with pytest.warns(TraceWarning) as record:
+        trace_model(Two(), torch.randn(2, 3, 4, 4))
+    assert record[0].filename == __file__
+
+
+def test_no_warning_without_causes():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = trace_model(TinyResNet("B"), torch.randn(2, 3, 8, 8))
+    assert result.composites == ()
+
+
+def test_module_without_rule_holding_parameters_is_listed():
+    class Opaque(nn.Module):
+        """A module of torch.nn the tracer has no rule for, on the model input."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.bilinear = nn.Bilinear(3, 3, 5)
+            self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 2)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(self.bilinear(x, x))))
+
+    with pytest.warns(TraceWarning, match=r"Bilinear \(graph node 'bilinear', module 'bilinear'\) has no trace rule"):
+        result = trace_model(Opaque(), torch.randn(2, 3))
+    assert result.spec.sizes == {"P_fc1": 6}
+    with pytest.raises(TraceError, match=r"Bilinear .*has no trace rule.*register_trace_rule"):
+        trace_model(Opaque(), torch.randn(2, 3), composite="raise")

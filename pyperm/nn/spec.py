@@ -104,7 +104,7 @@ class PermutationSpec:
                     )
 
     @classmethod
-    def from_model(cls, model: Any, example_input: Any, *, composite: str = "fix") -> PermutationSpec:
+    def from_model(cls, model: Any, example_input: Any, *, composite: str | None = None) -> PermutationSpec:
         """Build the spec of ``model`` by tracing it with :mod:`torch.fx`.
 
         Parameters
@@ -114,11 +114,13 @@ class PermutationSpec:
             ``example_input`` and left as it was.
         example_input : torch.Tensor or tuple
             One input batch, or a tuple of the forward's positional inputs.
-        composite : {"fix", "raise"}, default "fix"
-            An axis built out of several groups (``torch.cat`` or ``F.pad`` along
-            channels, channel slicing, flatten of a convolution output larger than
-            1x1) cannot be named by a spec: leave the units involved unpermuted, or
-            raise.
+        composite : {None, "fix", "raise"}, default None
+            Units a spec cannot name (an axis built out of several groups: ``torch.cat``
+            or ``F.pad`` along channels, channel slicing, flatten of a convolution
+            output larger than 1x1; a group on two axes of one tensor; a module without
+            a trace rule) are left unpermuted with a :class:`pyperm.nn.trace.TraceWarning`
+            naming each cause and its module path (None), left unpermuted silently
+            ("fix"), or make the trace raise ("raise").
 
         Returns
         -------
@@ -139,6 +141,7 @@ class PermutationSpec:
         See Also
         --------
         pyperm.nn.trace_model : the same trace, with the activation sites of every group.
+        pyperm.nn.register_trace_rule : teach the tracer a module of your own.
 
         Examples
         --------
@@ -148,9 +151,10 @@ class PermutationSpec:
         >>> spec.axes["0.weight"], spec.axes["2.weight"], spec.axes["2.bias"]
         (('P_0', None), (None, 'P_0'), (None,))
         """
-        from pyperm.nn.trace import trace_model
+        # Imported here: the tracer needs torch.fx, which a spec itself never does.
+        from pyperm.nn.trace.tracer import _trace
 
-        return trace_model(model, example_input, composite=composite).spec
+        return _trace(model, example_input, composite, stacklevel=2).spec
 
     def group_correspondence(self, other: PermutationSpec) -> dict[str, str] | None:
         """Map each group to the group of ``other`` acting on exactly the same axes.

@@ -28,16 +28,16 @@ Composite axes
 channel axis out of several groups or out of parts of one: ``torch.cat`` along channels,
 ``F.pad`` or slicing along channels (ResNet "option A" shortcuts), and ``flatten`` of a
 convolution output whose spatial extent is larger than 1x1 (the next Linear's input then
-holds blocks of ``H*W`` features per channel). A spec cannot name such an axis. With
-``composite="fix"`` (the default) every group that enters such an axis is fixed, which
-keeps the spec exact (the permuted model computes the same function) at the price of
-leaving those units unaligned; with ``composite="raise"`` the operation raises
-:class:`TraceError`. A flatten whose spatial extent is 1 (global pooling, then flatten:
-the common case) is not composite: the features are the channels. The same policy covers
-a group that would act on two axes of one tensor (a layer applied to its own output, or
-weights tied across layers: ``P W P^T``), which a spec cannot name either, and a grouped
-convolution of the model input (its units may only be permuted within their channel
-group). Every group fixed this way is listed in ``TraceResult.composites``.
+holds blocks of ``H*W`` features per channel). A spec cannot name such an axis, nor a group
+that would act on two axes of one tensor (a layer applied to its own output, or weights
+tied across layers: ``P W P^T``), nor the units inside a module without a rule. Every
+group that enters such an axis is fixed, which keeps the spec exact (the permuted model
+computes the same function) at the price of leaving those units unaligned, and each cause
+is listed in ``TraceResult.composites`` with its module path. By default
+(``composite=None``) a :class:`TraceWarning` says so; ``composite="fix"`` accepts it
+silently and ``composite="raise"`` raises :class:`TraceError` at the first cause. A
+flatten whose spatial extent is 1 (global pooling, then flatten: the common case) is not
+composite: the features are the channels.
 
 Operations that cannot be handled at all (a reshape that splits a channel axis, an
 order-dependent operation such as ``sort``/``cumsum``/``flip`` along channels, an unknown
@@ -57,7 +57,7 @@ from pyperm.nn.trace.errors import TraceError
 from pyperm.nn.trace.labels import Label
 from pyperm.nn.trace.registry import register_trace_rule
 from pyperm.nn.trace.sites import ActivationSite, Role
-from pyperm.nn.trace.tracer import TraceResult, symbolic_trace, trace_model
+from pyperm.nn.trace.tracer import TraceResult, TraceWarning, symbolic_trace, trace_model
 
 __all__ = [
     "ActivationSite",
@@ -66,6 +66,7 @@ __all__ = [
     "TraceCall",
     "TraceError",
     "TraceResult",
+    "TraceWarning",
     "register_trace_rule",
     "rules",
     "symbolic_trace",

@@ -202,6 +202,16 @@ class TraceCall:
         """
         self._labeler.composite(self, what, atoms)
 
+    def leave_unpermuted(self, what: str, atoms: Sequence[int | None], why: str, short: str) -> None:
+        """Fix units on purpose, listing the cause in ``TraceResult.composites`` (or raise under "raise").
+
+        For rules that know the units exist but cannot describe their symmetry (the
+        hidden units of a recurrent layer, say). ``what`` completes "<operation> (graph
+        node, module) ...", ``why`` explains the error, ``short`` names the cause in a
+        few words.
+        """
+        self._labeler.leave_unpermuted(self, what, atoms, why, short)
+
     # ---- building labels
     def broadcast(
         self,

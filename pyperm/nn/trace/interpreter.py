@@ -117,15 +117,41 @@ class Labeler(fx.Interpreter):
         if not atoms:
             return
         sizes = sorted({self.units.size(a) for a in atoms})
+        self.leave_unpermuted(
+            call,
+            what,
+            atoms,
+            f"the result's channel axis is a composite of permuted units (unit counts {sizes}), which a "
+            "PermutationSpec cannot name",
+            "composite axis",
+        )
+
+    def leave_unpermuted(self, call: TraceCall, what: str, atoms: Sequence[int | None], why: str, short: str) -> None:
+        """Fixes the classes of ``atoms`` and lists the cause, or raises under ``composite="raise"``.
+
+        Parameters
+        ----------
+        call : TraceCall
+            The operation responsible.
+        what : str
+            What it does, completing "<operation> (graph node, module) ...".
+        atoms : sequence of int or None
+            The classes to fix.
+        why : str
+            Why a spec cannot follow it (for the error).
+        short : str
+            The cause in a few words (for the composites list).
+        """
         if self.composite_policy == "raise":
-            raise TraceError(
-                f"{call.where()} {what}: the result's channel axis is a composite of permuted units (unit counts "
-                f"{sizes}), which a PermutationSpec cannot name; pass composite='fix' to leave these units unpermuted"
-            )
+            raise TraceError(f"{call.where()} {what}: {why}; pass composite='fix' to leave these units unpermuted")
         self.units.fix(*atoms)
-        note = f"{call.where()} {what}: units fixed (composite axis)"
-        self.composites.append(note)
-        logger.info("pyperm.nn trace: %s", note)
+        self.note(f"{call.where()} {what}: units fixed ({short})")
+
+    def note(self, line: str) -> None:
+        """Lists one cause of units left unpermuted."""
+        if line not in self.composites:
+            self.composites.append(line)
+            logger.info("pyperm.nn trace: %s", line)
 
     # ---- the interpreter loop
     def run_node(self, n: fx.Node) -> Any:
@@ -182,12 +208,24 @@ class Labeler(fx.Interpreter):
                     "how it treats them"
                 )
         # Parameters fed to it (directly or inside a leaf module) cannot be permuted.
+        fixed: list[int | None] = []
         for _, value, lab in inputs:
             for _, l in tensor_leaves(value, lab):
-                self.units.fix(*l)
+                fixed.extend(l)
+        keys = []
         if c.module is not None:
             for name, _ in c.module.named_parameters():
                 key = c.param_key(name)
                 if key in self.units.state_dict:
-                    self.units.fix(*self.units.param_label(key))
+                    fixed.extend(self.units.param_label(key))
+                    keys.append(key)
+        if any(a is not None and not self.units.is_fixed(a) for a in fixed):
+            params = f"its parameters {keys}" if keys else "the parameters passed to it"
+            self.leave_unpermuted(
+                c,
+                f"has no trace rule: {params} stay unpermuted",
+                fixed,
+                "the tracer cannot see how its units are used (register a rule with pyperm.nn.register_trace_rule)",
+                "no trace rule",
+            )
         return invariant_label(c.result)

@@ -9,7 +9,8 @@ kernels, an embedding's vocabulary) are ``None``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from pyperm.nn.trace.sites import ActivationSite, find_sites
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TraceResult", "symbolic_trace", "trace_model"]
+__all__ = ["TraceResult", "TraceWarning", "symbolic_trace", "trace_model"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,9 @@ class TraceResult:
         For every group of ``spec``, where its units appear before and after the
         nonlinearity, in graph order.
     composites : tuple of str
-        One description per composite axis whose groups were fixed (``composite="fix"``).
+        One line per cause of units left unpermuted although they reach an activation
+        (a composite axis, a group on two axes of one tensor, a module without a trace
+        rule), naming the operation and its module path.
     """
 
     spec: PermutationSpec
@@ -99,14 +102,14 @@ def _fix_self_loops(labeler: Labeler, composite: str) -> None:
                 continue
             r = units.root(a)
             if r in seen:
-                what = (f"parameter {key!r} needs the same permutation on axes {seen[r]} and {axis} (a layer "
-                        "applied to its own output, or weights tied across layers)")  # fmt: skip
+                module = key.rpartition(".")[0] or "<model>"
+                what = (f"parameter {key!r} needs the same permutation on axes {seen[r]} and {axis} (module "
+                        f"'{module}': a layer applied to its own output, or weights tied across layers)")  # fmt: skip
                 if composite == "raise":
                     raise TraceError(f"{what}, which a PermutationSpec cannot name; pass composite='fix' to leave "
                                      "these units unpermuted")  # fmt: skip
                 units.fix(a)
-                labeler.composites.append(f"{what}: units fixed")
-                logger.info("pyperm.nn trace: %s: units fixed", what)
+                labeler.note(f"{what}: units fixed")
             seen[r] = axis
 
 
@@ -145,7 +148,28 @@ def _build_spec(labeler: Labeler) -> tuple[PermutationSpec, dict[str, int]]:
     return PermutationSpec(axes, ordered), {g: roots[g] for g in ordered}
 
 
-def trace_model(model: nn.Module, example_input: Any, *, composite: str = "fix") -> TraceResult:
+class TraceWarning(UserWarning):
+    """The traced spec leaves units unpermuted that a richer description could align.
+
+    Issued by :func:`trace_model` and :meth:`PermutationSpec.from_model` unless
+    ``composite="fix"`` is passed explicitly; one line per cause, with its module path.
+    """
+
+
+def _warn(composites: Sequence[str], stacklevel: int) -> None:
+    if not composites:
+        return
+    lines = "\n".join(f"  - {line}" for line in composites)
+    warnings.warn(
+        f"the traced permutation spec leaves units unpermuted ({len(composites)} cause(s)); the permuted model still "
+        f"computes the same function, but these units will not be aligned:\n{lines}\n"
+        "Pass composite='fix' to accept this silently, or composite='raise' to stop at the first cause.",
+        TraceWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
+def trace_model(model: nn.Module, example_input: Any, *, composite: str | None = None) -> TraceResult:
     """Trace ``model`` and build its permutation spec and activation sites.
 
     Parameters
@@ -157,11 +181,14 @@ def trace_model(model: nn.Module, example_input: Any, *, composite: str = "fix")
     example_input : torch.Tensor or tuple
         One input batch (or a tuple of the forward's positional inputs) on the
         model's device.
-    composite : {"fix", "raise"}, default "fix"
-        What to do with an axis built out of several groups or parts of one
-        (``torch.cat`` or ``F.pad`` along channels, channel slicing, flatten of a
-        convolution output larger than 1x1): leave the units involved unpermuted, or
-        raise :class:`TraceError`.
+    composite : {None, "fix", "raise"}, default None
+        What to do with units a spec cannot name (an axis built out of several groups
+        or parts of one: ``torch.cat`` or ``F.pad`` along channels, channel slicing,
+        flatten of a convolution output larger than 1x1; a group on two axes of one
+        tensor; a module without a trace rule): leave them unpermuted and say so with
+        a :class:`TraceWarning` (None), leave them unpermuted silently ("fix"), or
+        raise :class:`TraceError` ("raise"). Either way they are listed in
+        ``TraceResult.composites``.
 
     Returns
     -------
@@ -173,7 +200,7 @@ def trace_model(model: nn.Module, example_input: Any, *, composite: str = "fix")
     TypeError
         ``model`` is not a module, or ``example_input`` is neither a tensor nor a tuple.
     ValueError
-        ``composite`` is not "fix" or "raise".
+        ``composite`` is not None, "fix" or "raise".
     TraceError
         The model cannot be traced, or an operation acts on permutable units in a way
         the tracer cannot follow (the message names the operation and module path).
@@ -189,8 +216,15 @@ def trace_model(model: nn.Module, example_input: Any, *, composite: str = "fix")
     >>> result.post_activation_sites["P_0"][0].module
     '1'
     """
-    if composite not in COMPOSITE_POLICIES:
-        raise ValueError(f"composite must be 'fix' or 'raise', got {composite!r}")
+    return _trace(model, example_input, composite, stacklevel=2)
+
+
+def _trace(model: nn.Module, example_input: Any, composite: str | None, stacklevel: int) -> TraceResult:
+    """:func:`trace_model`, warning ``stacklevel`` frames up (1: the caller of ``_trace``)."""
+    if composite is not None and composite not in COMPOSITE_POLICIES:
+        raise ValueError(f"composite must be 'fix' or 'raise' (or None: fix and warn), got {composite!r}")
+    warn = composite is None
+    composite = "fix" if composite is None else composite
     args = _as_args(example_input)
     gm = symbolic_trace(model)
     state_dict = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
@@ -210,5 +244,7 @@ def trace_model(model: nn.Module, example_input: Any, *, composite: str = "fix")
     _fix_self_loops(labeler, composite)
     spec, roots = _build_spec(labeler)
     pre, post = find_sites(labeler, roots)
+    if warn:
+        _warn(labeler.composites, stacklevel + 1)
     return TraceResult(spec=spec, graph_module=gm, pre_activation_sites=pre, post_activation_sites=post,
                        composites=tuple(labeler.composites))  # fmt: skip
