@@ -21,7 +21,7 @@ from pyperm.nn.eval import BarrierResult, barrier, repair, reset_bn_stats
 from pyperm.nn.permutations import Permutations, apply_permutation
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.state import average, interpolate
-from pyperm.nn.trace import ActivationSite, TraceError, TraceResult, trace_model
+from pyperm.nn.trace import ActivationSite, TraceError, TraceResult, TraceWarning, register_trace_rule, trace_model
 
 __all__ = [
     "ActivationMatchingResult",
@@ -33,6 +33,7 @@ __all__ = [
     "STEMatchingResult",
     "TraceError",
     "TraceResult",
+    "TraceWarning",
     "WeightMatchingResult",
     "activation_matching",
     "apply_permutation",
@@ -42,6 +43,7 @@ __all__ = [
     "matching_objective",
     "merge_many",
     "models",
+    "register_trace_rule",
     "repair",
     "reset_bn_stats",
     "ste_matching",

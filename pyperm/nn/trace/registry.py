@@ -98,8 +98,7 @@ def register_trace_rule(target: Target, rule: Rule, *, replace: bool = False) ->
     A custom activation is a function of each unit alone:
 
     >>> import torch
-    >>> from pyperm.nn import PermutationSpec
-    >>> from pyperm.nn.trace import register_trace_rule
+    >>> from pyperm.nn import PermutationSpec, register_trace_rule
     >>> from pyperm.nn.trace import rules
     >>> class Swish(torch.nn.Module):
     ...     def forward(self, x):
