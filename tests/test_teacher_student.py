@@ -21,6 +21,7 @@ from pyperm.teacher_student import (
     sample_minimum,
     sharpness,
     teacher_weights,
+    learning_rate_sweep,
     train_gd,
     type_matching,
     width_sweep,
@@ -341,6 +342,12 @@ def test_train_gd_batches_equal_single_runs_and_converge():
     assert batch.lr == pytest.approx(2.0 / 3) and batch.seeds == (3, 4)
 
 
+def test_train_gd_stops_at_a_stationary_point_below_K():
+    result = train_gd(teacher_weights(2), 1, c=1.0, steps=5000, init_scale=0.1, seed=[0, 1], grad_tol=1e-6)
+    assert bool(result.stationary.all()) and not bool(result.converged.any())
+    assert torch.all(result.steps < 5000) and torch.all(result.loss > 0.1)
+
+
 def test_train_gd_flags_divergence():
     result = train_gd(teacher_weights(2), 4, lr=50.0, steps=200, init_scale=0.1, seed=[0, 1])
     assert bool(result.diverged.all()) and not bool(result.converged.any())
@@ -411,6 +418,18 @@ def test_width_sweep_gd_below_and_above_K():
     sweep = width_sweep(2, [1, 2], source="gd", pairs=2, seed=0, d=3, c=2.0, steps=300, init_scale=0.1)
     assert np.isnan(sweep.barriers["type"][0]).all() and not np.isnan(sweep.barriers["lap"]).any()
     assert "converged" in sweep.to_markdown()
+
+
+def test_learning_rate_sweep_table_and_plot(tmp_path):
+    sweep = learning_rate_sweep(2, 3, [1.0, 200.0], runs=2, seed=0, steps=300, init_scale=0.1)
+    assert sweep.pq.shape == sweep.sharpness.shape == (2, 2)
+    assert not sweep.diverged[0].any() and sweep.diverged[1].all()
+    assert np.isfinite(sweep.pq[0]).all() and np.isnan(sweep.pq[1]).all()
+    assert 0 <= sweep.uniform_pq < 1 and "| c |" in sweep.to_markdown()
+    with open(sweep.plot(str(tmp_path / "lr.png")), "rb") as f:
+        assert f.read(4) == b"\x89PNG"
+    with pytest.raises(ValueError, match=r"cs\[1\]"):
+        learning_rate_sweep(2, 3, [1.0, -1.0])
 
 
 @pytest.mark.parametrize(

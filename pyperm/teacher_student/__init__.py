@@ -61,6 +61,7 @@ from pyperm.teacher_student.barrier import interpolation_losses, path_barrier
 from pyperm.teacher_student.curvature import hessian, sharpness
 from pyperm.teacher_student.gd import GDResult, train_gd
 from pyperm.teacher_student.loss import monte_carlo_loss, population_loss
+from pyperm.teacher_student.lr_sweep import LearningRateSweep, learning_rate_sweep
 from pyperm.teacher_student.matching import lap_matching, neuron_types, type_matching
 from pyperm.teacher_student.minima import sample_minimum, teacher_weights
 from pyperm.teacher_student.sparsity import pq_index
@@ -68,10 +69,12 @@ from pyperm.teacher_student.width_sweep import WidthSweep, width_sweep
 
 __all__ = [
     "GDResult",
+    "LearningRateSweep",
     "WidthSweep",
     "hessian",
     "interpolation_losses",
     "lap_matching",
+    "learning_rate_sweep",
     "monte_carlo_loss",
     "neuron_types",
     "path_barrier",

@@ -54,6 +54,9 @@ class GDResult:
     diverged : () or (R,) torch.Tensor
         bool: the loss became non-finite or exceeded ``1e4`` times the larger of its initial
         value and the loss of the zero student (the run was frozen there).
+    stationary : () or (R,) torch.Tensor
+        bool: the run stopped at a point whose gradient norm is at most ``grad_tol`` without
+        reaching ``tol`` (a minimum of a student narrower than the teacher, or a saddle).
     steps : () or (R,) torch.Tensor
         int64: gradient steps taken by each run.
     lr : float
@@ -66,6 +69,7 @@ class GDResult:
     loss: torch.Tensor
     converged: torch.Tensor
     diverged: torch.Tensor
+    stationary: torch.Tensor
     steps: torch.Tensor
     lr: float
     seeds: tuple[int, ...]
@@ -94,6 +98,7 @@ def train_gd(
     init_scale: float = 1e-2,
     seed: int | list[int] = 0,
     tol: float = 1e-8,
+    grad_tol: float = 1e-9,
     progress: bool = False,
 ) -> GDResult:
     r"""Train students by full-batch gradient descent on the exact population loss.
@@ -122,13 +127,17 @@ def train_gd(
         ``(R, m, d)`` tensor; run ``r`` equals the single run with ``seed=seeds[r]``.
     tol : float, default 1e-8
         A run has converged, and stops, once its loss is at most ``tol``.
+    grad_tol : float, default 1e-9
+        A run also stops once the norm of its gradient is at most ``grad_tol`` (0 disables
+        this): below ``m = K`` the loss cannot reach ``tol``.
     progress : bool, default False
         Show a tqdm progress bar over the steps.
 
     Returns
     -------
     GDResult
-        ``weights``, ``loss``, ``converged``, ``diverged``, ``steps``, ``lr``, ``seeds``.
+        ``weights``, ``loss``, ``converged``, ``diverged``, ``stationary``, ``steps``, ``lr``,
+        ``seeds``.
 
     Raises
     ------
@@ -146,21 +155,23 @@ def train_gd(
     steps = positive_int(steps, "steps")
     scale = positive_float(init_scale, "init_scale")
     tol = positive_float(tol, "tol")
+    grad_tol = positive_float(grad_tol, "grad_tol", allow_zero=True)
     seeds, batched = seed_list(seed)
 
     W = initial_weights(seeds, m, wt.shape[1], scale, wt.device)
     etas = torch.full((len(seeds),), eta, dtype=DTYPE, device=wt.device)
-    W, loss, taken, converged, diverged = descend(W, wt, etas, steps, tol, progress)
-    result = GDResult(W, loss, converged, diverged, taken, eta, tuple(seeds))
-    if batched:
-        return result
-    return GDResult(W[0], loss[0], converged[0], diverged[0], taken[0], eta, tuple(seeds))
+    out = descend(W, wt, etas, steps, tol, grad_tol, progress)
+    if not batched:
+        out = {name: value[0] for name, value in out.items()}
+    return GDResult(lr=eta, seeds=tuple(seeds), **out)
 
 
-def descend(W: torch.Tensor, wt: torch.Tensor, etas: torch.Tensor, steps: int, tol: float, progress: bool = False):
+def descend(
+    W: torch.Tensor, wt: torch.Tensor, etas: torch.Tensor, steps: int, tol: float, grad_tol: float, progress: bool = False
+) -> dict[str, torch.Tensor]:
     """The GD loop on a batch ``(R, m, d)`` with one step size per run; frozen runs keep their weights.
 
-    Returns the weights, losses, steps taken, and the converged and diverged flags.
+    Returns the fields of :class:`GDResult` that are tensors, by name.
     """
     m = W.shape[1]
     loss, grad = stack_loss_and_grad(*signed_stack(W, wt))
@@ -171,7 +182,8 @@ def descend(W: torch.Tensor, wt: torch.Tensor, etas: torch.Tensor, steps: int, t
     bar = progress_bar(progress, steps, "gradient descent", "step")
     for step in range(steps + 1):
         diverged_now = ~torch.isfinite(loss) | (loss > ceiling)
-        active &= ~diverged_now & (loss > tol)
+        flat_now = _grad_norm(grad, m) <= grad_tol
+        active &= ~diverged_now & (loss > tol) & ~flat_now
         if step == steps or (step % _CHECK_EVERY == 0 and not bool(active.any())):
             break
         # Frozen runs take a zero step; their gradient is computed but not used.
@@ -184,4 +196,17 @@ def descend(W: torch.Tensor, wt: torch.Tensor, etas: torch.Tensor, steps: int, t
         bar.close()
     converged = loss <= tol
     diverged = ~torch.isfinite(loss) | (loss > ceiling)
-    return W, loss, taken, converged, diverged
+    stationary = ~converged & ~diverged & (_grad_norm(grad, m) <= grad_tol)
+    return {
+        "weights": W,
+        "loss": loss,
+        "converged": converged,
+        "diverged": diverged,
+        "stationary": stationary,
+        "steps": taken,
+    }
+
+
+def _grad_norm(grad: torch.Tensor, m: int) -> torch.Tensor:
+    """Norm of each run's gradient with respect to the student (the stack also holds the teacher)."""
+    return torch.linalg.vector_norm(grad[:, :m, :].reshape(grad.shape[0], -1), dim=-1)

@@ -157,8 +157,8 @@ def _gd_solutions(wt: torch.Tensor, m: int, seeds: list[int], gd: dict) -> _Solu
     eta = gd["lr"] if gd["lr"] is not None else gd["c"] / m
     W0 = initial_weights(seeds, m, wt.shape[1], gd["init_scale"], wt.device)
     etas = torch.full((len(seeds),), eta, dtype=DTYPE, device=wt.device)
-    W, _, _, converged, diverged = descend(W0, wt, etas, gd["steps"], gd["tol"])
-    return _Solutions(W, float(converged.double().mean()), float(diverged.double().mean()))
+    out = descend(W0, wt, etas, gd["steps"], gd["tol"], gd["grad_tol"])
+    return _Solutions(out["weights"], float(out["converged"].double().mean()), float(out["diverged"].double().mean()))
 
 
 def _barriers_at_width(A: torch.Tensor, B: torch.Tensor, wt: torch.Tensor, num_points: int) -> dict[str, np.ndarray]:
@@ -193,6 +193,7 @@ def width_sweep(
     steps: int = 20000,
     init_scale: float = 1e-2,
     tol: float = 1e-6,
+    grad_tol: float = 1e-9,
     device: torch.device | str | None = None,
     progress: bool = False,
 ) -> WidthSweep:
@@ -230,7 +231,7 @@ def width_sweep(
         Input dimension (default ``2 * K``).
     num_points : int, default 11
         Points on each path (paper 004: steps of 0.1).
-    lr, c, steps, init_scale, tol
+    lr, c, steps, init_scale, tol, grad_tol
         GD settings (``source="gd"`` only): the step ``lr``, or ``c / m`` when ``lr`` is None
         (default ``c = 1``); as in :func:`~pyperm.teacher_student.train_gd`, except that the
         default ``tol`` is 1e-6 (GD approaches the degenerate minima only polynomially fast).
@@ -259,7 +260,7 @@ def width_sweep(
     seed = seeds_given[0]
     num_points = positive_int(num_points, "num_points", minimum=2)
     wt = teacher_weights(K, d, device=device)
-    gd = _gd_settings(lr, c, steps, init_scale, tol) if source == "gd" else {}
+    gd = _gd_settings(lr, c, steps, init_scale, tol, grad_tol) if source == "gd" else {}
 
     barriers = {name: np.empty((len(widths), pairs)) for name in METHODS}
     ends, converged, diverged = (np.empty(len(widths)) for _ in range(3))
@@ -279,7 +280,7 @@ def width_sweep(
     return WidthSweep(K, wt.shape[1], source, widths, barriers, ends, converged, diverged, settings)
 
 
-def _gd_settings(lr: object, c: object, steps: object, init_scale: object, tol: object) -> dict:
+def _gd_settings(lr: object, c: object, steps: object, init_scale: object, tol: object, grad_tol: object) -> dict:
     if lr is not None:
         lr, c = positive_float(lr, "lr"), None
     else:
@@ -292,4 +293,5 @@ def _gd_settings(lr: object, c: object, steps: object, init_scale: object, tol: 
         "steps": positive_int(steps, "steps"),
         "init_scale": positive_float(init_scale, "init_scale"),
         "tol": positive_float(tol, "tol"),
+        "grad_tol": positive_float(grad_tol, "grad_tol", allow_zero=True),
     }
