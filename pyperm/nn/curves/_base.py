@@ -171,8 +171,8 @@ class Curve(nn.Module):
         self.num_bends = num_bends
         self.keys = tuple(state_a)
 
-        # functional_call takes each parameter/buffer once, under its first name; tied
-        # weights and other aliases in the state dict map to that name.
+        # Each parameter/buffer is stored once, under its first name; tied weights and other
+        # aliases in the state dict map to that name.
         canonical: dict[int, str] = {}
         kinds: dict[str, str] = {}
         for name, p in model.named_parameters():
@@ -182,18 +182,20 @@ class Curve(nn.Module):
             canonical.setdefault(id(b), name)
             kinds.setdefault(name, _LINEAR if is_mixable(b) else _FIXED)
         self._alias: dict[str, str] = {}
-        self._call_keys: list[str] = []
         for key, ref in expected.items():
             name = canonical.get(id(ref))
-            if name is None:  # a tensor the model holds outside its parameters and buffers
+            if name is None:  # a tensor the model saves outside its parameters and buffers
                 self._alias[key] = key
                 kinds[key] = _FIXED
             elif name in state_a:
                 self._alias[key] = name
-                if name == key:
-                    self._call_keys.append(key)
-            else:  # pragma: no cover - a state dict lists every parameter and buffer
+            else:  # pragma: no cover - a state dict lists every parameter and persistent buffer
                 raise ValueError(f"model parameter {name!r} is not in state_a")
+        # Every name the forward looks tensors up by, aliases included, resolved once here so
+        # that functional_call need not search for tied weights at every step
+        # (tie_weights=False); non-persistent buffers stay the model's own.
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        self._call_names = [(name, canonical[id(t)]) for name, t in named if canonical[id(t)] in state_a]
 
         # One flat group per (kind, dtype, device): one curve point is a few vector ops.
         buckets: dict[tuple[str, torch.dtype, torch.device], list[str]] = {}
@@ -303,10 +305,11 @@ class Curve(nn.Module):
         with :func:`~pyperm.nn.curves.evaluate_curve`, which recomputes them.
         """
         t = check_t(t)
-        state = self._flat_state(t)
+        flat = self._flat_state(t)
+        state = {name: flat[key] for name, key in self._call_names}
         args = tuple(x) if isinstance(x, (tuple, list)) else (x,)
         with training_flags(self._model, train=self.training):
-            return torch.func.functional_call(self._model, state, args, strict=False, tie_weights=True)
+            return torch.func.functional_call(self._model, state, args, strict=False, tie_weights=False)
 
     def extra_repr(self) -> str:
         sizes = sum(g.start.numel() for g in self.groups if g.kind == _CURVE)

@@ -1,0 +1,197 @@
+"""``pyperm bench curves``: one curve training step against one plain training step of the same model.
+
+For each model and device, on one fixed batch:
+
+- *plain*: ``model(x)``, cross-entropy, backward, an SGD (momentum 0.9) step on the
+  model's parameters;
+- *curve*: one :meth:`pyperm.nn.curves.CurveTrainer.step` of a quadratic Bezier curve
+  (one bend) between two states of that model: draw ``t``, build the point's weights
+  from the flat endpoints and bend, run the same model through
+  ``torch.func.functional_call``, backward into the bend, an SGD step on the bend.
+
+The two are run alternately so that both see the same machine load; the table gives the
+median (and best) milliseconds and their ratio, the curve's overhead. The goal is at most
+1.3. Before timing, the curve's output at ``t = 0`` is checked against the model loaded
+with the first endpoint (train mode, same batch). Models: a small CNN with BatchNorm for
+the 8x8 digits (``digits-cnn``) and ``ResNet20(width_multiplier=4)`` on 32x32 images
+(``resnet20x4``). Also runnable as ``python -m pyperm.benchmarks.curves``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+TARGET_RATIO = 1.3
+MODELS = ("digits-cnn", "resnet20x4")
+# Batch sizes per device: ResNet20x4 takes about 2 GFLOP per image and step, so the
+# CPU batch is small enough for a 2-core machine.
+DEFAULT_BATCH = {("digits-cnn", "cpu"): 128, ("digits-cnn", "cuda"): 128,
+                 ("resnet20x4", "cpu"): 16, ("resnet20x4", "cuda"): 128}
+
+
+def build_model(name: str, seed: int):
+    """The benchmark model ``name`` and its input shape, initialised from ``seed`` (global RNG untouched)."""
+    import torch
+    from torch import nn
+
+    from pyperm.nn.models import ResNet20
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        if name == "digits-cnn":
+            model = nn.Sequential(
+                nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                nn.Conv2d(32, 64, 3, padding=1, stride=2), nn.BatchNorm2d(64), nn.ReLU(),
+                nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
+            )  # fmt: skip
+            return model, (1, 8, 8)
+        if name == "resnet20x4":
+            return ResNet20(width_multiplier=4), (3, 32, 32)
+    raise ValueError(f"unknown model {name!r}; choose from {list(MODELS)}")
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(name: str, device: str = "cpu", batch: int | None = None, repeats: int = 7, seed: int = 0
+            ) -> dict[str, Any]:
+    """Median and best seconds of a plain and a curve training step, alternated, and their ratios."""
+    import torch
+    import torch.nn.functional as F
+
+    from pyperm.nn.curves import BezierCurve, CurveTrainer
+
+    dev = torch.device(device)
+    batch = batch or DEFAULT_BATCH[(name, dev.type)]
+    model, shape = build_model(name, seed)
+    model = model.to(dev).train()
+    state_a = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state_b = {k: v.detach().clone() for k, v in build_model(name, seed + 1)[0].to(dev).state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((batch, *shape), generator=g).to(dev)
+    y = torch.randint(0, 10, (batch,), generator=g).to(dev)
+
+    curve = BezierCurve(model, state_a, state_b).train()
+    with torch.no_grad():
+        check = (curve(x, 0.0) - model(x)).abs().max().item()
+        model.load_state_dict(state_a)  # the plain forward above updated the running statistics
+    if check > 1e-4:
+        raise AssertionError(f"{name}: the curve at t=0 differs from the model by {check:.3g}")
+    trainer = CurveTrainer(curve, lr=0.01, momentum=0.9, seed=seed)
+    plain_opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def plain_step() -> None:
+        plain_opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        plain_opt.step()
+        _sync(dev)
+
+    def curve_step() -> None:
+        trainer.step((x,), y)
+        _sync(dev)
+
+    plain_step()  # warm-up: allocators, optimizer state, kernels
+    curve_step()
+    plain, curve_times = [], []
+    for _ in range(max(1, repeats)):
+        for fn, out in ((plain_step, plain), (curve_step, curve_times)):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    p, c = statistics.median(plain), statistics.median(curve_times)
+    return {
+        "model": name, "device": dev.type, "batch": batch,
+        "parameters": sum(q.numel() for q in model.parameters()),
+        "plain_ms": 1e3 * p, "curve_ms": 1e3 * c, "ratio": c / p,
+        "best_ratio": min(curve_times) / min(plain), "check": check,
+    }  # fmt: skip
+
+
+def bench(models: Sequence[str] = MODELS, devices: Sequence[str] | None = None, batch: int | None = None,
+          repeats: int = 7, seed: int = 0, report: Callable[[dict[str, Any]], None] | None = None
+          ) -> list[dict[str, Any]]:
+    """:func:`measure` for every model and device (CPU, and CUDA when available by default)."""
+    import torch
+
+    if devices is None:
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    rows = []
+    for device in devices:
+        for name in models:
+            row = measure(name, device, batch, repeats, seed)
+            rows.append(row)
+            if report is not None:
+                report(row)
+    return rows
+
+
+HEADER = f"{'model':<11} {'device':<6} {'batch':>5} {'params':>9} {'plain ms':>9} {'curve ms':>9} " \
+         f"{'ratio':>6} {'(best)':>6} {'goal':>5}"
+
+
+def format_row(row: dict[str, Any]) -> str:
+    """One line of the table."""
+    goal = "ok" if row["ratio"] <= TARGET_RATIO else "over"
+    return (f"{row['model']:<11} {row['device']:<6} {row['batch']:>5} {row['parameters']:>9} "
+            f"{row['plain_ms']:>9.2f} {row['curve_ms']:>9.2f} {row['ratio']:>6.2f} {row['best_ratio']:>6.2f} "
+            f"{goal:>5}")
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The whole table, header included."""
+    return "\n".join([HEADER, "-" * len(HEADER)] + [format_row(r) for r in rows])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="models to time")
+    parser.add_argument("--devices", nargs="+", choices=["cpu", "cuda"], default=None,
+                        help="devices (default: cpu, and cuda when available)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="batch size (default: 128; ResNet20x4 on the CPU: 16)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps of each kind (median reported)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="3 repeats")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import pyperm
+
+    if args.repeats < 1 or (args.batch is not None and args.batch < 1):
+        print("repeats and batch must be positive", file=sys.stderr)
+        return 2
+    if args.devices and "cuda" in args.devices and not torch.cuda.is_available():
+        print("no CUDA device: drop --devices cuda", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(f"pyperm {pyperm.__version__}  torch {torch.__version__}  threads {torch.get_num_threads()}  "
+          f"goal: curve step <= {TARGET_RATIO} x plain step")
+    print("plain = SGD step of the model; curve = CurveTrainer.step of a 1-bend Bezier curve of the same model "
+          "on the same batch;\nmedian ms of alternating runs; ratio = curve / plain; (best) = fastest / fastest")
+    print(HEADER)
+    print("-" * len(HEADER), flush=True)
+    bench(args.models, args.devices, args.batch, 3 if args.quick else args.repeats, args.seed,
+          report=lambda row: print(format_row(row), flush=True))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pyperm.benchmarks.curves", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
