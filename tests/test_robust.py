@@ -1,0 +1,130 @@
+"""PGD attacks and robust accuracy (Madry et al.; Tatro et al. section 5) on digits models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _pam_digits import accuracy, batches, digits, mlp, train
+from pyperm.nn.curves.robust import check_attack, pgd_attack, robust_accuracy
+
+EPS = 0.1  # on [0, 1] pixels: moderate (a digit's strokes are near 1, the background 0)
+ATTACK = {"eps": EPS, "steps": 10, "step_size": 0.025}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    model = mlp(32)
+    train(model, 1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def test_data():
+    _, _, x, y = digits()
+    return x, y
+
+
+def test_pgd_lowers_accuracy_substantially(trained, test_data):
+    x, y = test_data
+    clean = accuracy(trained, x, y)
+    adv = pgd_attack(trained, x, y, **ATTACK)
+    robust = accuracy(trained, adv, y)
+    assert clean > 0.9
+    assert robust < clean - 0.4, (clean, robust)
+    # The random start alone does far less than the attack.
+    noisy = accuracy(trained, pgd_attack(trained, x, y, eps=EPS, steps=0, step_size=0.0), y)
+    assert noisy > clean - 0.1
+
+
+@pytest.mark.parametrize("norm", ["inf", "2"])
+@pytest.mark.parametrize("eps", [0.05, 0.3, 2.0])
+def test_pgd_stays_in_ball_and_range(trained, test_data, norm, eps):
+    x, y = test_data
+    x = x[:100]
+    adv = pgd_attack(trained, x, y[:100], eps=eps, steps=5, step_size=eps / 2, norm=norm)
+    assert adv.shape == x.shape and adv.dtype == x.dtype and not adv.requires_grad
+    assert float(adv.min()) >= 0.0 and float(adv.max()) <= 1.0
+    delta = adv - x
+    size = delta.abs().amax(dim=1) if norm == "inf" else delta.norm(dim=1)
+    assert float(size.max()) <= eps * (1 + 1e-6) + 1e-7
+
+
+def test_pgd_range_and_clamp_none(trained, test_data):
+    x, y = test_data
+    shifted = x[:50] * 2 - 1  # inputs in [-1, 1]
+    adv = pgd_attack(trained, shifted, y[:50], eps=0.2, steps=3, step_size=0.1, clamp=(-1.0, 1.0))
+    assert float(adv.min()) >= -1.0 and float(adv.max()) <= 1.0
+    free = pgd_attack(trained, x[:50], y[:50], eps=0.2, steps=3, step_size=0.1, clamp=None)
+    assert float(free.min()) < 0.0  # background pixels pushed below 0 without a range
+
+
+def test_pgd_leaves_model_and_inputs_alone(trained, test_data):
+    x, y = test_data
+    x0 = x[:20].clone()
+    trained.train()
+    state = {k: v.clone() for k, v in trained.state_dict().items()}
+    try:
+        a = pgd_attack(trained, x[:20], y[:20], **ATTACK, seed=3)
+        b = pgd_attack(trained, x[:20], y[:20], **ATTACK, seed=3)
+        c = pgd_attack(trained, x[:20], y[:20], **ATTACK, seed=4)
+        assert trained.training  # flag restored
+    finally:
+        trained.eval()
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(x[:20], x0)
+    assert all(p.grad is None for p in trained.parameters())
+    for k, v in trained.state_dict().items():
+        assert torch.equal(v, state[k])
+
+
+def test_pgd_on_a_callable(trained, test_data):
+    x, y = test_data
+    adv = pgd_attack(lambda inputs: trained(inputs), x[:30], y[:30], **ATTACK)
+    assert float((adv - x[:30]).abs().max()) <= EPS + 1e-6
+
+
+def test_robust_accuracy(trained, test_data):
+    x, y = test_data
+    data = batches(x, y, 128)
+    value = robust_accuracy(trained, data, **ATTACK)
+    assert 0.0 <= value < accuracy(trained, x, y) - 0.4
+    assert robust_accuracy(trained, data, max_batches=1, eps=0.0, steps=0, step_size=0.0) == pytest.approx(
+        accuracy(trained, x[:128], y[:128])
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"eps": -0.1}, ValueError, "eps"),
+        ({"eps": float("nan")}, ValueError, "eps"),
+        ({"steps": 1.5}, TypeError, "steps"),
+        ({"steps": -1}, ValueError, "steps"),
+        ({"step_size": "a"}, TypeError, "step_size"),
+        ({"norm": "1"}, ValueError, "norm"),
+        ({"clamp": (1.0, 0.0)}, ValueError, "clamp"),
+        ({"clamp": 1.0}, TypeError, "clamp"),
+        ({"seed": 1.0}, TypeError, "seed"),
+    ],
+)
+def test_pgd_argument_errors(trained, test_data, kwargs, exc, match):
+    x, y = test_data
+    with pytest.raises(exc, match=match):
+        pgd_attack(trained, x[:4], y[:4], **{**ATTACK, **kwargs})
+
+
+def test_pgd_input_errors(trained, test_data):
+    x, y = test_data
+    with pytest.raises(TypeError, match="inputs"):
+        pgd_attack(trained, x[:4].long(), y[:4], **ATTACK)
+    with pytest.raises(ValueError, match="targets"):
+        pgd_attack(trained, x[:4], y[:5], **ATTACK)
+    with pytest.raises(TypeError, match="model"):
+        pgd_attack(3, x[:4], y[:4], **ATTACK)
+    with pytest.raises(ValueError, match="missing"):
+        robust_accuracy(trained, [(x[:4], y[:4])], eps=0.1)
+    with pytest.raises(TypeError, match="adversarial"):
+        check_attack([0.1, 3, 0.01])
+    with pytest.raises(ValueError, match="unknown"):
+        check_attack({**ATTACK, "epsilon": 0.1})
