@@ -1,0 +1,84 @@
+"""Seeded training and evaluation of small classifiers, shared by the reproductions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["evaluate", "init_weights", "train_classifier"]
+
+
+def init_weights(model: nn.Module, generator: torch.Generator) -> None:
+    """Re-initialise Linear and Conv layers from ``generator`` (torch's default scheme, without the global RNG)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.Linear, nn.Conv2d)):
+                fan_in = m.weight[0].numel()
+                bound = 1.0 / fan_in**0.5
+                m.weight.uniform_(-bound, bound, generator=generator)
+                if m.bias is not None:
+                    m.bias.uniform_(-bound, bound, generator=generator)
+
+
+def train_classifier(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    seed: int,
+    epochs: int,
+    batch_size: int = 64,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+) -> dict[str, torch.Tensor]:
+    """Train ``model`` in place by SGD with momentum and a cosine-decayed step from a seeded initialisation.
+
+    The update is written out rather than taken from ``torch.optim``: the first use of
+    ``torch.optim`` imports ``torch._dynamo``, which costs seconds on a loaded 2-core machine,
+    a good part of a ``--smoke`` run's budget.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        A copy of the trained state dict.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    init_weights(model, gen)
+    params = [p for p in model.parameters() if p.requires_grad]
+    velocity = [torch.zeros_like(p) for p in params]
+    steps_per_epoch = (len(y) + batch_size - 1) // batch_size
+    total = max(1, epochs * steps_per_epoch)
+    step = 0
+    model.train()
+    for _ in range(epochs):
+        order = torch.randperm(len(y), generator=gen).to(x.device)
+        for i in range(0, len(y), batch_size):
+            idx = order[i : i + batch_size]
+            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+            grads = torch.autograd.grad(loss, params)
+            rate = lr * 0.5 * (1.0 + torch.cos(torch.tensor(torch.pi * step / total)).item())
+            with torch.no_grad():
+                for p, v, g in zip(params, velocity, grads):
+                    if weight_decay:
+                        g = g.add(p, alpha=weight_decay)
+                    v.mul_(momentum).add_(g)
+                    p.sub_(v, alpha=rate)
+            step += 1
+    model.eval()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def evaluate(model: nn.Module, batches: Any) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model`` (eval mode) over ``(inputs, targets)`` batches."""
+    model.eval()
+    loss = correct = count = 0.0
+    with torch.no_grad():
+        for x, y in batches:
+            logits = model(x)
+            loss += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
+            correct += float((logits.argmax(1) == y).sum())
+            count += len(y)
+    return loss / count, correct / count
