@@ -425,3 +425,24 @@ def test_bench_match_runs(capsys, tmp_path):
     assert match.run(parser.parse_args(["--models", "mlp512,nope"])) == 2
     with pytest.raises(ValueError, match="unknown model 'nope'"):
         match.build_model("nope", 0)
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet20-B"])
+def test_reused_matcher_equals_fresh_matchings(name):
+    """A WeightMatcher keeps B's arrangement and its warm solvers from match to match (STE
+    and merge_many reuse one): each match must still be weight matching of that A."""
+    from pyperm.nn.align.weight import WeightMatcher
+
+    b = _make(INDEPENDENT[name], 20)
+    spec = b.permutation_spec()
+    matcher = WeightMatcher(spec, b.state_dict())
+    perms = None
+    for seed in (10, 11, 12):
+        sa = _make(INDEPENDENT[name], seed).state_dict()
+        reused = matcher.match(sa, init=perms, seed=seed)
+        fresh = weight_matching(spec, sa, b.state_dict(), init=perms, seed=seed)
+        assert reused.objective[-1] == pytest.approx(fresh.objective[-1], rel=1e-6)
+        assert reused.objective[-1] == pytest.approx(
+            matching_objective(spec, sa, b.state_dict(), reused.perms), rel=1e-6
+        )
+        perms = reused.perms

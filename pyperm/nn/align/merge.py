@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pyperm._progress import progress_bar
-from pyperm.nn.align.weight import make_generator, weight_matching
+from pyperm.nn.align.weight import WeightMatcher, make_generator
 from pyperm.nn.permutations import Permutations
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.state import average
@@ -134,6 +134,9 @@ def merge_many(
     states = [{k: v.detach() for k, v in s.items()} for s in states]
     n = len(states)
     perms = [Permutations.identity(spec) for _ in range(n)]
+    # One matcher per model, which is always the B side of its matchings: its arrangement
+    # and warm solvers carry over from round to round.
+    matchers = [WeightMatcher(spec, s) for s in states]
     permuted = [dict(s) for s in states]
     # A running sum of the permuted models, so each model's "mean of the others" is one subtraction.
     total = {k: sum(s[k].double() for s in states) if v.is_floating_point() else v for k, v in states[0].items()}
@@ -149,7 +152,7 @@ def merge_many(
                     k: ((v - permuted[i][k].double()) / (n - 1)).to(states[i][k].dtype) if v.is_floating_point() else v
                     for k, v in total.items()
                 }
-                result = weight_matching(spec, others, states[i], init=perms[i], seed=gen)
+                result = matchers[i].match(others, init=perms[i], seed=gen)
                 new = Permutations(spec, result.perms)
                 if new == perms[i]:
                     continue

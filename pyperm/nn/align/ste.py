@@ -41,7 +41,7 @@ from pyperm.nn._runtime import (
     to_device,
     train_mode,
 )
-from pyperm.nn.align.weight import make_generator, weight_matching
+from pyperm.nn.align.weight import WeightMatcher, make_generator
 from pyperm.nn.permutations import Permutations
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.state import check_pair
@@ -172,7 +172,9 @@ def ste_matching(
     params = {name for name, _ in model.named_parameters()}
     trainable = [k for k in spec.axes if k in params and sa[k].is_floating_point()]
 
-    perms = Permutations(spec, weight_matching(spec, sa, sb, seed=gen).perms)
+    # One matcher for every projection: B's arrangement and the warm solvers are kept.
+    matcher = WeightMatcher(spec, sb)
+    perms = Permutations(spec, matcher.match(sa, seed=gen).perms)
     initial = perms
     # The free weights start at A: their projection is weight matching's answer.
     free = {k: sa[k].clone().requires_grad_(True) for k in trainable}
@@ -188,7 +190,7 @@ def ste_matching(
                     inputs, targets = to_device(inputs, device), targets.to(device)
                     if result.loss:  # the first step's projection is the starting weight matching
                         anchor = {k: free[k].detach() if k in free else sa[k] for k in spec.axes}
-                        projection = weight_matching(spec, anchor, sb, init=perms, seed=gen)
+                        projection = matcher.match(anchor, init=perms, seed=gen)
                         perms = Permutations(spec, projection.perms)
                         result.sweeps.append(projection.sweeps)
                     projected = perms.apply(sb)

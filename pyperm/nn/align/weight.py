@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -296,109 +297,186 @@ def weight_matching(
     >>> result.objective[-1] >= result.objective[0]
     True
     """
-    if not isinstance(spec, PermutationSpec):
-        raise TypeError(f"spec must be a PermutationSpec, got {type(spec).__name__}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer)):
-        raise TypeError(f"max_iter must be an int, got {type(max_iter).__name__}")
-    if max_iter < 0:
-        raise ValueError(f"max_iter must be non-negative, got {max_iter}")
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0:
-        raise ValueError(f"tol must be a non-negative finite number, got {tol!r}")
-    if dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-    if callback is not None and not callable(callback):
-        raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
-    gen = make_generator(seed)
-    sa = _check_state(spec, state_a, "state_a")
-    sb = _check_state(spec, state_b, "state_b")
-    obj_keys = _objective_keys(spec, sa, keys)
-    devices = {t.device for k in obj_keys for t in (sa[k], sb[k])}
-    if len(devices) > 1:
-        raise ValueError(f"state_a and state_b must be on one device, found {sorted(map(str, devices))}")
-    device = devices.pop() if devices else torch.device("cpu")
-    start = as_permutations(spec, init, "init") if init is not None else spec.identity()
-    perms = {g: p.to(device) for g, p in start.items()}
-    # Validates shapes and finiteness of every matched entry in the same pass.
-    objective = _objective(spec, sa, sb, perms, obj_keys)
+    matcher = WeightMatcher(spec, state_b, keys=keys, dtype=dtype)
+    return matcher.match(state_a, init=init, max_iter=max_iter, seed=seed, tol=tol, progress=progress, callback=callback)
 
-    # Arrange every (tensor, axis) pair once.
-    key_set = set(obj_keys)
-    groups: dict[str, GroupSimilarity] = {}
-    scratch: dict = {}
-    largest = torch.finfo(dtype).max
-    # ||A|| ||B|| of each entry that some group acts on, once per entry.
-    grouped = [key for key in obj_keys if any(g is not None for g in spec.axes[key])]
-    norms = {key: frobenius_norm(sa[key]) * frobenius_norm(sb[key]) for key in grouped}
-    for g, n in spec.sizes.items():
-        matched = [(key, axis) for key, axis in spec.group_axes[g] if key in key_set]
-        terms = [Term(axis, spec.axes[key], sa[key].to(dtype), sb[key].to(dtype), scratch) for key, axis in matched]
-        groups[g] = GroupSimilarity(g, n, terms, dtype, device)
-        # By Cauchy-Schwarz no similarity entry (nor partial sum) exceeds this bound: below
-        # it, the matrices need no finiteness check.
-        bound = sum(norms[key] for key, _ in matched)
-        groups[g].may_overflow = not bound < largest / 2
-    # Every group is visited (in the seeded order), even one whose similarity is all zero:
-    # its assignment then changes nothing, and the visiting order matches the reference
-    # implementation's for a given seed.
-    names = list(spec.sizes)
-    dependents = {g: [h for h in names if g in groups[h].neighbours] for g in names}
 
-    history = [objective]
-    use_cuda = device.type == "cuda" and pyperm.cuda_available()
-    bar = progress_bar(progress, max_iter, "weight matching", "sweep")
-    converged = False
-    sweeps = 0
-    try:
-        for _ in range(max_iter):
-            sweeps += 1
-            improved = False
-            order = [names[i] for i in torch.randperm(len(names), generator=gen).tolist()] if names else []
-            for g in order:
-                group = groups[g]
-                if not group.stale:
-                    continue  # no neighbour moved since its last solve: the same answer
-                group.stale = False
-                cost = group.negated_similarity(perms)
-                if group.may_overflow and not bool(torch.isfinite(cost).all()):
-                    raise ValueError(
-                        f"the similarity matrix of group {g!r} is not finite: the weights are too large "
-                        f"for {dtype}; rescale them or pass dtype=torch.float64"
-                    )
-                if device.type == "cpu":
-                    new = group.assign()
-                elif use_cuda:
-                    new = pyperm.linear_sum_assignment(cost)[1]
-                else:
-                    new = pyperm.linear_sum_assignment(cost.cpu())[1].to(device)
-                old = perms[g]
-                if torch.equal(new, old):
-                    continue
-                # The similarity is minus the cost.
-                old_val = -float(cost.gather(1, old[:, None]).double().sum())
-                new_val = -float(cost.gather(1, new[:, None]).double().sum())
-                gain = new_val - old_val
-                if gain <= tol * max(abs(old_val), abs(new_val)):
-                    continue  # a tie, or rounding: keep the current permutation
-                perms[g] = new
-                objective += gain
-                improved = True
-                for other in dependents[g]:
-                    groups[other].stale = True
-            history.append(objective)
+
+class WeightMatcher:
+    """Weight matching of any number of models A against one model B, reusing all it can.
+
+    Holds B's tensors arranged for the similarity products, the similarity buffers and
+    every group's warm-started assignment solver. :meth:`match` arranges a new A and runs
+    Algorithm 1 from the given permutations; between calls with nearby A's (the free
+    weights of successive STE steps, the mean of the other models in ``merge_many``) the
+    solvers start from the previous answer, so a match costs about one sweep of
+    similarity products. :func:`weight_matching` is one match of a fresh matcher.
+
+    Parameters
+    ----------
+    spec : PermutationSpec
+        The models' permutation groups.
+    state_b : mapping of str to torch.Tensor
+        The model to be permuted: the spec's keys, finite values, one device.
+    keys : iterable of str, optional
+        The entries that enter the objective (default: every floating-point entry).
+    dtype : torch.dtype, default torch.float32
+        Precision of the similarity matrices.
+    """
+
+    def __init__(
+        self,
+        spec: PermutationSpec,
+        state_b: Mapping[str, torch.Tensor],
+        *,
+        keys: Iterable[str] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not isinstance(spec, PermutationSpec):
+            raise TypeError(f"spec must be a PermutationSpec, got {type(spec).__name__}")
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        self.spec = spec
+        self.dtype = dtype
+        self.state_b = _check_state(spec, state_b, "state_b")
+        self.keys = _objective_keys(spec, self.state_b, keys)
+        devices = {self.state_b[k].device for k in self.keys}
+        if len(devices) > 1:
+            raise ValueError(f"state_b must be on one device, found {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        key_set = set(self.keys)
+        self._matched = {g: [(k, ax) for k, ax in spec.group_axes[g] if k in key_set] for g in spec.sizes}
+        self._norms_b: dict[str, float] | None = None  # ||B|| of the grouped entries (overflow bounds)
+        self._groups: dict[str, GroupSimilarity] | None = None  # built at the first match (they need an A)
+        self._scratch: dict = {}
+
+    def _arrange(self, sa: Mapping[str, torch.Tensor]) -> dict[str, GroupSimilarity]:
+        """Every group's similarity state for a new A (built once, then re-pointed at each A)."""
+        spec, dtype = self.spec, self.dtype
+        if self._groups is None:
+            self._groups = {}
+            for g, n in spec.sizes.items():
+                terms = [
+                    Term(axis, spec.axes[key], sa[key].to(dtype), self.state_b[key].to(dtype), self._scratch)
+                    for key, axis in self._matched[g]
+                ]
+                self._groups[g] = GroupSimilarity(g, n, terms, dtype, self.device)
+        else:
+            for g, group in self._groups.items():
+                for t, (key, _) in zip(group.all_terms, self._matched[g]):
+                    t.set_a(sa[key].to(dtype))
+                group.a_changed()
+        if self._norms_b is None:
+            grouped = {k for where in self._matched.values() for k, _ in where}
+            self._norms_b = {k: frobenius_norm(self.state_b[k]) for k in grouped}
+        largest = torch.finfo(dtype).max
+        norms_a = {k: frobenius_norm(sa[k]) for k in self._norms_b}
+        for g, group in self._groups.items():
+            # By Cauchy-Schwarz no similarity entry (nor partial sum) exceeds this bound: below
+            # it, the matrices need no finiteness check.
+            bound = sum(norms_a[k] * self._norms_b[k] for k, _ in self._matched[g])
+            group.may_overflow = not bound < largest / 2
+        return self._groups
+
+    def match(
+        self,
+        state_a: Mapping[str, torch.Tensor],
+        *,
+        init: Mapping[str, Any] | None = None,
+        max_iter: int = 100,
+        seed: int | torch.Generator = 0,
+        tol: float = 1e-12,
+        progress: bool = False,
+        callback: Callable[[int, Mapping[str, torch.Tensor], float], bool | None] | None = None,
+    ) -> WeightMatchingResult:
+        """Permutations of B maximising its match with ``state_a`` (see :func:`weight_matching`)."""
+        spec = self.spec
+        if isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer)):
+            raise TypeError(f"max_iter must be an int, got {type(max_iter).__name__}")
+        if max_iter < 0:
+            raise ValueError(f"max_iter must be non-negative, got {max_iter}")
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0:
+            raise ValueError(f"tol must be a non-negative finite number, got {tol!r}")
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
+        gen = make_generator(seed)
+        sa = _check_state(spec, state_a, "state_a")
+        sb = self.state_b
+        devices = {sa[k].device for k in self.keys} | ({self.device} if self.keys else set())
+        if len(devices) > 1:
+            raise ValueError(f"state_a and state_b must be on one device, found {sorted(map(str, devices))}")
+        device = self.device
+        start = as_permutations(spec, init, "init") if init is not None else spec.identity()
+        perms = {g: p.to(device) for g, p in start.items()}
+        # Validates shapes and finiteness of every matched entry in the same pass.
+        objective = _objective(spec, sa, sb, perms, self.keys)
+        groups = self._arrange(sa)
+        # Every group is visited (in the seeded order), even one whose similarity is all zero:
+        # its assignment then changes nothing, and the visiting order matches the reference
+        # implementation's for a given seed.
+        names = list(spec.sizes)
+        dependents = {g: [h for h in names if g in groups[h].neighbours] for g in names}
+        cpu_fallback = device.type == "cuda" and not pyperm.cuda_available()
+        if cpu_fallback:
+            warnings.warn(
+                "weight_matching: pyperm's CUDA solvers are not available, so the assignments of these CUDA "
+                "tensors are solved on the CPU (slower); see pyperm.cuda_available()",
+                UserWarning,
+                stacklevel=3,
+            )
+
+        history = [objective]
+        bar = progress_bar(progress, max_iter, "weight matching", "sweep")
+        converged = False
+        sweeps = 0
+        try:
+            for _ in range(max_iter):
+                sweeps += 1
+                improved = False
+                order = [names[i] for i in torch.randperm(len(names), generator=gen).tolist()] if names else []
+                for g in order:
+                    group = groups[g]
+                    if not group.stale:
+                        continue  # no neighbour moved since its last solve: the same answer
+                    group.stale = False
+                    cost = group.negated_similarity(perms)
+                    if group.may_overflow and not bool(torch.isfinite(cost).all()):
+                        raise ValueError(
+                            f"the similarity matrix of group {g!r} is not finite: the weights are too large "
+                            f"for {self.dtype}; rescale them or pass dtype=torch.float64"
+                        )
+                    if cpu_fallback:
+                        new = pyperm.linear_sum_assignment(cost.cpu())[1].to(device)
+                    else:
+                        new = group.assign()
+                    old = perms[g]
+                    if torch.equal(new, old):
+                        continue
+                    # The similarity is minus the cost.
+                    old_val = -float(cost.gather(1, old[:, None]).double().sum())
+                    new_val = -float(cost.gather(1, new[:, None]).double().sum())
+                    gain = new_val - old_val
+                    if gain <= tol * max(abs(old_val), abs(new_val)):
+                        continue  # a tie, or rounding: keep the current permutation
+                    perms[g] = new
+                    objective += gain
+                    improved = True
+                    for other in dependents[g]:
+                        groups[other].stale = True
+                history.append(objective)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(objective=f"{objective:.6g}")
+                stop = callback is not None and bool(callback(sweeps, perms, objective))
+                if not improved:
+                    converged = True
+                    break
+                if stop:
+                    break
+        finally:
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(objective=f"{objective:.6g}")
-            stop = callback is not None and bool(callback(sweeps, perms, objective))
-            if not improved:
-                converged = True
-                break
-            if stop:
-                break
-    finally:
-        if bar is not None:
-            bar.close()
-    logger.debug("weight_matching: %d sweeps, converged=%s, objective %.6g", sweeps, converged, history[-1])
-    return WeightMatchingResult(
-        perms={g: p.cpu() for g, p in perms.items()}, objective=history, sweeps=sweeps, converged=converged
-    )
-
+                bar.close()
+        logger.debug("weight_matching: %d sweeps, converged=%s, objective %.6g", sweeps, converged, history[-1])
+        return WeightMatchingResult(
+            perms={g: p.cpu() for g, p in perms.items()}, objective=history, sweeps=sweeps, converged=converged
+        )
