@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from pyperm._progress import progress_bar
 from pyperm.nn._runtime import inputs_and_targets, iterate_batches, num_batches, to_device, training_flags
 from pyperm.nn.curves._base import Curve
+from pyperm.nn.curves.robust import check_attack, pgd_attack
 
 __all__ = ["CurveTrainer", "train_curve"]
 
@@ -103,8 +104,15 @@ class CurveTrainer:
 
     def __init__(self, curve: Curve, *, lr: float, optimizer: str | type[torch.optim.Optimizer] = "sgd",
                  momentum: float = 0.9, weight_decay: float = 0.0, seed: int | torch.Generator = 0,
-                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None) -> None:
+                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+                 adversarial: dict[str, Any] | None = None) -> None:
         self.curve = check_curve(curve)
+        self.adversarial = None if adversarial is None else check_attack(adversarial)
+        if self.adversarial is not None:
+            # The attacks' random starts have their own stream: the points t are those of clean training.
+            attack_seed = self.adversarial.pop("seed", 0)
+            self.attack_generator = (attack_seed if isinstance(attack_seed, torch.Generator)
+                                     else torch.Generator().manual_seed(attack_seed))
         lr = _real(lr, "lr", positive=True)
         momentum = _real(momentum, "momentum")
         weight_decay = _real(weight_decay, "weight_decay")
@@ -167,6 +175,12 @@ class CurveTrainer:
         local = targets.shape[0] if targets.ndim else 1
         opt.zero_grad(set_to_none=True)
         if local > 0:
+            if self.adversarial is not None:
+                # The robust loss (Tatro et al. section 5): PGD against the network at t.
+                rest = inputs[1:]
+                adv = pgd_attack(lambda x: curve((x, *rest), t), inputs[0], targets, seed=self.attack_generator,
+                                 **self.adversarial)
+                inputs = (adv, *rest)
             loss = self.loss_fn(curve(inputs, t), targets)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError("loss_fn must return the batch's mean loss as a one-element tensor")
@@ -199,6 +213,7 @@ def train_curve(
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     progress: bool = False,
     callback: Callable[[int, float], bool | None] | None = None,
+    adversarial: dict[str, Any] | None = None,
 ) -> list[float]:
     r"""Train a curve's bends (Tatro et al. Algorithm 2; Garipov et al. 2018, section 3).
 
@@ -244,6 +259,13 @@ def train_curve(
         ``callback(epoch, loss)`` after each epoch (``epoch`` from 1, ``loss`` the epoch's
         mean training loss); returning ``True`` stops training. A hook for schedules,
         logging and methods built on this one (PAM).
+    adversarial : dict, optional
+        Train on the robust loss (Tatro et al. section 5): each batch is replaced by PGD
+        adversarial examples against the network at the batch's ``t``,
+        :func:`~pyperm.nn.curves.robust.pgd_attack` with these keyword arguments
+        (``eps``, ``steps``, ``step_size``; optionally ``norm``, ``clamp``, ``loss_fn``,
+        and ``seed`` for the attacks' random starts). Each step then costs ``steps + 1``
+        forward and backward passes.
 
     Returns
     -------
@@ -305,7 +327,7 @@ def train_curve(
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable, got {type(callback).__name__}")
     trainer = CurveTrainer(curve, lr=lr, optimizer=optimizer, momentum=momentum, weight_decay=weight_decay,
-                           seed=seed, loss_fn=loss_fn)
+                           seed=seed, loss_fn=loss_fn, adversarial=adversarial)
 
     history: list[float] = []
     per_epoch = num_batches(data)
