@@ -156,24 +156,52 @@ class PermutationSpec:
 
         return _trace(model, example_input, composite, stacklevel=2).spec
 
-    def group_correspondence(self, other: PermutationSpec) -> dict[str, str] | None:
+    def groups_in(self, other: PermutationSpec, name: str = "spec") -> dict[str, str]:
         """Map each group to the group of ``other`` acting on exactly the same axes.
 
-        Returns ``None`` unless the two specs are :meth:`equivalent`.
+        ``other`` may have more groups (this spec may leave some out), typically the spec
+        :meth:`from_model` traces, against which a hand-written spec is checked.
+
+        Raises
+        ------
+        TypeError
+            ``other`` is not a PermutationSpec.
+        ValueError
+            The two specs cover different ``state_dict`` keys, or a group has no
+            counterpart of the same size in ``other`` (the message names it; ``name`` is
+            how it calls this spec).
         """
         if not isinstance(other, PermutationSpec):
             raise TypeError(f"other must be a PermutationSpec, got {type(other).__name__}")
         if set(self.axes) != set(other.axes):
-            return None
-        if any(len(groups) != len(other.axes[key]) for key, groups in self.axes.items()):
-            return None
+            missing = [k for k in other.axes if k not in self.axes]
+            extra = [k for k in self.axes if k not in other.axes]
+            raise ValueError(
+                f"{name} does not match the models' state_dict: missing keys {missing[:5]}, unexpected {extra[:5]}"
+            )
         theirs = {frozenset(where): g for g, where in other.group_axes.items()}
         mapping: dict[str, str] = {}
         for g, where in self.group_axes.items():
             h = theirs.get(frozenset(where))
             if h is None or other.sizes[h] != self.sizes[g]:
-                return None
+                raise ValueError(
+                    f"{name} group {g!r} (acting on {list(where)[:3]}...) matches no group of the traced model: "
+                    "each group must be one of the groups PermutationSpec.from_model finds (it may leave some out)"
+                )
             mapping[g] = h
+        return mapping
+
+    def group_correspondence(self, other: PermutationSpec) -> dict[str, str] | None:
+        """Map each group to the group of ``other`` acting on exactly the same axes.
+
+        Returns ``None`` unless the two specs are :meth:`equivalent`.
+        """
+        try:
+            mapping = self.groups_in(other)
+        except ValueError:
+            return None
+        if any(len(groups) != len(other.axes[key]) for key, groups in self.axes.items()):
+            return None
         return mapping if len(mapping) == len(other.sizes) else None
 
     def equivalent(self, other: PermutationSpec) -> bool:
