@@ -130,28 +130,6 @@ def _check_models(model_a: Any, model_b: Any) -> None:
             raise ValueError(f"model_a and model_b differ in {k!r}: shapes {tuple(t.shape)} and {tuple(sb[k].shape)}")
 
 
-def _spec_groups(spec: PermutationSpec, traced: PermutationSpec) -> dict[str, str]:
-    """Maps each group of ``spec`` to the traced group acting on exactly the same axes."""
-    if set(spec.axes) != set(traced.axes):
-        missing = [k for k in traced.axes if k not in spec.axes]
-        extra = [k for k in spec.axes if k not in traced.axes]
-        raise ValueError(
-            f"spec does not match the models' state_dict: missing keys {missing[:5]}, unexpected {extra[:5]}"
-        )
-    theirs = {frozenset(where): g for g, where in traced.group_axes.items()}
-    out = {}
-    for g, where in spec.group_axes.items():
-        h = theirs.get(frozenset(where))
-        if h is None:
-            raise ValueError(
-                f"spec group {g!r} (acting on {list(where)[:3]}...) matches no group of the traced model: "
-                "activation matching needs each group of spec to be one of the groups PermutationSpec.from_model "
-                "finds (it may leave some out)"
-            )
-        out[g] = h
-    return out
-
-
 # --------------------------------------------------------------------------- entry point
 
 
@@ -288,7 +266,7 @@ def activation_matching(
         spec = traced.spec
         names = {g: g for g in spec.groups}
     else:
-        names = _spec_groups(spec, traced.spec)
+        names = spec.groups_in(traced.spec)
     all_sites = traced.sites(pre_activation)
     sites = {g: all_sites[names[g]] for g in spec.groups}
     for g, where in sites.items():

@@ -60,21 +60,6 @@ def _check_t(t: Any) -> float:
     return t
 
 
-def _spec_groups(spec: PermutationSpec, traced: PermutationSpec) -> dict[str, str]:
-    """Each group of ``spec`` mapped to the traced group acting on exactly the same axes."""
-    theirs = {frozenset(where): g for g, where in traced.group_axes.items()}
-    out = {}
-    for g, where in spec.group_axes.items():
-        h = theirs.get(frozenset(where))
-        if h is None:
-            raise ValueError(
-                f"spec group {g!r} (acting on {list(where)[:3]}...) is none of the groups the traced model has; "
-                "repair needs each group of spec to be one PermutationSpec.from_model finds"
-            )
-        out[g] = h
-    return out
-
-
 def _make_site(group: str, site: ActivationSite, model: nn.Module, state: Mapping[str, torch.Tensor],
                calls: Mapping[str, int]) -> _Site:
     """Where the correction of ``site`` folds in; ValueError when it cannot be folded."""
@@ -357,7 +342,7 @@ def repair(
         groups = {g: g for g in traced.spec.groups}
     else:
         spec.check_state_dict(state_a, "state_a")
-        groups = _spec_groups(spec, traced.spec)
+        groups = spec.groups_in(traced.spec)
 
     calls: dict[str, int] = {}
     for node in traced.graph_module.graph.nodes:
