@@ -63,8 +63,9 @@ def test_bench_barrier(benchmark):
     benchmark.group = f"barrier: MLP 784-256x3-10, {POINTS} points x 2048 samples"
     model, data = _mlp(), _data()
     a, b = _states(model)
-    np.testing.assert_allclose(barrier(model, a, b, data, num_points=POINTS).loss, _floor_barrier(model, a, b, data),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        barrier(model, a, b, data, num_points=POINTS).loss, _floor_barrier(model, a, b, data), rtol=1e-5
+    )
     benchmark(barrier, model, a, b, data, num_points=POINTS)
 
 

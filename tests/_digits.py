@@ -25,7 +25,11 @@ def _load() -> tuple[np.ndarray, np.ndarray]:
     several seconds on a loaded 2-core machine, reading the file 0.1 s.
     """
     spec = importlib.util.find_spec("sklearn")
-    path = None if spec is None or spec.origin is None else Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+    path = (
+        None
+        if spec is None or spec.origin is None
+        else Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+    )
     if path is None or not path.exists():
         from sklearn.datasets import load_digits
 
@@ -64,7 +68,9 @@ def mlp(width: int = 128, depth: int = 2, batchnorm: bool = False) -> nn.Sequent
     return nn.Sequential(*layers)
 
 
-def train(model: nn.Module, seed: int, epochs: int = 20, batch_size: int = 64, lr: float = 0.05) -> dict[str, torch.Tensor]:
+def train(
+    model: nn.Module, seed: int, epochs: int = 20, batch_size: int = 64, lr: float = 0.05
+) -> dict[str, torch.Tensor]:
     """Train ``model`` in place by SGD with momentum from a ``seed``-ed initialisation; returns a copy of its state."""
     x, y, _, _ = digits()
     gen = torch.Generator().manual_seed(seed)
@@ -104,7 +110,7 @@ def one_thread():
         torch.set_num_threads(before)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def trained_pair(width: int = 64, depth: int = 2, epochs: int = 10, batchnorm: bool = False):
     """``(model, state_a, state_b, state_b_matched)``: two MLPs trained from seeds 1 and 2, and B
     permuted into A's basin by weight matching. Cached for the session; callers must not modify them."""

@@ -20,8 +20,10 @@ def _model(seed=0, batchnorm=False):
 
 def _random_state(model, seed):
     gen = torch.Generator().manual_seed(seed)
-    return {k: (torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone())
-            for k, v in model.state_dict().items()}
+    return {
+        k: (torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone())
+        for k, v in model.state_dict().items()
+    }
 
 
 def _data(seed=0, sizes=(9, 20, 3)):
@@ -118,8 +120,9 @@ def test_batchnorm_reset_at_every_point_equals_a_hand_written_loop():
     _assert_unchanged(model, before)
     probe = _model(seed=5, batchnorm=True)
     for k, t in enumerate([0.0, 0.5, 1.0]):
-        probe.load_state_dict({key: (1 - t) * a[key] + t * b[key] if a[key].is_floating_point() else a[key]
-                               for key in a})
+        probe.load_state_dict(
+            {key: (1 - t) * a[key] + t * b[key] if a[key].is_floating_point() else a[key] for key in a}
+        )
         reset_bn_stats(probe, train)
         probe.eval()
         with torch.no_grad():
@@ -176,8 +179,9 @@ def test_evaluation_device(device):
 
 def test_result_is_a_barrier_result():
     model = _model()
-    assert isinstance(barrier(model, _random_state(model, 1), _random_state(model, 2), _data(), num_points=2),
-                      BarrierResult)
+    assert isinstance(
+        barrier(model, _random_state(model, 1), _random_state(model, 2), _data(), num_points=2), BarrierResult
+    )
 
 
 def test_bad_arguments():

@@ -19,8 +19,9 @@ def _unit_stats(model, state, paths, data, axis=1):
     probe.load_state_dict(state)
     probe.eval()
     seen = {p: [] for p in paths}
-    hooks = [probe.get_submodule(p).register_forward_hook(lambda m, i, o, p=p: seen[p].append(o.detach()))
-             for p in paths]
+    hooks = [
+        probe.get_submodule(p).register_forward_hook(lambda m, i, o, p=p: seen[p].append(o.detach())) for p in paths
+    ]
     with torch.no_grad():
         for batch in data:
             probe(batch[0] if isinstance(batch, (tuple, list)) else batch)
@@ -88,9 +89,14 @@ def test_endpoints_come_back_unchanged(digits_pair):
 def _conv_model():
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(2, 6, 3), nn.BatchNorm2d(6), nn.ReLU(),
-        nn.Conv2d(6, 5, 3), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(5, 3),
+        nn.Conv2d(2, 6, 3),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Conv2d(6, 5, 3),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(5, 3),
     )
 
 
@@ -144,8 +150,10 @@ def test_spec_limits_the_repair_to_its_groups():
     data = [torch.randn(30, 4)]
     full = PermutationSpec.from_model(model, data[0])
     second = next(g for g, where in full.group_axes.items() if ("2.weight", 0) in where)
-    only = PermutationSpec({k: tuple(g if g == second else None for g in axes) for k, axes in full.axes.items()},
-                           {second: full.sizes[second]})
+    only = PermutationSpec(
+        {k: tuple(g if g == second else None for g in axes) for k, axes in full.axes.items()},
+        {second: full.sizes[second]},
+    )
     repaired = repair(model, a, b, 0.5, data, spec=only)
     plain = interpolate(a, b, 0.5)
     assert torch.equal(repaired["0.weight"], plain["0.weight"]) and torch.equal(repaired["0.bias"], plain["0.bias"])
@@ -191,8 +199,9 @@ def test_bad_arguments():
         repair(model, a, {k: v for k, v in b.items() if k != "2.bias"}, 0.5, data)
     with pytest.raises(TypeError, match="spec must be a PermutationSpec"):
         repair(model, a, b, 0.5, data, spec={"h": 4})
-    foreign = PermutationSpec({"0.weight": (None, "x"), "0.bias": (None,), "2.weight": (None, None),
-                               "2.bias": (None,)}, {"x": 3})
+    foreign = PermutationSpec(
+        {"0.weight": (None, "x"), "0.bias": (None,), "2.weight": (None, None), "2.bias": (None,)}, {"x": 3}
+    )
     with pytest.raises(ValueError, match="spec group 'x'"):
         repair(model, a, b, 0.5, data, spec=foreign)
     functional = _Functional()

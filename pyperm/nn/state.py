@@ -97,7 +97,9 @@ def _check_real(value: Any, name: str) -> float:
     return value
 
 
-def interpolate(state_a: Mapping[str, torch.Tensor], state_b: Mapping[str, torch.Tensor], t: float) -> dict[str, torch.Tensor]:
+def interpolate(
+    state_a: Mapping[str, torch.Tensor], state_b: Mapping[str, torch.Tensor], t: float
+) -> dict[str, torch.Tensor]:
     r"""The state dict on the line through two models: :math:`(1 - t)\,\Theta_A + t\,\Theta_B`.
 
     Parameters
@@ -192,7 +194,7 @@ def average(
     >>> average(s)["w"], average(s, weights=[1, 1, 0])["w"]
     (tensor([2.]), tensor([0.5000]))
     """
-    if isinstance(states, Mapping) or isinstance(states, (str, bytes)) or not isinstance(states, Sequence):
+    if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
         raise TypeError(f"states must be a sequence of state dicts, got {type(states).__name__}")
     if len(states) == 0:
         raise ValueError("states must hold at least one state dict, got an empty sequence")

@@ -17,7 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyperm._progress import progress_bar
-from pyperm.nn._runtime import check_module, eval_mode, inputs_and_targets, iterate_batches, module_device, to_device
+from pyperm.nn._runtime import (
+    check_module,
+    eval_mode,
+    inputs_and_targets,
+    iterate_batches,
+    module_device,
+    to_device,
+)
 from pyperm.nn.eval._common import check_model_states, check_reiterable
 from pyperm.nn.eval.batchnorm import batchnorm_modules, reset_bn_stats
 from pyperm.nn.state import interpolate
@@ -226,7 +233,9 @@ def _check_ts(ts: Any, num_points: Any) -> np.ndarray:
     if not np.all(np.isfinite(out)):
         raise ValueError("ts must be finite")
     if out[0] != 0.0 or out[-1] != 1.0:
-        raise ValueError(f"ts must start at 0 and end at 1 (the endpoints define the barrier), got {out[0]} ... {out[-1]}")
+        raise ValueError(
+            f"ts must start at 0 and end at 1 (the endpoints define the barrier), got {out[0]} ... {out[-1]}"
+        )
     if np.any(np.diff(out) <= 0):
         raise ValueError("ts must be strictly increasing")
     return out

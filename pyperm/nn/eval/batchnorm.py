@@ -9,7 +9,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pyperm.nn._runtime import check_module, eval_mode, iterate_batches, model_inputs, module_device, to_device
+from pyperm.nn._runtime import (
+    check_module,
+    eval_mode,
+    iterate_batches,
+    model_inputs,
+    module_device,
+    to_device,
+)
 from pyperm.nn.eval._moments import Moments
 
 __all__ = ["batchnorm_modules", "reset_bn_stats"]
@@ -113,8 +120,9 @@ def reset_bn_stats(model: nn.Module, data: Iterable[Any], *, max_batches: int | 
     check_module(model)
     bns = batchnorm_modules(model)
     if not bns:
-        logger.debug("reset_bn_stats: %s has no BatchNorm with running statistics; nothing to reset",
-                     type(model).__name__)
+        logger.debug(
+            "reset_bn_stats: %s has no BatchNorm with running statistics; nothing to reset", type(model).__name__
+        )
         return model
     device = module_device(model)
     moments = {name: Moments() for name, _ in bns}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from numbers import Real
@@ -12,7 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pyperm.nn._runtime import check_module, eval_mode, iterate_batches, model_inputs, module_device, to_device
+from pyperm.nn._runtime import (
+    check_module,
+    eval_mode,
+    iterate_batches,
+    model_inputs,
+    module_device,
+    to_device,
+)
 from pyperm.nn.eval._common import check_model_states, check_reiterable
 from pyperm.nn.eval._moments import Moments
 from pyperm.nn.spec import PermutationSpec
@@ -60,8 +66,9 @@ def _check_t(t: Any) -> float:
     return t
 
 
-def _make_site(group: str, site: ActivationSite, model: nn.Module, state: Mapping[str, torch.Tensor],
-               calls: Mapping[str, int]) -> _Site:
+def _make_site(
+    group: str, site: ActivationSite, model: nn.Module, state: Mapping[str, torch.Tensor], calls: Mapping[str, int]
+) -> _Site:
     """Where the correction of ``site`` folds in; ValueError when it cannot be folded."""
     where = f"pre-activation site {site.node!r} of group {group!r}"
     try:
@@ -79,17 +86,24 @@ def _make_site(group: str, site: ActivationSite, model: nn.Module, state: Mappin
     bias = prefix + "bias" if getattr(module, "bias", None) is not None else None
     running = isinstance(module, _BATCHNORMS) and module.track_running_stats
     if weight is None:
-        raise ValueError(f"repair cannot fold a correction into the {where}: {type(module).__name__} "
-                         f"{site.module!r} has no affine weight")
+        raise ValueError(
+            f"repair cannot fold a correction into the {where}: {type(module).__name__} "
+            f"{site.module!r} has no affine weight"
+        )
     for key in (weight, bias) + ((prefix + "running_mean", prefix + "running_var") if running else ()):
         if key is not None and key not in state:
             raise ValueError(f"repair: {key!r} of the {where} is not in the state dicts")
     if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1:
-        raise ValueError(f"repair cannot fold a correction into the {where}: LayerNorm {site.module!r} normalises "
-                         f"over {tuple(module.normalized_shape)}, not one axis of units")
+        raise ValueError(
+            f"repair cannot fold a correction into the {where}: LayerNorm {site.module!r} normalises "
+            f"over {tuple(module.normalized_shape)}, not one axis of units"
+        )
     if bias is None:
-        logger.warning("repair: %s %r has no bias; only the standard deviation of its units is corrected",
-                       type(module).__name__, site.module)
+        logger.warning(
+            "repair: %s %r has no bias; only the standard deviation of its units is corrected",
+            type(module).__name__,
+            site.module,
+        )
     return _Site(group, site.node, site.module, module, site.axis, weight, bias, running)
 
 
@@ -111,8 +125,14 @@ class _Done(Exception):
     """Raised by the last site hook of a batch: the rest of the forward is not needed."""
 
 
-def _measure(model: nn.Module, state: Mapping[str, torch.Tensor], sites: list[_Site], data: Iterable[Any],
-             max_batches: int | None, device: torch.device) -> list[Moments]:
+def _measure(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    sites: list[_Site],
+    data: Iterable[Any],
+    max_batches: int | None,
+    device: torch.device,
+) -> list[Moments]:
     """Per-unit moments at each site over ``data``, the model running ``state`` in eval mode.
 
     A site is read at its module's output, except a BatchNorm with running statistics,
@@ -128,7 +148,7 @@ def _measure(model: nn.Module, state: Mapping[str, torch.Tensor], sites: list[_S
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             x = args[0] if site.running else output
             if not isinstance(x, torch.Tensor):
-                raise ValueError(f"repair: {site.describe()} did not compute a tensor")
+                raise TypeError(f"repair: {site.describe()} did not compute a tensor")
             moments[k].update(x, 1 if site.running else site.axis)
             fired.add(k)
             if len(fired) == len(sites):
@@ -174,6 +194,7 @@ def _output_stats(site: _Site, acc: Moments, state: Mapping[str, torch.Tensor]) 
 
 def _fold(site: _Site, acc: Moments, mean: torch.Tensor, std: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
     r"""Fold ``y -> (y - mu) * std / sigma + mean`` at ``site`` into ``state`` (in place)."""
+
     def put(key: str, value: torch.Tensor) -> None:
         state[key] = value.to(state[key].dtype)
 
@@ -356,8 +377,10 @@ def repair(
     seen: dict[str, str] = {}
     for site in sites:
         if site.path in seen:
-            raise ValueError(f"repair: module {site.path!r} computes the sites of groups {seen[site.path]!r} and "
-                             f"{site.group!r}; one correction cannot serve both")
+            raise ValueError(
+                f"repair: module {site.path!r} computes the sites of groups {seen[site.path]!r} and "
+                f"{site.group!r}; one correction cannot serve both"
+            )
         seen[site.path] = site.group
 
     working = {k: v.detach().to(device) for k, v in interpolate(state_a, state_b, t).items()}
