@@ -32,6 +32,9 @@ MODELS = ("digits-cnn", "resnet20x4")
 # CPU batch is small enough for a 2-core machine.
 DEFAULT_BATCH = {("digits-cnn", "cpu"): 128, ("digits-cnn", "cuda"): 128,
                  ("resnet20x4", "cpu"): 16, ("resnet20x4", "cuda"): 128}
+# Timed steps of each kind: many of the millisecond steps (their medians are noisy on a
+# shared machine), a few of the seconds-long ones.
+DEFAULT_REPEATS = {"digits-cnn": 41, "resnet20x4": 7}
 
 
 def build_model(name: str, seed: int):
@@ -62,9 +65,17 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(name: str, device: str = "cpu", batch: int | None = None, repeats: int = 7, seed: int = 0
-            ) -> dict[str, Any]:
-    """Median and best seconds of a plain and a curve training step, alternated, and their ratios."""
+def measure(name: str, device: str = "cpu", batch: int | None = None, repeats: int | None = None, seed: int = 0,
+            clock: str = "wall") -> dict[str, Any]:
+    """Median and best seconds of a plain and a curve training step, alternated, and their ratios.
+
+    ``clock="cpu"`` times the calling thread's CPU time instead of the wall clock: with one
+    torch thread (``torch.set_num_threads(1)``) on a CPU, it ignores the time the process
+    spends descheduled on a busy machine.
+    """
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
+    timer = time.perf_counter if clock == "wall" else time.thread_time
     import torch
     import torch.nn.functional as F
 
@@ -72,6 +83,7 @@ def measure(name: str, device: str = "cpu", batch: int | None = None, repeats: i
 
     dev = torch.device(device)
     batch = batch or DEFAULT_BATCH[(name, dev.type)]
+    repeats = repeats or DEFAULT_REPEATS[name]
     model, shape = build_model(name, seed)
     model = model.to(dev).train()
     state_a = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -104,21 +116,21 @@ def measure(name: str, device: str = "cpu", batch: int | None = None, repeats: i
     plain, curve_times = [], []
     for _ in range(max(1, repeats)):
         for fn, out in ((plain_step, plain), (curve_step, curve_times)):
-            start = time.perf_counter()
+            start = timer()
             fn()
-            out.append(time.perf_counter() - start)
+            out.append(timer() - start)
     p, c = statistics.median(plain), statistics.median(curve_times)
     return {
         "model": name, "device": dev.type, "batch": batch,
         "parameters": sum(q.numel() for q in model.parameters()),
-        "plain_ms": 1e3 * p, "curve_ms": 1e3 * c, "ratio": c / p,
+        "repeats": repeats, "plain_ms": 1e3 * p, "curve_ms": 1e3 * c, "ratio": c / p,
         "best_ratio": min(curve_times) / min(plain), "check": check,
     }  # fmt: skip
 
 
 def bench(models: Sequence[str] = MODELS, devices: Sequence[str] | None = None, batch: int | None = None,
-          repeats: int = 7, seed: int = 0, report: Callable[[dict[str, Any]], None] | None = None
-          ) -> list[dict[str, Any]]:
+          repeats: int | None = None, seed: int = 0, report: Callable[[dict[str, Any]], None] | None = None,
+          clock: str = "wall") -> list[dict[str, Any]]:
     """:func:`measure` for every model and device (CPU, and CUDA when available by default)."""
     import torch
 
@@ -127,7 +139,7 @@ def bench(models: Sequence[str] = MODELS, devices: Sequence[str] | None = None, 
     rows = []
     for device in devices:
         for name in models:
-            row = measure(name, device, batch, repeats, seed)
+            row = measure(name, device, batch, repeats, seed, clock)
             rows.append(row)
             if report is not None:
                 report(row)
@@ -157,10 +169,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="devices (default: cpu, and cuda when available)")
     parser.add_argument("--batch", type=int, default=None,
                         help="batch size (default: 128; ResNet20x4 on the CPU: 16)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed steps of each kind (median reported)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed steps of each kind, median reported (default: 41 digits-cnn, 7 resnet20x4)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="3 repeats")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: the thread's CPU time (with --threads 1 on a busy CPU machine)")
+    parser.add_argument("--quick", action="store_true", help="5 repeats")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
 
     import pyperm
 
-    if args.repeats < 1 or (args.batch is not None and args.batch < 1):
+    if (args.repeats is not None and args.repeats < 1) or (args.batch is not None and args.batch < 1):
         print("repeats and batch must be positive", file=sys.stderr)
         return 2
     if args.devices and "cuda" in args.devices and not torch.cuda.is_available():
@@ -177,13 +192,13 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     print(f"pyperm {pyperm.__version__}  torch {torch.__version__}  threads {torch.get_num_threads()}  "
-          f"goal: curve step <= {TARGET_RATIO} x plain step")
+          f"clock {args.clock}  goal: curve step <= {TARGET_RATIO} x plain step")
     print("plain = SGD step of the model; curve = CurveTrainer.step of a 1-bend Bezier curve of the same model "
           "on the same batch;\nmedian ms of alternating runs; ratio = curve / plain; (best) = fastest / fastest")
     print(HEADER)
     print("-" * len(HEADER), flush=True)
-    bench(args.models, args.devices, args.batch, 3 if args.quick else args.repeats, args.seed,
-          report=lambda row: print(format_row(row), flush=True))
+    bench(args.models, args.devices, args.batch, 5 if args.quick else args.repeats, args.seed,
+          report=lambda row: print(format_row(row), flush=True), clock=args.clock)
     return 0
 
 

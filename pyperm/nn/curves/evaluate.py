@@ -38,8 +38,8 @@ class CurveResult:
     Notes
     -----
     ``average_accuracy``, ``min_accuracy`` and ``max_loss`` are the columns of Tatro et
-    al.'s Tables 1-2: with evenly spaced points, the mean is the trapezoid-free estimate
-    of :math:`\int_0^1 \mathrm{acc}(r_\phi(t))\,dt` that the paper reports.
+    al.'s Tables 1-2; over evenly spaced points the mean estimates
+    :math:`\int_0^1 \mathrm{acc}(r_\phi(t))\,dt`, as the paper reports it.
     """
 
     ts: np.ndarray
@@ -105,7 +105,8 @@ def summary_table(results: Mapping[str, CurveResult]) -> str:
     return "\n".join(lines)
 
 
-def plot_curve_results(results: Mapping[str, CurveResult], path: str | Path, *, title: str | None = None) -> Path:
+def plot_curve_results(results: Mapping[str, CurveResult], path: str | Path, *, title: str | None = None,
+                       dashed: Iterable[str] = ()) -> Path:
     """Loss (left) and accuracy (right) against ``t`` for several curves, as a PNG.
 
     Parameters
@@ -116,6 +117,8 @@ def plot_curve_results(results: Mapping[str, CurveResult], path: str | Path, *, 
         Where to write the PNG.
     title : str, optional
         A title over both panels.
+    dashed : iterable of str, optional
+        Labels drawn with dashed lines (e.g. the straight lines before training).
 
     Returns
     -------
@@ -134,9 +137,12 @@ def plot_curve_results(results: Mapping[str, CurveResult], path: str | Path, *, 
     fig = Figure(figsize=(9, 3.6))
     FigureCanvasAgg(fig)
     ax_loss, ax_acc = fig.subplots(1, 2)
-    for name, r in results.items():
-        ax_loss.plot(r.ts, r.loss, marker="o", markersize=3, label=name)
-        ax_acc.plot(r.ts, 100 * np.asarray(r.accuracy), marker="o", markersize=3, label=name)
+    dashed = set(dashed)
+    for k, (name, r) in enumerate(results.items()):
+        style = {"marker": "o", "markersize": 3, "label": name, "color": f"C{k % 10}",
+                 "linestyle": "--" if name in dashed else "-"}
+        ax_loss.plot(r.ts, r.loss, **style)
+        ax_acc.plot(r.ts, 100 * np.asarray(r.accuracy), **style)
     ax_loss.set_xlabel("t")
     ax_loss.set_ylabel("loss")
     ax_acc.set_xlabel("t")
