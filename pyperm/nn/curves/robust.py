@@ -70,6 +70,14 @@ def check_attack(attack: Any, name: str = "adversarial") -> dict[str, Any]:
     out = dict(attack)
     _check_options(out["eps"], out["steps"], out["step_size"], out.get("norm", "inf"), out.get("clamp", (0.0, 1.0)),
                    prefix=f"{name}: ")
+    seed = out.get("seed", 0)
+    if not isinstance(seed, torch.Generator):
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"{name}: seed must be an int or a torch.Generator, got {type(seed).__name__}")
+        if seed < 0:
+            raise ValueError(f"{name}: seed must be non-negative, got {seed}")
+    if out.get("loss_fn") is not None and not callable(out["loss_fn"]):
+        raise TypeError(f"{name}: loss_fn must be callable, got {type(out['loss_fn']).__name__}")
     return out
 
 
