@@ -369,7 +369,9 @@ def barrier(
     -----
     Evaluation runs in eval mode under ``torch.no_grad``; the BatchNorm reset in
     between runs the BatchNorms in train mode (see ``reset_bn_stats``). The work is
-    ``len(ts)`` passes over ``data``, plus as many over ``reset_bn``.
+    ``len(ts)`` passes over ``data``, plus as many over ``reset_bn``. While the call
+    runs, ``model`` holds the interpolated weights (its own are saved on its device and
+    loaded back at the end), so it must not be used from another thread meanwhile.
 
     References
     ----------
