@@ -1,0 +1,290 @@
+"""Tatro et al. (NeurIPS 2020) Figure 4: robust curves between adversarially trained models, on digits.
+
+Two CNNs are trained adversarially (PGD, L-inf) from different seeds; quadratic Bezier curves
+between them are trained adversarially too (each step attacks the network at the drawn point
+``t``), once between the models as they are (unaligned) and once after neuron alignment
+(aligned). Along each curve: clean and robust test accuracy (Figure 4, left/right) and the
+robust training loss.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TITLE = "Tatro et al. Fig. 4: clean and robust accuracy along unaligned and aligned robust curves, small CNN on digits"
+OUTPUTS = ("report.md", "report.json", "robust_curves.png")
+
+__all__ = ["OUTPUTS", "TITLE", "run"]
+
+# Per scale: CNN width, adversarial training epochs of the endpoints and of the curves,
+# PGD steps in training and in evaluation, points on each curve, test samples attacked.
+SETTINGS = {
+    "smoke": {"width": 4, "epochs": 3, "curve_epochs": 1, "train_steps": 2, "eval_steps": 3, "points": 3, "test_samples": 128},
+    "quick": {"width": 8, "epochs": 15, "curve_epochs": 10, "train_steps": 5, "eval_steps": 10, "points": 11, "test_samples": 397},
+    "full": {"width": 16, "epochs": 30, "curve_epochs": 40, "train_steps": 7, "eval_steps": 20, "points": 21, "test_samples": 397},
+}
+EPS = 0.1  # L-inf radius on [0, 1] pixels (the digits' 17 grey levels are 1/16 apart)
+CURVE_LR = 0.01
+
+
+def _attack(eps: float, steps: int, seed: int) -> dict[str, Any]:
+    # Madry et al.'s step 2.5 eps / steps reaches the ball's surface from any random start.
+    return {"eps": eps, "steps": steps, "step_size": 2.5 * eps / steps, "norm": "inf", "seed": seed}
+
+
+def _train_curve_adversarially(curve: Any, batches: list, epochs: int, attack: dict, seed: int) -> list[float]:
+    """Adversarial curve training: ``train_curve``'s own option when it has one, else Algorithm 2 on PGD inputs here."""
+    import torch
+
+    from pyperm.nn.curves import train_curve
+    from pyperm.nn.curves.robust import pgd_attack
+
+    if "adversarial" in inspect.signature(train_curve).parameters:
+        return train_curve(curve, batches, epochs=epochs, lr=CURVE_LR, seed=seed, adversarial=attack)
+    # The same step as train_curve (t ~ U[0, 1] per batch, SGD with momentum on the bends),
+    # with each batch replaced by a PGD attack on the network at that t.
+    gen = torch.Generator().manual_seed(seed)
+    params = [p for p in curve.parameters() if p.requires_grad]
+    velocity = [torch.zeros_like(p) for p in params]
+    history = []
+    curve.train()
+    step = 0
+    for _ in range(epochs):
+        total = count = 0.0
+        for x, y in batches:
+            t = float(torch.rand((), generator=gen, dtype=torch.float64))
+            x_adv = pgd_attack(lambda z, t=t: curve(z, t), x, y, **dict(attack, seed=attack["seed"] + step))
+            loss = torch.nn.functional.cross_entropy(curve(x_adv, t), y)
+            grads = torch.autograd.grad(loss, params)
+            with torch.no_grad():
+                for p, v, g in zip(params, velocity, grads):
+                    v.mul_(0.9).add_(g)
+                    p.sub_(v, alpha=CURVE_LR)
+            total += float(loss) * len(y)
+            count += len(y)
+            step += 1
+        history.append(total / count)
+    curve.eval()
+    return history
+
+
+def _along(curve: Any, model: Any, data: dict, points: int, attack: dict) -> dict[str, list[float]]:
+    """Clean and robust test accuracy, and robust training loss, at evenly spaced points of the curve."""
+    import copy
+
+    import torch
+
+    from pyperm.nn import reset_bn_stats
+    from pyperm.nn.curves.robust import pgd_attack, robust_accuracy
+    from pyperm.reproduce._train import evaluate
+
+    net = copy.deepcopy(model)
+    out: dict[str, list[float]] = {"ts": [], "clean": [], "robust": [], "robust_train_loss": []}
+    for t in np.linspace(0.0, 1.0, points):
+        net.load_state_dict({k: v.detach() for k, v in curve.state_at(float(t)).items()})
+        reset_bn_stats(net, data["train_eval"])
+        net.eval()
+        out["ts"].append(float(t))
+        out["clean"].append(evaluate(net, data["test"])[1])
+        out["robust"].append(robust_accuracy(net, data["test"], **attack))
+        loss = count = 0.0
+        for i, (x, y) in enumerate(data["train_eval"][:1]):  # one batch: the robust loss is an estimate
+            x_adv = pgd_attack(net, x, y, **dict(attack, seed=attack["seed"] + i))
+            with torch.no_grad():
+                loss += float(torch.nn.functional.cross_entropy(net(x_adv), y, reduction="sum"))
+            count += len(y)
+        out["robust_train_loss"].append(loss / count)
+    return out
+
+
+def _findings(paths: dict[str, dict]) -> list:
+    from pyperm.reproduce._report import Finding
+
+    un, al = paths["unaligned"], paths["aligned"]
+
+    def mean(p: dict, key: str) -> float:
+        return float(np.mean(p[key]))
+
+    def ends(p: dict, key: str) -> float:
+        return max(p[key][0], p[key][-1])
+
+    def barrier(p: dict, key: str) -> float:
+        chord = np.linspace(p[key][0], p[key][-1], len(p[key]))
+        return float(np.max(chord - np.asarray(p[key])))
+
+    mid = len(al["ts"]) // 2
+    return [
+        Finding(
+            "Tatro et al. Fig. 4, sec. 5",
+            "Alignment greatly reduces the robust loss barrier: the aligned robust curve has the higher robust accuracy along it.",
+            f"mean robust accuracy aligned {100 * mean(al, 'robust'):.1f}% vs unaligned {100 * mean(un, 'robust'):.1f}%",
+            mean(al, "robust") > mean(un, "robust"),
+            "aligned mean robust test accuracy > unaligned",
+        ),
+        Finding(
+            "Tatro et al. Fig. 4 (left)",
+            "The aligned robust curve also has the higher clean accuracy along it.",
+            f"mean clean accuracy aligned {100 * mean(al, 'clean'):.1f}% vs unaligned {100 * mean(un, 'clean'):.1f}%",
+            mean(al, "clean") > mean(un, "clean"),
+            "aligned mean clean test accuracy > unaligned",
+        ),
+        Finding(
+            "Tatro et al. Fig. 4, sec. 5",
+            "Only the aligned curve avoids a robust accuracy barrier.",
+            f"robust accuracy barrier aligned {100 * barrier(al, 'robust'):.1f} pp, unaligned {100 * barrier(un, 'robust'):.1f} pp",
+            barrier(al, "robust") < barrier(un, "robust") and barrier(al, "robust") <= 0.01,
+            "aligned barrier < unaligned and <= 1 pp",
+        ),
+        Finding(
+            "Tatro et al. Fig. 4, sec. 5",
+            "A more accurate and more robust model than the endpoints lies on the aligned curve (e.g. its midpoint).",
+            f"aligned midpoint clean {100 * al['clean'][mid]:.1f}% / robust {100 * al['robust'][mid]:.1f}% vs best endpoint "
+            f"{100 * ends(al, 'clean'):.1f}% / {100 * ends(al, 'robust'):.1f}%",
+            al["clean"][mid] > ends(al, "clean") and al["robust"][mid] > ends(al, "robust"),
+            "midpoint beats the better endpoint in clean and robust accuracy",
+        ),
+    ]
+
+
+def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: bool = False) -> Path:
+    """Adversarially train the endpoints and the curves, evaluate them, write the report.
+
+    Parameters
+    ----------
+    out : pathlib.Path
+        An existing folder; :data:`OUTPUTS` are written into it.
+    scale : {"smoke", "quick", "full"}
+        The settings of :data:`SETTINGS`.
+    device : str or torch.device
+        Where to train and evaluate.
+    seed : int
+        Offsets the endpoints' seeds and seeds the attacks and curve training.
+    progress : bool
+        Progress bar over the curves.
+
+    Returns
+    -------
+    pathlib.Path
+        ``out / "report.md"``.
+    """
+    import copy
+
+    import torch
+
+    from pyperm import nn as pnn
+    from pyperm._progress import progress_bar
+    from pyperm.commands._common import markdown_table, write_json
+    from pyperm.commands._plots import plot_lines
+    from pyperm.nn.curves import BezierCurve
+    from pyperm.nn.curves.robust import pgd_attack
+    from pyperm.reproduce._report import findings_section, settings_section
+    from pyperm.reproduce._train import evaluate, train_classifier
+    from pyperm.reproduce.curves import cnn, digits_batches
+
+    cfg = SETTINGS[scale]
+    start = time.perf_counter()
+    data = digits_batches(device)
+    # The attacked test samples, in one batch (PGD on every point is the costly part).
+    n = cfg["test_samples"]
+    data["test"] = [(torch.cat([x for x, _ in data["test"]])[:n], torch.cat([y for _, y in data["test"]])[:n])]
+    train_attack = _attack(EPS, cfg["train_steps"], seed)
+    eval_attack = _attack(EPS, cfg["eval_steps"], 10_000 + seed)
+
+    def perturb(model: Any, x: Any, y: Any, step: int) -> Any:
+        return pgd_attack(model, x, y, **dict(train_attack, seed=train_attack["seed"] + step))
+
+    model = cnn(cfg["width"]).to(device)
+    sa, sb = (
+        train_classifier(model, data["x_train"], data["y_train"], seed=100 * seed + s, epochs=cfg["epochs"], perturb=perturb)
+        for s in (1, 2)
+    )
+    spec = pnn.PermutationSpec.from_model(model, data["test"][0][0][:2])
+    a_model = copy.deepcopy(model)
+    a_model.load_state_dict(sa)
+    b_model = copy.deepcopy(model)
+    b_model.load_state_dict(sb)
+    perms = pnn.activation_matching(a_model.eval(), b_model.eval(), data["train_eval"], spec=spec).perms
+    ends = {"unaligned": sb, "aligned": pnn.apply_permutation(spec, perms, sb)}
+    paths, history, seconds = {}, {}, {}
+    bar = progress_bar(progress, len(ends), "robust curves", "curve")
+    for kind, end in ends.items():
+        t0 = time.perf_counter()
+        curve = BezierCurve(model, sa, end).to(device)
+        history[kind] = _train_curve_adversarially(curve, data["train"], cfg["curve_epochs"], train_attack, seed)
+        paths[kind] = _along(curve, model, data, cfg["points"], eval_attack)
+        seconds[kind] = time.perf_counter() - t0
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    endpoint = {name: {"clean": evaluate(m.eval(), data["test"])[1]} for name, m in (("A", a_model), ("B", b_model))}
+    findings = _findings(paths)
+    total = time.perf_counter() - start
+
+    ts = paths["aligned"]["ts"]
+    plot_lines(
+        out / "robust_curves.png",
+        ts,
+        {},
+        xlabel="t",
+        ylabel="",
+        title=f"robust curves, PGD L-inf eps {EPS} (cf. Tatro et al. Fig. 4)",
+        panels=[
+            ("clean test accuracy (%)", {k: [100 * v for v in p["clean"]] for k, p in paths.items()}),
+            ("robust test accuracy (%)", {k: [100 * v for v in p["robust"]] for k, p in paths.items()}),
+        ],
+    )
+    rows = [
+        [f"{t:.2f}"] + [100 * paths[k][m][i] for k in paths for m in ("clean", "robust")] for i, t in enumerate(ts)
+    ]
+    settings = {
+        "data": f"scikit-learn digits, {data['num_train']} training images; {cfg['test_samples']} test images attacked",
+        "model": f"CNN 1-{cfg['width']}-{2 * cfg['width']}-{2 * cfg['width']} channels with BatchNorm",
+        "adversarial training": f"PGD L-inf eps {EPS}, {cfg['train_steps']} steps of 2.5 eps/steps, random start; "
+        f"endpoints {cfg['epochs']} epochs (SGD momentum 0.9, lr 0.05 cosine), curves {cfg['curve_epochs']} epochs (SGD lr {CURVE_LR})",
+        "evaluation": f"PGD L-inf eps {EPS}, {cfg['eval_steps']} steps; {cfg['points']} points per curve, BatchNorm statistics recomputed on clean training data",
+        "alignment": "activation matching (correlation of post-activations) of the robust endpoints on the training split",
+    }
+    scaled = [
+        "CIFAR-100 and TinyTen/ResNet32/GoogLeNet -> digits and a 3-layer CNN",
+        f"PGD {cfg['train_steps']} training steps, curves {cfg['curve_epochs']} epochs (paper: longer)",
+    ]
+    lines = [
+        "# Tatro et al. on digits: robust mode connectivity",
+        "",
+        TITLE + ".",
+        "",
+        findings_section(findings),
+        "",
+        "## Clean and robust test accuracy along the curves",
+        "",
+        "![robust curves](robust_curves.png)",
+        "",
+        markdown_table(["t"] + [f"{k} {m} (%)" for k in paths for m in ("clean", "robust")], rows),
+        "",
+        f"Endpoints' clean test accuracy: A {100 * endpoint['A']['clean']:.1f}%, B {100 * endpoint['B']['clean']:.1f}%. "
+        f"Curve training time: " + ", ".join(f"{k} {s:.1f} s" for k, s in seconds.items()),
+        "",
+        settings_section(scale, settings, scaled, total, device),
+    ]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    write_json(
+        out / "report.json",
+        {
+            "report": "robust",
+            "scale": scale,
+            "seed": seed,
+            "seconds": total,
+            "settings": cfg | {"eps": EPS},
+            "paths": paths,
+            "curve_training_loss": history,
+            "endpoints": endpoint,
+            "findings": [f.to_dict() for f in findings],
+        },
+    )
+    return out / "report.md"
