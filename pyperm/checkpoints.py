@@ -20,9 +20,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -156,7 +157,7 @@ def _load_safetensors_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[st
     try:
         with safetensors.safe_open(str(path), framework="pt", device="cpu") as f:
             metadata = dict(f.metadata() or {})
-            state = {key: f.get_tensor(key) for key in f.keys()}
+            state = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (a safe_open handle is not a dict)
     except Exception as exc:  # SafetensorError, OSError, and header errors of several types
         raise CheckpointError(f"{path}: not a readable safetensors file ({_one_line(exc)})") from exc
     return state, metadata

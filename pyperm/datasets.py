@@ -211,7 +211,7 @@ def load_mnist(root: str | Path) -> Dataset:
 class _ArrayUnpickler(pickle.Unpickler):
     """Unpickles plain containers and numpy arrays only: a batch file cannot run code."""
 
-    _ALLOWED = {
+    _ALLOWED = frozenset({
         ("numpy.core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "_reconstruct"),
         ("numpy", "ndarray"),
@@ -219,7 +219,7 @@ class _ArrayUnpickler(pickle.Unpickler):
         ("numpy.core.multiarray", "scalar"),
         ("numpy._core.multiarray", "scalar"),
         ("_codecs", "encode"),
-    }
+    })
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self._ALLOWED:

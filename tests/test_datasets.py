@@ -9,7 +9,14 @@ import struct
 import numpy as np
 import pytest
 
-from pyperm.datasets import DatasetError, load_cifar10, load_dataset, load_digits, load_mnist, read_idx
+from pyperm.datasets import (
+    DatasetError,
+    load_cifar10,
+    load_dataset,
+    load_digits,
+    load_mnist,
+    read_idx,
+)
 
 
 def _idx(array: np.ndarray) -> bytes:

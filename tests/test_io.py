@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from pyperm.checkpoints import (  # noqa: E402
+from pyperm.checkpoints import (
     CheckpointError,
     check_against_model,
     check_pair,

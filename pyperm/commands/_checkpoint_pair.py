@@ -7,7 +7,7 @@ from typing import Any
 
 from pyperm.commands._common import CommandError, LoadedModel
 
-__all__ = ["load_for_model", "refuse_inputs", "function_gap"]
+__all__ = ["function_gap", "load_for_model", "refuse_inputs"]
 
 
 def load_for_model(paths: list[str], loaded: LoadedModel) -> list[Any]:

@@ -10,12 +10,14 @@ import argparse
 import functools
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 __all__ = [
     "CommandError",
@@ -146,7 +148,7 @@ def write_json(path: Path, obj: Any) -> Path:
 
 def _finite(obj: Any) -> Any:
     if isinstance(obj, float):
-        return obj if obj == obj and abs(obj) != float("inf") else None
+        return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
         return {str(k): _finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -162,7 +164,7 @@ class Timer:
         self.seconds = 0.0
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.start
 
 
@@ -360,7 +362,7 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
 
     def cell(v: Any) -> str:
         if isinstance(v, float):
-            return "n/a" if v != v else f"{v:.4g}"
+            return "n/a" if math.isnan(v) else f"{v:.4g}"
         return "n/a" if v is None else str(v)
 
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]

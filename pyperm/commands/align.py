@@ -46,10 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def path_barriers(loaded: Any, state_a: dict, paths: dict[str, dict], data: Any, num_points: int, device: Any, progress: bool) -> dict:
     """``barrier`` of A with each state of ``paths`` on the test batches (BatchNorm reset on the training batches)."""
+    import copy
+
     from pyperm import nn as pnn
     from pyperm.commands._common import has_batchnorm
-
-    import copy
 
     model = copy.deepcopy(loaded.module).to(device)
     reset = data.train if has_batchnorm(model) else None
@@ -63,8 +63,19 @@ def path_barriers(loaded: Any, state_a: dict, paths: dict[str, dict], data: Any,
 def run(args: argparse.Namespace) -> int:
     """Align, write the permuted checkpoint and the reports; print where they are."""
     from pyperm.checkpoints import default_name, output_paths, save_checkpoint
-    from pyperm.commands._checkpoint_pair import function_gap, load_for_model, refuse_inputs
-    from pyperm.commands._common import CommandError, build_model, float_state, load_data, prepare_out, resolve_device
+    from pyperm.commands._checkpoint_pair import (
+        function_gap,
+        load_for_model,
+        refuse_inputs,
+    )
+    from pyperm.commands._common import (
+        CommandError,
+        build_model,
+        float_state,
+        load_data,
+        prepare_out,
+        resolve_device,
+    )
     from pyperm.commands._matching import match
     from pyperm.commands._plots import plot_paths
     from pyperm.nn import apply_permutation

@@ -44,7 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Evaluate the paths, write the reports and the plot, print the barriers."""
     from pyperm.commands._checkpoint_pair import load_for_model
-    from pyperm.commands._common import CommandError, build_model, float_state, load_data, prepare_out, resolve_device
+    from pyperm.commands._common import (
+        CommandError,
+        build_model,
+        float_state,
+        load_data,
+        prepare_out,
+        resolve_device,
+    )
     from pyperm.commands._matching import match
     from pyperm.commands._plots import plot_paths
     from pyperm.commands.align import path_barriers
@@ -91,8 +98,10 @@ def _markdown(report: dict[str, Any], results: dict) -> str:
     lines = [
         f"# pyperm barrier: {report['a']} to {report['b']}",
         "",
-        f"- model: `{report['model']}`; data: {d['name']}, test split ({d['test_samples']} samples); "
-        "barriers as in Git Re-Basin Definition 2.2 (height above the chord between the endpoints)",
+        (
+            f"- model: `{report['model']}`; data: {d['name']}, test split ({d['test_samples']} samples); "
+            "barriers as in Git Re-Basin Definition 2.2 (height above the chord between the endpoints)"
+        ),
         "",
         "![paths](barrier.png)",
         "",

@@ -63,7 +63,15 @@ def run(args: argparse.Namespace) -> int:
     """Merge, write the merged checkpoint and the reports."""
     from pyperm.checkpoints import default_name, output_paths, save_checkpoint
     from pyperm.commands._checkpoint_pair import load_for_model, refuse_inputs
-    from pyperm.commands._common import CommandError, Timer, build_model, float_state, load_data, prepare_out, resolve_device
+    from pyperm.commands._common import (
+        CommandError,
+        Timer,
+        build_model,
+        float_state,
+        load_data,
+        prepare_out,
+        resolve_device,
+    )
     from pyperm.nn import average, merge_many
 
     if len(args.checkpoints) < 2:
@@ -117,8 +125,10 @@ def _markdown(report: dict[str, Any]) -> str:
         f"# pyperm merge: {len(report['inputs'])} checkpoints of `{report['model']}`",
         "",
         f"- inputs: {', '.join(f'`{p}`' for p in report['inputs'])}",
-        f"- {report['rounds']} rounds of merge_many (converged: {report['converged']}), {report['seconds']:.3f} s;"
-        f" permutations changed per round: {report['changed_per_round']}",
+        (
+            f"- {report['rounds']} rounds of merge_many (converged: {report['converged']}), {report['seconds']:.3f} s;"
+            f" permutations changed per round: {report['changed_per_round']}"
+        ),
         f"- written: {', '.join(f'`{p}`' for p in report['outputs'])}",
     ]
     if "evaluation" in report:

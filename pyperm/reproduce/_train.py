@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,15 +12,22 @@ __all__ = ["evaluate", "init_weights", "train_classifier"]
 
 
 def init_weights(model: nn.Module, generator: torch.Generator) -> None:
-    """Re-initialise Linear and Conv layers from ``generator`` (torch's default scheme, without the global RNG)."""
+    """Re-initialise Linear and Conv layers from ``generator`` (torch's default scheme, without the global RNG).
+
+    The numbers are drawn on the CPU and copied, so a CPU generator seeds a model on any
+    device and the same seed gives the same network on every device.
+    """
+
+    def uniform(t: torch.Tensor, bound: float) -> None:
+        t.copy_(torch.empty(t.shape, dtype=t.dtype).uniform_(-bound, bound, generator=generator))
+
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, (nn.Linear, nn.Conv2d)):
-                fan_in = m.weight[0].numel()
-                bound = 1.0 / fan_in**0.5
-                m.weight.uniform_(-bound, bound, generator=generator)
+                bound = 1.0 / m.weight[0].numel() ** 0.5
+                uniform(m.weight, bound)
                 if m.bias is not None:
-                    m.bias.uniform_(-bound, bound, generator=generator)
+                    uniform(m.bias, bound)
 
 
 def train_classifier(
@@ -33,8 +41,12 @@ def train_classifier(
     lr: float = 0.05,
     momentum: float = 0.9,
     weight_decay: float = 0.0,
+    perturb: Callable[[nn.Module, torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Train ``model`` in place by SGD with momentum and a cosine-decayed step from a seeded initialisation.
+
+    ``perturb(model, inputs, targets, step)``, when given, replaces each batch's inputs
+    before the step (adversarial training passes a PGD attack).
 
     The update is written out rather than taken from ``torch.optim``: the first use of
     ``torch.optim`` imports ``torch._dynamo``, which costs seconds on a loaded 2-core machine,
@@ -54,10 +66,11 @@ def train_classifier(
     step = 0
     model.train()
     for _ in range(epochs):
-        order = torch.randperm(len(y), generator=gen).to(x.device)
+        order = torch.randperm(len(y), generator=gen).to(x.device)  # drawn on the CPU: the same order on every device
         for i in range(0, len(y), batch_size):
             idx = order[i : i + batch_size]
-            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+            inputs = x[idx] if perturb is None else perturb(model, x[idx], y[idx], step)
+            loss = nn.functional.cross_entropy(model(inputs), y[idx])
             grads = torch.autograd.grad(loss, params)
             rate = lr * 0.5 * (1.0 + torch.cos(torch.tensor(torch.pi * step / total)).item())
             with torch.no_grad():

@@ -8,6 +8,7 @@ and ResNet20 on CIFAR-10; here MLPs on digits, so that it runs on a laptop).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -184,7 +185,7 @@ def _findings(fig2: dict, fig4: dict) -> list:
         )
     rows = fig4["rows"]
     matched = [r["weight_matching_loss_barrier"] for r in rows]
-    drops = sum(later <= earlier + 1e-3 for earlier, later in zip(matched, matched[1:]))
+    drops = sum(later <= earlier + 1e-3 for earlier, later in itertools.pairwise(matched))
     findings.append(
         Finding(
             "Git Re-Basin Fig. 4",
