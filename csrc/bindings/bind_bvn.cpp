@@ -5,6 +5,7 @@
 #include <string>
 
 #include "bindings/register.h"
+#include "bindings/status.h"
 #include "bvn/bvn_cpu.h"
 
 namespace py = pybind11;
@@ -66,7 +67,7 @@ py::tuple decompose(py::array_t<T, py::array::c_style> D, const std::string& met
     s = cpu::birkhoff_decomposition(d, n, m, max_terms, tol, &hook, isa, &result);
   }
   if (error) std::rethrow_exception(error);
-  if (s != Status::Ok) throw py::value_error("D contains invalid numeric entries (NaN or infinity)");
+  raise_for(s, "D: ");
   const int64_t k = static_cast<int64_t>(result.coeffs.size());
   py::array_t<T> coeffs(k);
   py::array_t<int64_t> perms({k, n});
@@ -88,8 +89,7 @@ py::tuple bottleneck(py::array_t<T, py::array::c_style> A) {
     py::gil_scoped_release release;
     s = cpu::bottleneck_matching(a, n, c, &value);
   }
-  if (s == Status::Invalid) throw py::value_error("matrix contains invalid numeric entries");
-  if (s == Status::Infeasible) throw py::value_error("the support of the matrix has no perfect matching");
+  raise_for(s, "", "the support of the matrix has no perfect matching");
   return py::make_tuple(cols, value);
 }
 

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "bindings/register.h"
+#include "bindings/status.h"
 #include "lap/incremental_assignment.h"
 #include "lap/lap_cpu.h"
 
@@ -11,15 +12,6 @@ namespace py = pybind11;
 
 namespace pyperm::bindings {
 namespace {
-
-void raise_for(Status s, const std::string& where) {
-  switch (s) {
-    case Status::Ok: return;
-    case Status::Invalid: throw py::value_error(where + "matrix contains invalid numeric entries");
-    case Status::Infeasible: throw py::value_error(where + "cost matrix is infeasible");
-    default: throw std::runtime_error(where + "assignment solver failed");
-  }
-}
 
 // Arrays arrive validated from pyperm._lap: C-contiguous, float32/float64.
 template <typename T>

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "bindings/register.h"
+#include "bindings/status.h"
 #include "xcorr/xcorr_cpu.h"
 
 namespace py = pybind11;
@@ -35,11 +36,6 @@ void require(const py::array& a, const std::vector<py::ssize_t>& shape, const st
   for (size_t k = 0; k < shape.size(); ++k)
     if (a.shape(static_cast<py::ssize_t>(k)) != shape[k]) throw py::value_error(what + " has the wrong shape");
   if (dtype && real_of(a, what) != *dtype) throw py::type_error(what + " has the wrong dtype");
-}
-
-std::string reason(cpu::XcorrError e) {
-  if (e == cpu::XcorrError::NonFinite) return " contains NaN or infinity";
-  return " has values too large to accumulate (its moments overflow); pass float64 data or rescale it";
 }
 
 // An ndarray itself, never a converted copy: the merge writes into these arrays.
@@ -85,7 +81,7 @@ py::list moments(const std::vector<py::array>& xs, std::vector<py::array> centre
   }
   if (s != Status::Ok) {
     if (failed < 0) throw std::runtime_error("cross-correlation moments failed");
-    throw py::value_error(names[static_cast<size_t>(failed)] + reason(jobs[static_cast<size_t>(failed)].error));
+    raise_for(jobs[static_cast<size_t>(failed)].error, names[static_cast<size_t>(failed)]);
   }
   for (size_t k = 0; k < n; ++k) out.append(py::make_tuple(mom[k], resid[k], jobs[k].max_sumsq));
   return out;
@@ -148,7 +144,7 @@ void merge(const std::vector<py::tuple>& jobs_in, const std::vector<std::string>
   }
   if (s != Status::Ok) {
     if (failed < 0) throw std::runtime_error("cross-correlation merge failed");
-    throw py::value_error(names[static_cast<size_t>(failed)] + reason(jobs[static_cast<size_t>(failed)].error));
+    raise_for(jobs[static_cast<size_t>(failed)].error, names[static_cast<size_t>(failed)]);
   }
 }
 

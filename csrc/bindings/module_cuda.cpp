@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "bindings/status.h"
 #include "bvn/bvn_cuda.h"
 #include "common/cuda_runtime_info.h"
 #include "lap/lap_cuda.h"
@@ -21,21 +22,15 @@ namespace py = pybind11;
 namespace {
 
 using pyperm::Status;
+using pyperm::XcorrError;
+using pyperm::bindings::raise_for;
 namespace pc = pyperm::cuda;
 
 void* as_ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
-void raise_for(Status s, bool batched, int64_t failed) {
-  const std::string where = batched ? "problem " + std::to_string(failed) + " of the batch: " : "";
-  switch (s) {
-    case Status::Ok: return;
-    case Status::Invalid: throw py::value_error(where + "matrix contains invalid numeric entries");
-    case Status::Infeasible: throw py::value_error(where + "cost matrix is infeasible");
-    case Status::NotConverged:
-      throw std::runtime_error(where + "the CUDA assignment solver hit an internal safety bound; "
-                                       "please report this with the input that caused it");
-  }
-  throw std::runtime_error(where + "the CUDA assignment solver failed");
+// The failing problem's index, for the message of a batch.
+std::string batch_prefix(bool batched, int64_t failed) {
+  return batched ? "problem " + std::to_string(failed) + " of the batch: " : "";
 }
 
 pc::LapOptions make_options(const std::string& method, int threads, int stage, int state_smem, int max_rounds,
@@ -101,7 +96,7 @@ py::object lap_solve_strided(uintptr_t cost, const std::string& dtype, int64_t b
                                           stride_r, stride_c, maximize, r, c, &failed, device, as_ptr(stream), opt,
                                           want_stats ? &st : nullptr);
   }
-  raise_for(s, batched, failed);
+  raise_for(s, batch_prefix(batched, failed));
   if (want_stats) return stats_dict(st);
   return py::none();
 }
@@ -127,7 +122,7 @@ py::object lap_solve_square_warm(uintptr_t cost, const std::string& dtype, int64
                                       static_cast<float*>(as_ptr(v)), out, &failed, device, as_ptr(stream), opt,
                                       want_stats ? &st : nullptr);
   }
-  raise_for(s, batched, failed);
+  raise_for(s, batch_prefix(batched, failed));
   if (want_stats) return stats_dict(st);
   return py::none();
 }
@@ -164,12 +159,13 @@ py::tuple bvn_subtract_term(uintptr_t residual, const std::string& dtype, int64_
 }
 
 // ------------------------------------------------------------------- cross-correlation
-py::tuple xcorr_batch_moments(uintptr_t x, const std::string& dtype, int64_t rows, int64_t cols, int64_t ld,
-                              uintptr_t centred, uintptr_t moments, uintptr_t resid, int device, uintptr_t stream) {
+double xcorr_batch_moments(uintptr_t x, const std::string& dtype, int64_t rows, int64_t cols, int64_t ld,
+                           uintptr_t centred, uintptr_t moments, uintptr_t resid, int device, uintptr_t stream,
+                           const std::string& name) {
   const bool dbl = is_double(dtype);
   if (rows < 1 || cols < 1 || ld < cols) throw py::value_error("xcorr_batch_moments: bad shape or row stride");
   double max_sumsq = 0.0;
-  int err;
+  XcorrError err;
   {
     py::gil_scoped_release release;
     auto* mo = static_cast<double*>(as_ptr(moments));
@@ -181,11 +177,12 @@ py::tuple xcorr_batch_moments(uintptr_t x, const std::string& dtype, int64_t row
       err = pc::xcorr_batch_moments(static_cast<const float*>(as_ptr(x)), rows, cols, ld,
                                     static_cast<float*>(as_ptr(centred)), mo, re, &max_sumsq, device, as_ptr(stream));
   }
-  return py::make_tuple(err, max_sumsq);
+  raise_for(err, name);
+  return max_sumsq;
 }
 
 template <typename TC, typename TG>
-int merge_typed(int64_t dim_a, int64_t dim_b, int64_t n, uintptr_t moments_a, uintptr_t moments_b,
+XcorrError merge_typed(int64_t dim_a, int64_t dim_b, int64_t n, uintptr_t moments_a, uintptr_t moments_b,
                 uintptr_t comoment, int64_t m, uintptr_t in_moments_a, uintptr_t in_moments_b, uintptr_t in_comoment,
                 uintptr_t resid_a, uintptr_t resid_b, int device, uintptr_t stream) {
   return pc::xcorr_merge_comoments<TC, TG>(
@@ -196,24 +193,30 @@ int merge_typed(int64_t dim_a, int64_t dim_b, int64_t n, uintptr_t moments_a, ui
       resid_b ? static_cast<const double*>(as_ptr(resid_b)) : nullptr, device, as_ptr(stream));
 }
 
-int xcorr_merge_comoments(int64_t dim_a, int64_t dim_b, int64_t n, uintptr_t moments_a, uintptr_t moments_b,
-                          uintptr_t comoment, const std::string& comoment_dtype, int64_t m, uintptr_t in_moments_a,
-                          uintptr_t in_moments_b, uintptr_t in_comoment, const std::string& in_dtype,
-                          uintptr_t resid_a, uintptr_t resid_b, int device, uintptr_t stream) {
+void xcorr_merge_comoments(int64_t dim_a, int64_t dim_b, int64_t n, uintptr_t moments_a, uintptr_t moments_b,
+                           uintptr_t comoment, const std::string& comoment_dtype, int64_t m, uintptr_t in_moments_a,
+                           uintptr_t in_moments_b, uintptr_t in_comoment, const std::string& in_dtype,
+                           uintptr_t resid_a, uintptr_t resid_b, int device, uintptr_t stream,
+                           const std::string& name) {
   const bool c64 = is_double(comoment_dtype), g64 = is_double(in_dtype);
   if (dim_a < 1 || dim_b < 1 || n < 0 || m < 1) throw py::value_error("xcorr_merge_comoments: bad sizes");
-  py::gil_scoped_release release;
-  if (c64 && g64)
-    return merge_typed<double, double>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a, in_moments_b,
-                                       in_comoment, resid_a, resid_b, device, stream);
-  if (c64)
-    return merge_typed<double, float>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a, in_moments_b,
-                                      in_comoment, resid_a, resid_b, device, stream);
-  if (g64)
-    return merge_typed<float, double>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a, in_moments_b,
-                                      in_comoment, resid_a, resid_b, device, stream);
-  return merge_typed<float, float>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a, in_moments_b,
-                                   in_comoment, resid_a, resid_b, device, stream);
+  XcorrError err;
+  {
+    py::gil_scoped_release release;
+    if (c64 && g64)
+      err = merge_typed<double, double>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a,
+                                        in_moments_b, in_comoment, resid_a, resid_b, device, stream);
+    else if (c64)
+      err = merge_typed<double, float>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a,
+                                       in_moments_b, in_comoment, resid_a, resid_b, device, stream);
+    else if (g64)
+      err = merge_typed<float, double>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a,
+                                       in_moments_b, in_comoment, resid_a, resid_b, device, stream);
+    else
+      err = merge_typed<float, float>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a,
+                                      in_moments_b, in_comoment, resid_a, resid_b, device, stream);
+  }
+  raise_for(err, name);
 }
 
 }  // namespace
@@ -249,12 +252,14 @@ PYBIND11_MODULE(_cuda, m) {
         "Synchronises the stream.");
   m.def("xcorr_batch_moments", &xcorr_batch_moments, py::arg("x"), py::arg("dtype"), py::arg("rows"), py::arg("cols"),
         py::arg("ld"), py::arg("centred"), py::arg("moments"), py::arg("resid"), py::arg("device"), py::arg("stream"),
-        "Shifted batch and float64 moments (4 x cols) of one side. Returns (error code, max column sum of squares). "
-        "Synchronises the stream.");
+        py::arg("name"),
+        "Shifted batch and float64 moments (4 x cols) of one side. Returns the max column sum of squares; raises "
+        "ValueError naming `name` for NaN, infinity or overflowing moments. Synchronises the stream.");
   m.def("xcorr_merge_comoments", &xcorr_merge_comoments, py::arg("dim_a"), py::arg("dim_b"), py::arg("n"),
         py::arg("moments_a"), py::arg("moments_b"), py::arg("comoment"), py::arg("comoment_dtype"), py::arg("m"),
         py::arg("in_moments_a"), py::arg("in_moments_b"), py::arg("in_comoment"), py::arg("in_dtype"),
-        py::arg("resid_a"), py::arg("resid_b"), py::arg("device"), py::arg("stream"),
+        py::arg("resid_a"), py::arg("resid_b"), py::arg("device"), py::arg("stream"), py::arg("name"),
         "Chan merge of an incoming part into an accumulator in place (resid pointers 0 when merging two "
-        "accumulators). Returns an error code (0 ok, 2 overflow: nothing written). Synchronises the stream.");
+        "accumulators). Raises ValueError naming `name` when the merged moments would overflow (nothing is "
+        "written then). Synchronises the stream.");
 }

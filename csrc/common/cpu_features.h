@@ -14,3 +14,21 @@ Isa parse_isa(const std::string& name);
 const char* isa_name(Isa isa);
 
 }  // namespace pyperm::cpu
+
+// `return <ns>::CALL;` for the variant of `isa` compiled into this build, <ns> being the
+// namespace an ISA source of CMakeLists.txt's PYPERM_ISA_SOURCES defines it in (baseline,
+// avx2, avx512): the one run-time dispatch of every vectorised kernel. Use it as the body
+// of a function returning CALL's type, e.g. PYPERM_ISA_DISPATCH(isa, solve_dense(c, n, m)).
+#if defined(PYPERM_X86)
+#define PYPERM_ISA_DISPATCH(isa, CALL)                                     \
+  switch (isa) {                                                          \
+    case ::pyperm::cpu::Isa::Avx512: return avx512::CALL;                 \
+    case ::pyperm::cpu::Isa::Avx2: return avx2::CALL;                     \
+    case ::pyperm::cpu::Isa::Baseline: break;                             \
+  }                                                                       \
+  return baseline::CALL
+#else
+#define PYPERM_ISA_DISPATCH(isa, CALL) \
+  (void)(isa);                         \
+  return baseline::CALL
+#endif

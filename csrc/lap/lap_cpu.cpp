@@ -14,12 +14,7 @@ namespace {
 
 template <typename T>
 Status dispatch(Isa isa, const T* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads) {
-#if defined(PYPERM_X86)
-  if (isa == Isa::Avx512) return avx512::solve_dense(cost, n, m, col_of_row, threads);
-  if (isa == Isa::Avx2) return avx2::solve_dense(cost, n, m, col_of_row, threads);
-#endif
-  (void)isa;
-  return baseline::solve_dense(cost, n, m, col_of_row, threads);
+  PYPERM_ISA_DISPATCH(isa, solve_dense(cost, n, m, col_of_row, threads));
 }
 
 // The kernel wants a minimisation with n <= m and only +inf as a forbidden mark. When
@@ -76,12 +71,7 @@ Status prepare(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, int
 
 template <typename T>
 Status dispatch_warm(Isa isa, const T* cost, int64_t n, T* v, int64_t* col_of_row) {
-#if defined(PYPERM_X86)
-  if (isa == Isa::Avx512) return avx512::solve_square_warm(cost, n, v, col_of_row);
-  if (isa == Isa::Avx2) return avx2::solve_square_warm(cost, n, v, col_of_row);
-#endif
-  (void)isa;
-  return baseline::solve_square_warm(cost, n, v, col_of_row);
+  PYPERM_ISA_DISPATCH(isa, solve_square_warm(cost, n, v, col_of_row));
 }
 
 }  // namespace

@@ -31,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/isa_vector.h"
 #include "common/thread_pool.h"
 #include "lap/lap_kernels.h"
 
@@ -38,20 +39,8 @@
 #include <immintrin.h>
 #endif
 
-#ifndef PYPERM_ISA
-#error "compile this file with -DPYPERM_ISA=<namespace>"
-#endif
-
 namespace pyperm::cpu::PYPERM_ISA {
 namespace {
-
-#if defined(__AVX512F__)
-constexpr int kVecBytes = 64;
-#elif defined(__AVX2__)
-constexpr int kVecBytes = 32;
-#else
-constexpr int kVecBytes = 16;
-#endif
 
 // Lane-matched vector types: values of T, and integers of T's width (indices, masks).
 template <typename T> struct Lanes;

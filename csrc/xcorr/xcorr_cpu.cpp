@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/thread_pool.h"
+#include "xcorr/xcorr_kernels.h"
 
 namespace pyperm::cpu {
 namespace {
@@ -49,159 +50,23 @@ struct TaskMap {
 
 // ------------------------------------------------------------------ kernels
 //
-// The loops below are memory- or conversion-bound; each is compiled three times (x86-64
-// baseline, AVX2+FMA, AVX-512) through target attributes and chosen at run time, so the
-// build never needs -march=native. Bodies are always-inlined into the attributed wrappers,
-// which is what makes the vectoriser see the wider instruction set.
-#if defined(PYPERM_X86) && (defined(__GNUC__) || defined(__clang__))
-#define PYPERM_XCORR_MULTI_ISA 1
-#define PYPERM_TARGET_AVX2 __attribute__((target("avx2,fma")))
-#define PYPERM_TARGET_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma")))
-#else
-#define PYPERM_XCORR_MULTI_ISA 0
-#endif
-#if defined(__GNUC__) || defined(__clang__)
-#define PYPERM_ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define PYPERM_ALWAYS_INLINE inline
-#endif
-
-// One tile of the moments pass: shifts by K, stores, and sums in double what was stored.
-template <typename T>
-struct TileArgs {
-  const T* x;
-  T* out;
-  int64_t cols, r0, r1, c0, c1;
-  const double* shift;                   // cols c0..c1
-  double *sum, *sq, *mn, *mx;            // cols c0..c1 of this row block's partials
-};
-
-// Pointer arguments (not struct fields) so that __restrict reaches the vectoriser.
-template <typename T>
-PYPERM_ALWAYS_INLINE void tile_moments_body(const T* __restrict x, T* __restrict out, int64_t cols, int64_t r0,
-                                            int64_t r1, int64_t w, const double* __restrict shift,
-                                            double* __restrict sum, double* __restrict sq, double* __restrict mn,
-                                            double* __restrict mx) {
-  for (int64_t c = 0; c < w; ++c) {
-    sum[c] = sq[c] = 0.0;
-    mn[c] = std::numeric_limits<double>::infinity();
-    mx[c] = -std::numeric_limits<double>::infinity();
-  }
-  for (int64_t r = r0; r < r1; ++r) {
-    const T* __restrict row = x + r * cols;
-    T* __restrict dst = out + r * cols;
-    for (int64_t c = 0; c < w; ++c) {
-      const double v = static_cast<double>(row[c]);
-      const T d = static_cast<T>(v - shift[c]);
-      dst[c] = d;
-      const double e = static_cast<double>(d);
-      sum[c] += e;
-      sq[c] += e * e;
-      // `v < m ? v : m` is exactly x86 min/max semantics, so it vectorises without
-      // -ffast-math. NaN slips past both; the sums catch it.
-      mn[c] = v < mn[c] ? v : mn[c];
-      mx[c] = v > mx[c] ? v : mx[c];
-    }
-  }
+// The loops themselves are in xcorr_kernels.cpp, compiled once per instruction set (x86-64
+// baseline, AVX2+FMA, AVX-512) and chosen here from the caller's Isa, so the build never
+// needs -march=native.
+template <typename Args>
+void tile_moments(Isa isa, const Args& a) {
+  PYPERM_ISA_DISPATCH(isa, tile_moments(a));
 }
 
-template <typename T>
-PYPERM_ALWAYS_INLINE void tile_moments_body(const TileArgs<T>& a) {
-  tile_moments_body(a.x + a.c0, a.out + a.c0, a.cols, a.r0, a.r1, a.c1 - a.c0, a.shift, a.sum, a.sq, a.mn, a.mx);
+template <typename Args>
+void merge_rows(Isa isa, const Args& a) {
+  PYPERM_ISA_DISPATCH(isa, merge_rows(a));
 }
 
-// rows i0..i1 of C += G + p q^T + u v^T (or C = ... when the accumulator is empty).
-template <typename TC, typename TG>
-struct MergeArgs {
-  TC* c;
-  const TG* g;
-  int64_t i0, i1, dim_b;
-  bool fresh;
-  const double *p, *q, *u, *v;
-};
-
-template <typename TC, typename TG>
-PYPERM_ALWAYS_INLINE void merge_rows_body(TC* __restrict c, const TG* __restrict g, int64_t i0, int64_t i1,
-                                          int64_t n, bool fresh, const double* __restrict p,
-                                          const double* __restrict q, const double* __restrict u,
-                                          const double* __restrict v) {
-  for (int64_t i = i0; i < i1; ++i) {
-    TC* __restrict crow = c + i * n;
-    const TG* __restrict grow = g + i * n;
-    const double pi = p[i], ui = u[i];
-    if (fresh) {
-      // The accumulator is empty: write without reading it.
-      for (int64_t j = 0; j < n; ++j)
-        crow[j] = static_cast<TC>(static_cast<double>(grow[j]) + pi * q[j] + ui * v[j]);
-    } else {
-      for (int64_t j = 0; j < n; ++j)
-        crow[j] = static_cast<TC>(static_cast<double>(crow[j]) + static_cast<double>(grow[j]) + pi * q[j] +
-                                  ui * v[j]);
-    }
-  }
+template <typename Args>
+void scale_rows(Isa isa, const Args& a) {
+  PYPERM_ISA_DISPATCH(isa, scale_rows(a));
 }
-
-template <typename TC, typename TG>
-PYPERM_ALWAYS_INLINE void merge_rows_body(const MergeArgs<TC, TG>& a) {
-  merge_rows_body(a.c, a.g, a.i0, a.i1, a.dim_b, a.fresh, a.p, a.q, a.u, a.v);
-}
-
-// rows i0..i1 of out = diag(rs) src diag(cs) + ra ca^T, optionally clipped to [-1, 1].
-template <typename T>
-struct ScaleArgs {
-  const T* src;
-  T* out;
-  int64_t i0, i1, cols;
-  const double *rs, *cs, *ra, *ca;
-  bool clip;
-};
-
-template <typename T>
-PYPERM_ALWAYS_INLINE void scale_rows_body(const T* __restrict src, T* __restrict out, int64_t i0, int64_t i1,
-                                          int64_t n, const double* __restrict rs, const double* __restrict cs,
-                                          const double* __restrict ra, const double* __restrict ca, bool clip) {
-  for (int64_t i = i0; i < i1; ++i) {
-    const T* __restrict s = src + i * n;
-    T* __restrict o = out + i * n;
-    const double r = rs[i], add = ra ? ra[i] : 0.0;
-    if (ca) {
-      for (int64_t j = 0; j < n; ++j) o[j] = static_cast<T>(r * static_cast<double>(s[j]) * cs[j] + add * ca[j]);
-    } else {
-      for (int64_t j = 0; j < n; ++j) o[j] = static_cast<T>(r * static_cast<double>(s[j]) * cs[j]);
-    }
-    if (clip) {
-      // Rounding can push |r| of (nearly) collinear channels past 1; numpy.corrcoef clips too.
-      for (int64_t j = 0; j < n; ++j) o[j] = std::min(T(1), std::max(T(-1), o[j]));
-    }
-  }
-}
-
-template <typename T>
-PYPERM_ALWAYS_INLINE void scale_rows_body(const ScaleArgs<T>& a) {
-  scale_rows_body(a.src, a.out, a.i0, a.i1, a.cols, a.rs, a.cs, a.ra, a.ca, a.clip);
-}
-
-#define PYPERM_XCORR_VARIANTS(ATTR, SUFFIX)                                                       \
-  template <typename T>                                                                        \
-  ATTR void tile_moments_##SUFFIX(const TileArgs<T>& a) { tile_moments_body(a); }              \
-  template <typename TC, typename TG>                                                          \
-  ATTR void merge_rows_##SUFFIX(const MergeArgs<TC, TG>& a) { merge_rows_body(a); }            \
-  template <typename T>                                                                        \
-  ATTR void scale_rows_##SUFFIX(const ScaleArgs<T>& a) { scale_rows_body(a); }
-
-PYPERM_XCORR_VARIANTS(, baseline)
-#if PYPERM_XCORR_MULTI_ISA
-PYPERM_XCORR_VARIANTS(PYPERM_TARGET_AVX2, avx2)
-PYPERM_XCORR_VARIANTS(PYPERM_TARGET_AVX512, avx512)
-#define PYPERM_XCORR_DISPATCH(NAME, isa, args)          \
-  do {                                                  \
-    if ((isa) == Isa::Avx512) NAME##_avx512(args);      \
-    else if ((isa) == Isa::Avx2) NAME##_avx2(args);     \
-    else NAME##_baseline(args);                         \
-  } while (0)
-#else
-#define PYPERM_XCORR_DISPATCH(NAME, isa, args) NAME##_baseline(args)
-#endif
 
 // ------------------------------------------------------------------ moments
 
@@ -314,7 +179,7 @@ Status batch_moments(MomentsJob* jobs, int64_t n_jobs, int threads, Isa isa, int
       using T = std::remove_const_t<std::remove_pointer_t<decltype(x)>>;
       const TileArgs<T> args{x, out, j.cols, r0, r1, c0, c1, s.shift.data() + c0,
                              s.sum.data() + at, s.sq.data() + at, s.mn.data() + at, s.mx.data() + at};
-      PYPERM_XCORR_DISPATCH(tile_moments, isa, args);
+      tile_moments(isa, args);
     });
   });
 
@@ -343,7 +208,7 @@ struct MergeScratch {
 template <typename TC, typename TG>
 void merge_typed(TC* c, const TG* g, const MergeJob& j, const MergeScratch& s, int64_t i0, int64_t i1, Isa isa) {
   const MergeArgs<TC, TG> args{c, g, i0, i1, j.dim_b, j.n == 0, s.p.data(), s.q.data(), s.u.data(), s.v.data()};
-  PYPERM_XCORR_DISPATCH(merge_rows, isa, args);
+  merge_rows(isa, args);
 }
 
 void merge_block(const MergeJob& j, const MergeScratch& s, int64_t i0, int64_t i1, Isa isa) {
@@ -462,11 +327,11 @@ void scale_comoment(const void* src, void* out, Real dtype, int64_t rows, int64_
     if (dtype == Real::F64) {
       const ScaleArgs<double> args{static_cast<const double*>(src), static_cast<double*>(out), i0, i1, cols,
                                    row_scale, col_scale, row_add, col_add, clip};
-      PYPERM_XCORR_DISPATCH(scale_rows, isa, args);
+      scale_rows(isa, args);
     } else {
       const ScaleArgs<float> args{static_cast<const float*>(src), static_cast<float*>(out), i0, i1, cols,
                                   row_scale, col_scale, row_add, col_add, clip};
-      PYPERM_XCORR_DISPATCH(scale_rows, isa, args);
+      scale_rows(isa, args);
     }
   });
 }

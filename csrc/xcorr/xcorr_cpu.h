@@ -43,13 +43,6 @@ namespace pyperm::cpu {
 
 enum class Real : int { F32 = 0, F64 = 1 };
 
-// Why a job failed (Status::Invalid is returned in both cases).
-enum class XcorrError : int32_t {
-  None = 0,
-  NonFinite = 1,  // the input holds NaN or +-inf
-  Overflow = 2,   // finite input whose moments do not fit the floating-point type
-};
-
 // Rows of the 4 x dim moment block that describes one side.
 enum MomentRow : int64_t { kMean = 0, kM2 = 1, kMin = 2, kMax = 3 };
 

@@ -18,6 +18,9 @@ namespace {
 constexpr int64_t kShiftRows = 32;   // rows averaged for the provisional centre (as the CPU)
 constexpr int64_t kRowBlock = 256;   // rows per partial sum
 constexpr int kTileRows = 8;         // threadIdx.y extent of the moments tile
+// Bits of the device-side error word, read back into an XcorrError on the host.
+constexpr int kNonFiniteBit = 1;
+constexpr int kOverflowBit = 2;
 
 // K_c = x_0c + mean_i (x_ic - x_0c) over kShiftRows rows spread evenly over the batch:
 // exactly x_0c for a constant column, and well inside the batch's spread otherwise.
@@ -105,13 +108,13 @@ __global__ void finish_kernel(const T* __restrict__ x, int64_t rows, int64_t col
       mx = pmx[at] > mx ? pmx[at] : mx;
     }
     if (!isfinite(mn) || !isfinite(mx)) {
-      atomicOr(error_bits, kXcorrNonFinite);
+      atomicOr(error_bits, kNonFiniteBit);
       continue;
     }
     if (!isfinite(sum) || !isfinite(sq)) {
       bool nonfinite = false;  // NaN hides from min/max; finite values can still overflow the sums
       for (int64_t r = 0; r < rows && !nonfinite; ++r) nonfinite = !isfinite(static_cast<double>(x[r * ld + c]));
-      atomicOr(error_bits, nonfinite ? kXcorrNonFinite : kXcorrOverflow);
+      atomicOr(error_bits, nonfinite ? kNonFiniteBit : kOverflowBit);
       continue;
     }
     // sq >= 0, so its bits order like the value: an integer atomicMax finds the maximum.
@@ -183,10 +186,10 @@ constexpr double real_max() {
 }  // namespace
 
 template <typename T>
-int xcorr_batch_moments(const T* x, int64_t rows, int64_t cols, int64_t ld, T* centred, double* moments,
+XcorrError xcorr_batch_moments(const T* x, int64_t rows, int64_t cols, int64_t ld, T* centred, double* moments,
                         double* resid, double* max_sumsq, int device, void* stream_handle) {
   *max_sumsq = 0.0;
-  if (rows <= 0 || cols <= 0) return kXcorrOk;
+  if (rows <= 0 || cols <= 0) return XcorrError::None;
   DeviceGuard guard(device);
   cudaStream_t stream = as_stream(stream_handle);
   const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock, col_blocks = (cols + 31) / 32;
@@ -213,20 +216,20 @@ int xcorr_batch_moments(const T* x, int64_t rows, int64_t cols, int64_t ld, T* c
   PYPERM_CUDA_CHECK(cudaMemcpyAsync(host, flags, sizeof(host), cudaMemcpyDeviceToHost, stream));
   PYPERM_CUDA_CHECK(cudaStreamSynchronize(stream));
   const int err = static_cast<int>(host[1] & 0xffffffffu);
-  if (err & kXcorrNonFinite) return kXcorrNonFinite;
-  if (err & kXcorrOverflow) return kXcorrOverflow;
+  if (err & kNonFiniteBit) return XcorrError::NonFinite;
+  if (err & kOverflowBit) return XcorrError::Overflow;
   double m;
   static_assert(sizeof(m) == sizeof(host[0]), "double is 64 bits");
   std::memcpy(&m, &host[0], sizeof(m));
   *max_sumsq = m;
-  return kXcorrOk;
+  return XcorrError::None;
 }
 
 template <typename TC, typename TG>
-int xcorr_merge_comoments(int64_t dim_a, int64_t dim_b, int64_t n, double* moments_a, double* moments_b, TC* comoment,
+XcorrError xcorr_merge_comoments(int64_t dim_a, int64_t dim_b, int64_t n, double* moments_a, double* moments_b, TC* comoment,
                           int64_t m, const double* in_moments_a, const double* in_moments_b, const TG* in_comoment,
                           const double* resid_a, const double* resid_b, int device, void* stream_handle) {
-  if (m <= 0 || dim_a <= 0 || dim_b <= 0) return kXcorrOk;
+  if (m <= 0 || dim_a <= 0 || dim_b <= 0) return XcorrError::None;
   if ((resid_a == nullptr) != (resid_b == nullptr)) resid_a = resid_b = nullptr;
   DeviceGuard guard(device);
   cudaStream_t stream = as_stream(stream_handle);
@@ -258,7 +261,7 @@ int xcorr_merge_comoments(int64_t dim_a, int64_t dim_b, int64_t n, double* momen
   // margin of 4 leaves room for the rank-1 terms and rounding (the CPU core's rule).
   const bool in_ok = std::sqrt(mx[1]) * std::sqrt(mx[3]) <= real_max<TG>() / 4;
   const bool acc_ok = std::sqrt(mx[0]) * std::sqrt(mx[2]) <= real_max<TC>() / 4;
-  if (!in_ok || !acc_ok) return kXcorrOverflow;
+  if (!in_ok || !acc_ok) return XcorrError::Overflow;
   merge_matrix_kernel<TC, TG><<<grid_for(dim_a * dim_b, 256, 8192), 256, 0, stream>>>(
       comoment, in_comoment, dim_a, dim_b, n == 0, arena.get<double>(h_p), arena.get<double>(h_q),
       arena.get<double>(h_u), arena.get<double>(h_v));
@@ -267,15 +270,15 @@ int xcorr_merge_comoments(int64_t dim_a, int64_t dim_b, int64_t n, double* momen
                                     cudaMemcpyDeviceToDevice, stream));
   PYPERM_CUDA_CHECK(cudaMemcpyAsync(moments_b, arena.get<double>(h_new_b), 4 * dim_b * sizeof(double),
                                     cudaMemcpyDeviceToDevice, stream));
-  return kXcorrOk;
+  return XcorrError::None;
 }
 
-template int xcorr_batch_moments<float>(const float*, int64_t, int64_t, int64_t, float*, double*, double*, double*,
+template XcorrError xcorr_batch_moments<float>(const float*, int64_t, int64_t, int64_t, float*, double*, double*, double*,
                                         int, void*);
-template int xcorr_batch_moments<double>(const double*, int64_t, int64_t, int64_t, double*, double*, double*,
+template XcorrError xcorr_batch_moments<double>(const double*, int64_t, int64_t, int64_t, double*, double*, double*,
                                          double*, int, void*);
 #define PYPERM_XCORR_MERGE(TC, TG)                                                                              \
-  template int xcorr_merge_comoments<TC, TG>(int64_t, int64_t, int64_t, double*, double*, TC*, int64_t,          \
+  template XcorrError xcorr_merge_comoments<TC, TG>(int64_t, int64_t, int64_t, double*, double*, TC*, int64_t,          \
                                              const double*, const double*, const TG*, const double*,            \
                                              const double*, int, void*);
 PYPERM_XCORR_MERGE(double, double)

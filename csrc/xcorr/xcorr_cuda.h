@@ -10,12 +10,9 @@
 #pragma once
 #include <cstdint>
 
-namespace pyperm::cuda {
+#include "common/status.h"
 
-// Error codes, as cpu::XcorrError.
-constexpr int kXcorrOk = 0;
-constexpr int kXcorrNonFinite = 1;
-constexpr int kXcorrOverflow = 2;
+namespace pyperm::cuda {
 
 // One side of one batch.
 //   x         [in]  device, rows x cols, row stride ld (elements, >= cols), rows >= 1.
@@ -23,10 +20,10 @@ constexpr int kXcorrOverflow = 2;
 //   moments   [out] device, 4 x cols float64: mean, m2, min, max of the batch.
 //   resid     [out] device, cols float64: column sums of `centred` as stored.
 //   max_sumsq [out] host: the largest column sum of squares of `centred`.
-// Returns kXcorrOk, kXcorrNonFinite (NaN or infinity in x) or kXcorrOverflow (finite x whose
+// Returns XcorrError::None, NonFinite (NaN or infinity in x) or Overflow (finite x whose
 // sums overflow); outputs are unspecified on error. Synchronises the stream.
 template <typename T>
-int xcorr_batch_moments(const T* x, int64_t rows, int64_t cols, int64_t ld, T* centred, double* moments,
+XcorrError xcorr_batch_moments(const T* x, int64_t rows, int64_t cols, int64_t ld, T* centred, double* moments,
                         double* resid, double* max_sumsq, int device, void* stream);
 
 // Folds an incoming part (m samples: its moments, its co-moment G about its own means up to
@@ -34,10 +31,10 @@ int xcorr_batch_moments(const T* x, int64_t rows, int64_t cols, int64_t ld, T* c
 //   C <- C + G - resid_a resid_b^T / m + (n m / (n + m)) delta_a delta_b^T  (C <- ... when n = 0)
 // and the moments by Chan's update. resid_a and resid_b are both null (merging two
 // accumulators) or both set (a fresh batch). All device pointers; dims >= 1, m >= 1.
-// Returns kXcorrOk, or kXcorrOverflow with nothing written when the merged moments would
+// Returns XcorrError::None, or Overflow with nothing written when the merged moments would
 // overflow the accumulator's type (the bound is checked on the host: synchronises).
 template <typename TC, typename TG>
-int xcorr_merge_comoments(int64_t dim_a, int64_t dim_b, int64_t n, double* moments_a, double* moments_b, TC* comoment,
+XcorrError xcorr_merge_comoments(int64_t dim_a, int64_t dim_b, int64_t n, double* moments_a, double* moments_b, TC* comoment,
                           int64_t m, const double* in_moments_a, const double* in_moments_b, const TG* in_comoment,
                           const double* resid_a, const double* resid_b, int device, void* stream);
 

@@ -96,32 +96,26 @@ def update(state: dict[str, Any], xa: Any, xb: Any, prefix: str = "") -> None:
         centred = torch.empty((rows, t.shape[1]), dtype=t.dtype, device=dev)
         moments = torch.empty((4, t.shape[1]), dtype=torch.float64, device=dev)
         resid = torch.empty(t.shape[1], dtype=torch.float64, device=dev)
-        err, max_sumsq = mod.xcorr_batch_moments(t.data_ptr(), dtype, rows, t.shape[1], t.stride(0),
-                                                 centred.data_ptr(), moments.data_ptr(), resid.data_ptr(), device,
-                                                 stream)
-        if err == 1:
-            raise ValueError(f"{name} contains NaN or infinity")
-        if err == 2:
-            raise ValueError(f"{name} has values so large that its moments overflow")
+        # Raises ValueError naming the side for NaN, infinity or overflowing moments.
+        max_sumsq = mod.xcorr_batch_moments(t.data_ptr(), dtype, rows, t.shape[1], t.stride(0), centred.data_ptr(),
+                                            moments.data_ptr(), resid.data_ptr(), device, stream, name)
         sides.append((centred, moments, resid, max_sumsq))
     (ca, ma, ra, sa), (cb, mb, rb, sb) = sides
     # Every entry of the product is bounded by sqrt(sumsq_a sumsq_b) (Cauchy-Schwarz).
     if (sa ** 0.5) * (sb ** 0.5) > float(torch.finfo(a.dtype).max) / 4:
-        raise ValueError("xa and xb have values so large that their product overflows")
+        raise ValueError(f"{prefix}xa and {prefix}xb have values so large that their product overflows")
     g = torch.matmul(ca.t(), cb).contiguous()
     c = state["comoment"]
-    err = mod.xcorr_merge_comoments(
+    mod.xcorr_merge_comoments(
         da, db, int(state["count"]), state["moments_a"].data_ptr(), state["moments_b"].data_ptr(), c.data_ptr(),
         dtype_name(c), rows, ma.data_ptr(), mb.data_ptr(), g.data_ptr(),
-        dtype, ra.data_ptr(), rb.data_ptr(), device, stream)
-    if err:
-        raise ValueError("the accumulated moments would overflow the accumulator's dtype")
+        dtype, ra.data_ptr(), rb.data_ptr(), device, stream, prefix.strip() or "batch")
     state["count"] = int(state["count"]) + rows
 
 
 def merge(state: dict[str, Any], other: dict[str, Any]) -> None:
     """Add the samples of accumulator ``other`` to ``state`` (in place), on the device."""
-    torch = require_torch("xcorr_merge")
+    require_torch("xcorr_merge")
     if state["comoment"].shape != other["comoment"].shape:
         raise ValueError("the accumulators have different dimensions")
     m = int(other["count"])
@@ -129,11 +123,9 @@ def merge(state: dict[str, Any], other: dict[str, Any]) -> None:
         return
     device, stream = torch_launch(state["comoment"])
     c, g = state["comoment"], other["comoment"].contiguous()
-    err = cuda_module().xcorr_merge_comoments(
+    cuda_module().xcorr_merge_comoments(
         c.shape[0], c.shape[1], int(state["count"]), state["moments_a"].data_ptr(), state["moments_b"].data_ptr(),
         c.data_ptr(), dtype_name(c), m, other["moments_a"].data_ptr(),
         other["moments_b"].data_ptr(), g.data_ptr(), dtype_name(g), 0, 0,
-        device, stream)
-    if err:
-        raise ValueError("the merged moments would overflow the accumulator's dtype")
+        device, stream, "merge")
     state["count"] = int(state["count"]) + m
