@@ -666,7 +666,7 @@ def test_error_multihead_reshape_splits_channels():
         trace_model(MultiHead(), torch.randn(2, 3, 8))
 
 
-def test_error_attention_module():
+def test_attention_module_keeps_its_inputs_permutable():
     class MHA(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -675,8 +675,17 @@ def test_error_attention_module():
         def forward(self, x):
             return self.attn(x, x, x)[0]
 
-    with pytest.raises(TraceError, match=r"unsupported operation MultiheadAttention .*module 'inner\.attn'"):
-        trace_model(Wrapper(MHA()), torch.randn(2, 3, 8))
+    torch.manual_seed(0)
+    model = Wrapper(MHA())
+    with pytest.warns(TraceWarning, match=r"MultiheadAttention .*module 'inner\.attn'\) keeps its per-head units"):
+        spec = PermutationSpec.from_model(model, torch.randn(2, 3, 8))
+    # The query/key/value features are contracted with in_proj_weight's columns; the heads stay fixed.
+    assert spec.sizes == {"P_fc": 8}
+    assert spec.axes["inner.attn.in_proj_weight"] == (None, "P_fc")
+    assert spec.axes["inner.attn.out_proj.weight"] == (None, None)  # a model output
+    assert_same_function(model, spec, torch.randn(3, 4, 8))
+    with pytest.raises(TraceError, match=r"MultiheadAttention .*keeps its per-head units.*composite='fix'"):
+        trace_model(model, torch.randn(2, 3, 8), composite="raise")
 
 
 def test_attention_module_on_the_input_is_fine():
@@ -689,10 +698,12 @@ def test_attention_module_on_the_input_is_fine():
         def forward(self, x):
             return self.fc2(torch.relu(self.fc1(self.attn(x, x, x)[0])))
 
-    with pytest.warns(TraceWarning, match=r"MultiheadAttention \(graph node 'attn', module 'attn'\) has no trace rule"):
+    with pytest.warns(TraceWarning, match=r"MultiheadAttention \(graph node 'attn', module 'attn'\) keeps its per"):
         spec = PermutationSpec.from_model(M(), torch.randn(2, 3, 4))
-    assert spec.sizes == {"P_fc1": 6}
-    assert all(g is None for k, axes in spec.axes.items() if k.startswith("attn") for g in axes)
+    # The output projection produces units of its own.
+    assert spec.sizes == {"P_attn": 4, "P_fc1": 6}
+    assert spec.axes["attn.out_proj.weight"] == ("P_attn", None) and spec.axes["attn.out_proj.bias"] == ("P_attn",)
+    assert spec.axes["attn.in_proj_weight"] == (None, None) and spec.axes["fc1.weight"] == ("P_fc1", "P_attn")
 
 
 def test_error_channel_shuffle():
@@ -731,16 +742,28 @@ def test_error_unknown_function_on_channels():
         trace_model(model, torch.randn(2, 4))
 
 
-def test_error_grouped_convolution():
-    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 3, groups=2), nn.Conv2d(8, 2, 1))
-    with pytest.raises(TraceError, match=r"grouped convolution \(groups=2\) at Conv2d .*module '1'"):
-        trace_model(model, torch.randn(1, 3, 5, 5))
+def test_grouped_convolution_fixes_its_channels():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 3, groups=2), nn.ReLU(), nn.Conv2d(8, 6, 1),
+                          nn.ReLU(), nn.Conv2d(6, 2, 1))  # fmt: skip
+    with pytest.warns(TraceWarning, match=r"Conv2d .*module '1'\) is a grouped convolution \(groups=2\) of permuted"):
+        spec = PermutationSpec.from_model(model, torch.randn(1, 3, 5, 5))
+    assert spec.sizes == {"P_3": 6}
+    assert_same_function(model, spec, torch.randn(2, 3, 5, 5))
+    with pytest.raises(TraceError, match=r"Conv2d .*module '1'\) is a grouped convolution \(groups=2\)"):
+        trace_model(model, torch.randn(1, 3, 5, 5), composite="raise")
 
 
-def test_error_groupnorm_with_groups():
-    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.GroupNorm(2, 8), nn.Conv2d(8, 2, 1))
-    with pytest.raises(TraceError, match=r"GroupNorm with 2 groups of 8 channels at GroupNorm .*module '1'"):
-        trace_model(model, torch.randn(1, 3, 5, 5))
+def test_groupnorm_with_groups_fixes_its_channels():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.GroupNorm(2, 8), nn.ReLU(), nn.Conv2d(8, 6, 1), nn.ReLU(),
+                          nn.Conv2d(6, 2, 1))  # fmt: skip
+    with pytest.warns(TraceWarning, match=r"GroupNorm .*module '1'\) normalises 2 groups of 4 permuted channels"):
+        spec = PermutationSpec.from_model(model, torch.randn(1, 3, 5, 5))
+    assert spec.sizes == {"P_3": 6}
+    assert_same_function(model, spec, torch.randn(2, 3, 5, 5))
+    with pytest.raises(TraceError, match=r"GroupNorm .*module '1'\) normalises 2 groups"):
+        trace_model(model, torch.randn(1, 3, 5, 5), composite="raise")
 
 
 def test_error_channel_slice_in_raise_mode():

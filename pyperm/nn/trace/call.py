@@ -139,8 +139,14 @@ class TraceCall:
         return (lab if is_label(lab) else Label.invariant(value.ndim)), self.depends(node)
 
     def param(self, name: str) -> Label | None:
-        """The label of the called module's parameter or buffer ``name`` (None if the module has none)."""
-        if getattr(self.module, name, None) is None:
+        """The label of the called module's parameter or buffer ``name`` (None if the module has none).
+
+        ``name`` may be a path into a submodule (``"out_proj.weight"``).
+        """
+        obj: Any = self.module
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
             return None
         key = f"{self.path}.{name}" if self.path else name
         if key not in self._labeler.units.state_dict:

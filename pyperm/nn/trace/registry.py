@@ -38,19 +38,28 @@ _lock = threading.Lock()
 _modules: dict[type, Rule] = {}
 _functions: dict[Any, Rule] = {}
 _methods: dict[str, Rule] = {}
+_named_functions: dict[str, Rule] = {}
+
+
+def _qualified_name(fn: Any) -> str | None:
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return f"{module}.{name}" if module and name else None
 
 
 def _table(target: Target) -> tuple[dict, Any]:
     if isinstance(target, type):
         if not issubclass(target, nn.Module):
-            raise TypeError(f"target must be a torch.nn.Module subclass, a function or a method name, got class "
-                            f"{target.__name__}")  # fmt: skip
+            raise TypeError(
+                f"target must be a torch.nn.Module subclass, a function or a method name, got class {target.__name__}"
+            )
         return _modules, target
     if isinstance(target, str):
         name = target.removeprefix("Tensor.")
-        if not name.isidentifier():
-            raise ValueError(f"target {target!r} is not a Tensor method name")
-        return _methods, name
+        if name.isidentifier():
+            return _methods, name
+        if all(part.isidentifier() for part in target.split(".")):
+            return _named_functions, target
+        raise ValueError(f"target {target!r} is neither a Tensor method name nor a qualified function name")
     if callable(target):
         return _functions, target
     raise TypeError(
@@ -67,8 +76,10 @@ def register_trace_rule(target: Target, rule: Rule, *, replace: bool = False) ->
         A ``torch.nn.Module`` subclass (its instances become leaves of the trace: the
         rule sees the whole module call; a subclass is traced into unless it has a rule
         of its own, since it may compute something else), a function called in ``forward`` (matched by identity, e.g.
-        ``torch.addcmul``), or the name of a Tensor method (``"view"`` or
-        ``"Tensor.view"``).
+        ``torch.addcmul``), the qualified name of a function (``module.qualname``,
+        e.g. ``"torchvision.ops.stochastic_depth.stochastic_depth"``, so a library need
+        not be imported to register its functions), or the name of a Tensor method
+        (``"view"`` or ``"Tensor.view"``).
     rule : callable
         ``rule(call)`` with a :class:`~pyperm.nn.trace.TraceCall`; returns the label of
         the result. The ready-made rules of :mod:`pyperm.nn.trace.rules` cover common
@@ -120,11 +131,12 @@ def register_trace_rule(target: Target, rule: Rule, *, replace: bool = False) ->
 def register_all(targets: Any, rule: Rule) -> None:
     """Register ``rule`` for every target of an iterable (for the built-in rules).
 
-    Aliases (``F.relu_`` is ``torch.relu_``) appear once; a target claimed by two
-    families still raises, so such clashes show at import.
+    Aliases (``F.hardshrink`` is ``torch.hardshrink``) given the same rule twice are
+    fine; a target claimed by two different rules still raises, so clashes show at import.
     """
     for target in dict.fromkeys(targets):
-        register_trace_rule(target, rule)
+        if rule_for(target) is not rule:  # torch aliases one function under two names now and then
+            register_trace_rule(target, rule)
 
 
 def rule_for(target: Target) -> Rule | None:
@@ -153,10 +165,15 @@ def lookup_module(module: nn.Module) -> Rule | None:
 
 
 def lookup_function(fn: Any) -> Rule | None:
+    """The rule of a function: by identity, else by qualified name (functions of libraries not imported)."""
     try:
-        return _functions.get(fn)
+        rule = _functions.get(fn)
     except TypeError:  # an unhashable callable object
-        return None
+        rule = None
+    if rule is None and _named_functions:
+        name = _qualified_name(fn)
+        rule = _named_functions.get(name) if name is not None else None
+    return rule
 
 
 def lookup_method(name: str) -> Rule | None:

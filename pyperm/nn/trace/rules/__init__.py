@@ -4,7 +4,8 @@ Importing this package registers every built-in rule: ``dense`` (Linear, ``x @ W
 Embedding), ``conv`` (convolutions), ``norms`` (BatchNorm, LayerNorm, GroupNorm, ...),
 ``pointwise`` (activations, arithmetic, residual additions, dropout), ``pooling``
 (pooling, reductions, order-dependent operations), ``shape`` (reshape, transpose,
-indexing, padding) and ``combine`` (cat, stack, split). A new layer means one new rule
+indexing, padding), ``combine`` (cat, stack, split), ``recurrent`` (RNN, LSTM, GRU)
+and ``attention`` (MultiheadAttention, scaled dot-product attention). A new layer means one new rule
 in the module of its family; a user's own module type gets a rule through
 :func:`pyperm.nn.register_trace_rule`, often one of these:
 
@@ -16,7 +17,17 @@ in the module of its family; a user's own module type gets a rule through
   last axis like ``nn.Linear``.
 """
 
-from pyperm.nn.trace.rules import combine, conv, dense, norms, pointwise, pooling, shape  # noqa: F401
+from pyperm.nn.trace.rules import (  # noqa: F401
+    attention,
+    combine,
+    conv,
+    dense,
+    norms,
+    pointwise,
+    pooling,
+    recurrent,
+    shape,
+)
 from pyperm.nn.trace.rules.dense import linear
 from pyperm.nn.trace.rules.pointwise import elementwise, invariant, nonlinear, same
 

@@ -54,18 +54,19 @@ def convolution(call: TraceCall, x: torch.Tensor, lx: Label, w: Label | None, b:
             unit = call.join(unit, b[0])
         call.role = Role.PASS
         return Label(tuple(lx[:ch]) + (unit,) + tuple(lx[ch + 1 :]))
-    if lx[ch] is None and not transposed:
-        # Grouped convolution of an invariant input: its output units may only be permuted
-        # within their channel group, which a spec cannot say.
-        call.composite(f"is a grouped convolution (groups={groups})", [w[0]])
-        call.fix(*w)
-        if b is not None:
-            call.fix(*b)
-        return Label(tuple(lx[:ch]) + (None,) + tuple(lx[ch + 1 :]))
-    raise TraceError(
-        f"unsupported grouped convolution (groups={groups}) at {call.where()}: permutations would have to "
-        "respect the channel groups"
+    # Grouped convolution (depthwise with a channel multiplier too): output channel block b sees
+    # input channel block b alone, so units may only be permuted within their channel group
+    # (and blocks as a whole), which a spec cannot say yet: the channels on both sides stay fixed.
+    call.leave_unpermuted(
+        f"is a grouped convolution (groups={groups})" + (" of permuted channels" if lx[ch] is not None else ""),
+        [lx[ch], w[0]],
+        "units may only be permuted within their channel group, which a PermutationSpec cannot name",
+        "channel groups",
     )
+    call.fix(*w)
+    if b is not None:
+        call.fix(*b)
+    return Label(tuple(lx[:ch]) + (None,) + tuple(lx[ch + 1 :]))
 
 
 def conv_module(call: TraceCall) -> Label:

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyperm.nn.trace.call import TraceCall
-from pyperm.nn.trace.errors import TraceError
 from pyperm.nn.trace.labels import Label
 from pyperm.nn.trace.registry import register_all
 from pyperm.nn.trace.sites import Role
@@ -86,12 +85,17 @@ def _group_norm(
     params: Sequence[Label | None],
 ) -> Label:
     ch = 1
-    if groups not in (1, x.shape[ch]) and lx[ch] is not None:
-        raise TraceError(
-            f"unsupported GroupNorm with {groups} groups of {x.shape[ch]} channels at {call.where()}: its "
-            "statistics mix channels within a group, so permutations would have to respect the groups"
-        )
     if groups not in (1, x.shape[ch]):
+        # Its statistics mix the channels of a group, so units may only be permuted within
+        # their group (and groups as a whole), which a spec cannot say yet.
+        if lx[ch] is not None:
+            call.leave_unpermuted(
+                f"normalises {groups} groups of {x.shape[ch] // groups} permuted channels",
+                [lx[ch]],
+                "units may only be permuted within their group, which a PermutationSpec cannot name",
+                "channel groups",
+            )
+            lx = Label(tuple(lx[:ch]) + (None,) + tuple(lx[ch + 1 :]))
         for p in params:
             if p is not None:
                 call.fix(*p)

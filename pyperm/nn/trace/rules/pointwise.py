@@ -39,6 +39,27 @@ NONLINEAR_FUNCTIONS = (
     torch.erf, torch.reciprocal, torch.sign, torch.log1p, torch.expm1, F.softmax, F.log_softmax, F.softmin,
     torch.softmax, torch.log_softmax, torch.pow, operator.pow, torch.maximum, torch.minimum, F.normalize,
 )  # fmt: skip
+# More elementwise functions of torch: each output element depends on the same element of every
+# (broadcast) argument alone, which is all the rules need; the role only matters for the sites.
+MORE_NONLINEAR_NAMES = (
+    "addcdiv", "float_power", "true_divide", "atan", "arctan", "atan2", "tan", "sinh", "cosh", "asinh",
+    "exp2", "log2", "log10", "erfc", "erfinv", "hypot", "logaddexp", "logit", "fmod", "remainder", "round",
+    "floor", "ceil", "trunc", "frac", "xlogy", "sgn", "fmax", "fmin", "clamp_min", "clamp_max", "selu", "celu",
+    "rrelu", "hardshrink", "exp_", "square_", "sqrt_", "abs_", "floor_divide",
+)  # fmt: skip
+MORE_LINEAR_NAMES = ("addcmul", "positive", "negative", "subtract", "multiply", "divide", "neg_", "lerp_")
+MORE_NONLINEAR_FUNCTIONS = tuple(getattr(torch, n) for n in MORE_NONLINEAR_NAMES if hasattr(torch, n)) + (
+    F.elu_, F.leaky_relu_, F.hardtanh_, F.threshold_, F.celu_, F.selu_, F.rrelu_, torch.special.expit,
+    torch.special.erf, torch.special.logit, operator.floordiv, operator.mod, operator.abs, abs,
+)  # fmt: skip
+MORE_LINEAR_FUNCTIONS = tuple(getattr(torch, n) for n in MORE_LINEAR_NAMES if hasattr(torch, n))
+MORE_METHODS = tuple(n for n in MORE_NONLINEAR_NAMES + ("pow_", "erf_", "log_", "relu6") if hasattr(torch.Tensor, n))
+MORE_LINEAR_METHODS = tuple(n for n in MORE_LINEAR_NAMES + ("addcmul_", "addcdiv_") if hasattr(torch.Tensor, n))
+# Functions of libraries pyperm does not import, by qualified name: torchvision's stochastic
+# depth scales whole samples (rows) or the whole batch by one random factor, so the units
+# keep their classes.
+PER_SAMPLE_NAMED = ("torchvision.ops.stochastic_depth.stochastic_depth",)
+
 LINEAR_FUNCTIONS = (
     operator.add, operator.sub, operator.mul, operator.truediv, operator.iadd, operator.isub, operator.imul,
     operator.itruediv, operator.neg, operator.pos, torch.add, torch.sub, torch.mul, torch.div, torch.neg,
@@ -89,6 +110,16 @@ def same(call: TraceCall) -> Label:
     return lab
 
 
+def like(call: TraceCall) -> Label:
+    """``zeros_like(x)`` and kin: constant (or identically distributed) along every axis of ``x``.
+
+    Permuting ``x``'s units leaves such a tensor as it is, so it may carry ``x``'s label:
+    ``x + torch.ones_like(x)`` keeps the units permutable.
+    """
+    _, lab = call.first()
+    return lab
+
+
 def invariant(call: TraceCall) -> Any:
     """Rule: the result does not depend on the order of any units (``zeros_like``, a new tensor)."""
     return call.invariant()
@@ -115,6 +146,11 @@ register_all(PASSTHROUGH_MODULES, elementwise)
 register_all(NONLINEAR_FUNCTIONS + NONLINEAR_METHODS, nonlinear)
 register_all(LINEAR_FUNCTIONS + LINEAR_METHODS, elementwise)
 register_all(SAME_METHODS, same)
-register_all(LIKE_FUNCTIONS + NEW_METHODS, invariant)
+register_all(LIKE_FUNCTIONS, like)
+register_all(NEW_METHODS, invariant)
+register_all(MORE_NONLINEAR_FUNCTIONS + MORE_METHODS, nonlinear)
+register_all(MORE_LINEAR_FUNCTIONS + MORE_LINEAR_METHODS, elementwise)
+register_all([nn.Softmax2d], nonlinear)
+register_all(PER_SAMPLE_NAMED, same)
 register_all([nn.PReLU], prelu_module)
 register_all([F.prelu], prelu_function)

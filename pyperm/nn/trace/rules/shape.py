@@ -166,7 +166,7 @@ def get_attribute(call: TraceCall) -> Any:
         elif x.ndim >= 2:
             order[-2], order[-1] = order[-1], order[-2]
         return Label(lab[i] for i in order)
-    if name in ("data",):
+    if name in ("data", "real", "imag"):  # elementwise views
         return lab
     if any(a is not None for a in lab):
         raise TraceError(f"unsupported attribute access Tensor.{name} at {call.where()}")

@@ -1,0 +1,348 @@
+"""Trace rules beyond the basic layers: more elementwise functions, recurrent and attention layers, and
+rules that users register for their own modules, functions and methods."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from pyperm.nn import PermutationSpec, TraceError, apply_permutation, register_trace_rule, trace_model
+from pyperm.nn.trace import Label, Role, TraceCall, TraceWarning, registry, rules
+
+
+def random_perms(spec: PermutationSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {g: torch.randperm(n, generator=gen) for g, n in spec.sizes.items()}
+
+
+def assert_same_function(model: nn.Module, spec: PermutationSpec, *inputs: torch.Tensor) -> None:
+    """A random permutation of every group leaves the (eval-mode) outputs unchanged."""
+    assert spec.sizes, "the spec should have something to permute"
+    other = copy.deepcopy(model)
+    other.load_state_dict(apply_permutation(spec, random_perms(spec), model.state_dict()))
+    model.eval()
+    other.eval()
+    with torch.no_grad():
+        want, got = model(*inputs), other(*inputs)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture
+def clean_registry():
+    """Rules registered by a test are removed afterwards (the table is process-wide)."""
+    tables = (registry._modules, registry._functions, registry._methods, registry._named_functions)
+    saved = [dict(t) for t in tables]
+    yield
+    for table, before in zip(tables, saved):
+        table.clear()
+        table.update(before)
+
+
+# --------------------------------------------------------------------------- elementwise
+
+
+def stochastic_depth(x: torch.Tensor, p: float, mode: str, training: bool = True) -> torch.Tensor:
+    """Stands in for torchvision's function of the same qualified name (torchvision is optional)."""
+    if not training or p == 0.0:
+        return x
+    shape = [x.shape[0]] + [1] * (x.ndim - 1) if mode == "row" else [1] * x.ndim
+    return x * x.new_empty(shape).bernoulli_(1 - p) / (1 - p)
+
+
+stochastic_depth.__module__ = "torchvision.ops.stochastic_depth"
+torch.fx.wrap("stochastic_depth")  # as torchvision does: the function stays one node of the graph
+
+
+class ResidualMLP(nn.Module):
+    """ResMLP-style affine layers (addcmul) and stochastic depth on the residual branch."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, d)
+        self.alpha, self.beta = nn.Parameter(torch.rand(d) + 0.5), nn.Parameter(torch.randn(d) * 0.1)
+        self.fc1, self.fc2 = nn.Linear(d, 10), nn.Linear(10, d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        z = torch.addcmul(self.beta, self.alpha, h)
+        z = self.fc2(torch.special.expit(self.fc1(z)).clamp_min(0.1).float_power(1).float())
+        h = h + stochastic_depth(z, 0.2, "row", self.training)
+        return self.head(torch.hypot(h, torch.ones_like(h)))
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_addcmul_stochastic_depth_and_more_elementwise(train):
+    torch.manual_seed(0)
+    model = ResidualMLP().train(train)  # traced in this mode: stochastic_depth runs with training=train
+    gm = torch.fx.symbolic_trace(model)
+    assert any(n.target is stochastic_depth for n in gm.graph.nodes)
+    with torch.random.fork_rng():
+        spec = PermutationSpec.from_model(model, torch.randn(2, 4), composite="raise")
+    assert spec.sizes == {"P_embed": 6, "P_fc1": 10}
+    assert spec.axes["alpha"] == spec.axes["beta"] == ("P_embed",)
+    assert spec.axes["fc2.weight"] == ("P_embed", "P_fc1")
+    assert_same_function(model, spec, torch.randn(5, 4))
+
+
+def test_torchvision_stochastic_depth():
+    tv = pytest.importorskip("torchvision")
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.out = nn.Linear(3, 5), nn.Linear(5, 5), nn.Linear(5, 2)
+            self.drop = tv.ops.StochasticDepth(0.1, "row")
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.out(h + self.drop(torch.relu(self.b(h))))
+
+    spec = PermutationSpec.from_model(Block(), torch.randn(2, 3), composite="raise")
+    assert spec.sizes == {"P_a": 5, "P_b": 5}
+
+
+def test_scaled_dot_product_attention():
+    class SDPA(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(5, 6), nn.Linear(5, 6), nn.Linear(5, 7)
+            self.out = nn.Linear(7, 2)
+
+        def forward(self, x):  # (batch, tokens, 5)
+            return self.out(F.scaled_dot_product_attention(self.q(x), self.k(x), self.v(x)))
+
+    torch.manual_seed(0)
+    model = SDPA()
+    spec = PermutationSpec.from_model(model, torch.randn(2, 3, 5), composite="raise")
+    assert spec.axes["q.weight"][0] == spec.axes["k.weight"][0] == "P_q"
+    assert spec.axes["v.weight"][0] == spec.axes["out.weight"][1] == "P_v"
+    assert_same_function(model, spec, torch.randn(2, 4, 5))
+
+
+# --------------------------------------------------------------------------- recurrent layers
+
+
+class RecurrentClassifier(nn.Module):
+    def __init__(self, kind: type, bidirectional: bool = False, layers: int = 1) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(13, 6)
+        self.proj = nn.Linear(6, 5)
+        self.rnn = kind(5, 7, num_layers=layers, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(7 * (2 if bidirectional else 1), 3)
+
+    def forward(self, ids):
+        out = self.rnn(torch.tanh(self.proj(self.embed(ids))))[0]
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize(
+    ("kind", "bidirectional", "layers"),
+    [(nn.LSTM, False, 1), (nn.GRU, False, 1), (nn.RNN, False, 1), (nn.LSTM, True, 2), (nn.GRU, True, 1)],
+    ids=["lstm", "gru", "rnn", "lstm-bi-2", "gru-bi"],
+)
+def test_recurrent_layers_keep_their_inputs_permutable(kind, bidirectional, layers):
+    torch.manual_seed(0)
+    model = RecurrentClassifier(kind, bidirectional, layers)
+    ids = torch.randint(0, 13, (2, 4))
+    with pytest.warns(TraceWarning, match=rf"{kind.__name__} \(graph node 'rnn', module 'rnn'\) keeps its hidden"):
+        result = trace_model(model, ids)
+    spec = result.spec
+    assert spec.sizes == {"P_embed": 6, "P_proj": 5}
+    assert spec.axes["rnn.weight_ih_l0"] == (None, "P_proj")
+    if bidirectional:
+        assert spec.axes["rnn.weight_ih_l0_reverse"] == (None, "P_proj")
+    hidden = [k for k in spec.axes if k.startswith("rnn.") and not k.startswith("rnn.weight_ih_l0")]
+    assert hidden and all(g is None for k in hidden for g in spec.axes[k])
+    assert [s.module for s in result.post_activation_sites["P_proj"]] == [""]  # the tanh
+    assert_same_function(model, spec, torch.randint(0, 13, (3, 6)))
+    with pytest.raises(TraceError, match=r"keeps its hidden units: .*stacked along one axis"):
+        trace_model(model, ids, composite="raise")
+
+
+def test_recurrent_initial_state_is_fixed():
+    class WithState(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.init = nn.Linear(3, 4), nn.Linear(3, 6)
+            self.gru, self.head = nn.GRU(4, 6), nn.Linear(6, 2)
+
+        def forward(self, x):  # (time, batch, 3)
+            h0 = torch.tanh(self.init(x[0])).unsqueeze(0)
+            return self.head(self.gru(self.inp(x), h0)[1][0])
+
+    torch.manual_seed(0)
+    model = WithState()
+    spec = PermutationSpec.from_model(model, torch.randn(5, 2, 3), composite="fix")
+    assert spec.sizes == {"P_inp": 4}  # init's units enter the GRU's hidden state: fixed
+    assert spec.axes["init.weight"] == (None, None)
+    assert_same_function(model, spec, torch.randn(4, 3, 3))
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class EncoderBlock(nn.Module):
+    """A pre-norm transformer encoder block with nn.MultiheadAttention and a residual stream."""
+
+    def __init__(self, d: int = 8, heads: int = 2, cross: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(5, d)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        kdim = 6 if cross else None
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True, kdim=kdim, vdim=kdim)
+        self.memory = nn.Linear(5, 6) if cross else None
+        self.fc1, self.fc2 = nn.Linear(d, 12), nn.Linear(12, d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        z = self.ln1(h)
+        kv = torch.relu(self.memory(x)) if self.memory is not None else z
+        h = h + self.attn(z, kv, kv, need_weights=False)[0]
+        h = h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+        return self.head(h.mean(dim=1))
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+def test_multihead_attention_in_an_encoder_block(cross):
+    torch.manual_seed(0)
+    model = EncoderBlock(cross=cross)
+    with pytest.warns(
+        TraceWarning, match=r"MultiheadAttention \(graph node 'attn', module 'attn'\) keeps its per-head"
+    ):
+        result = trace_model(model, torch.randn(2, 3, 5))
+    spec = result.spec
+    stream = spec.axes["embed.weight"][0]
+    assert stream is not None
+    assert spec.axes["attn.out_proj.weight"] == (stream, None) and spec.axes["fc2.weight"][0] == stream
+    if cross:
+        assert spec.axes["attn.q_proj_weight"] == (None, stream)
+        assert spec.axes["attn.k_proj_weight"] == spec.axes["attn.v_proj_weight"] == (None, "P_memory")
+        assert spec.sizes == {"P_embed": 8, "P_memory": 6, "P_fc1": 12}
+    else:
+        assert spec.axes["attn.in_proj_weight"] == (None, stream)
+        assert spec.sizes == {"P_embed": 8, "P_fc1": 12}
+    assert_same_function(model, spec, torch.randn(2, 4, 5))
+
+
+# --------------------------------------------------------------------------- user rules
+
+
+class Swish(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(x)
+
+
+class ScaledLinear(nn.Module):
+    """A user's linear layer: nn.Linear's parameters, and a forward the tracer would otherwise follow."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(cout, cin) * 0.3)
+        self.bias = nn.Parameter(torch.randn(cout) * 0.1)
+
+    def forward(self, x):
+        return 2.0 * F.linear(x, self.weight, self.bias)
+
+
+class SortedGate(nn.Module):
+    """Sorts its input along the units (order-dependent), then gates: no built-in rule can follow it."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x):
+        return x * torch.sigmoid(torch.sort(x, dim=-1).values.mean(-1, keepdim=True)) * self.gain
+
+
+def sorted_gate_rule(call: TraceCall) -> Label:
+    """The gate depends on the set of units (their sorted values), not their order: elementwise with ``gain``."""
+    _, lx = call.first()
+    call.join(lx[-1], call.param("gain")[0])
+    call.role = Role.NONLINEAR
+    return lx
+
+
+def test_register_module_rules(clean_registry):
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledLinear(4, 8), Swish(), ScaledLinear(8, 6), SortedGate(6), nn.Linear(6, 2))
+    with pytest.raises(TraceError, match=r"torch\.sort .*module '3'"):
+        trace_model(model, torch.randn(3, 4))
+    register_trace_rule(Swish, rules.nonlinear)
+    register_trace_rule(ScaledLinear, rules.linear)
+    register_trace_rule(SortedGate, sorted_gate_rule)
+    result = trace_model(model, torch.randn(3, 4), composite="raise")
+    spec = result.spec
+    assert spec.sizes == {"P_0": 8, "P_2": 6}
+    assert spec.axes["2.weight"] == ("P_2", "P_0") and spec.axes["3.gain"] == ("P_2",)
+    # Registered modules are leaves: sites name them.
+    assert [(s.module, s.op) for s in result.post_activation_sites["P_0"]] == [("1", "Swish")]
+    assert [(s.module, s.op) for s in result.post_activation_sites["P_2"]] == [("3", "SortedGate")]
+    assert_same_function(model, spec, torch.randn(5, 4))
+
+
+def test_register_function_method_and_qualified_name(clean_registry):
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 6), nn.Linear(6, 2)
+
+        def forward(self, x):
+            return self.b(torch.fft.fft(self.a(x)).real.contiguous())
+
+    with pytest.raises(TraceError, match=r"torch\._?fft"):
+        trace_model(M(), torch.randn(2, 3))
+    # Not a rule a real fft deserves (it mixes the units), but enough to show the lookup.
+    register_trace_rule(torch.fft.fft, rules.elementwise)
+    spec = trace_model(M(), torch.randn(2, 3), composite="raise").spec
+    assert spec.sizes == {"P_a": 6}
+    assert spec.axes["b.weight"] == (None, "P_a")
+    # An order-independent function of the units (as a sum would be): b's input is invariant.
+    register_trace_rule(torch.fft.fft, rules.invariant, replace=True)
+    spec = trace_model(M(), torch.randn(2, 3), composite="raise").spec
+    assert spec.sizes == {"P_a": 6} and spec.axes["b.weight"] == (None, None)
+    # Methods by name, functions of unimported libraries by qualified name.
+    register_trace_rule("Tensor.frobnicate", rules.same)
+    assert registry.lookup_method("frobnicate") is rules.same
+    register_trace_rule("somelib.ops.scale", rules.elementwise)
+
+    def scale(x):
+        return x
+
+    scale.__module__, scale.__qualname__ = "somelib.ops", "scale"
+    assert registry.lookup_function(scale) is rules.elementwise
+
+
+def test_register_errors(clean_registry):
+    with pytest.raises(TypeError, match="rule must be callable"):
+        register_trace_rule(Swish, "nonlinear")
+    with pytest.raises(TypeError, match="target must be a torch.nn.Module subclass, a function or a method name"):
+        register_trace_rule(int, rules.same)
+    with pytest.raises(TypeError, match="target must be"):
+        register_trace_rule(3, rules.same)
+    with pytest.raises(ValueError, match="neither a Tensor method name nor a qualified function name"):
+        register_trace_rule("not a name", rules.same)
+    with pytest.raises(ValueError, match="already has a trace rule.*replace=True"):
+        register_trace_rule(nn.Linear, rules.same)
+    register_trace_rule(Swish, rules.nonlinear)
+    with pytest.raises(ValueError, match="already has a trace rule"):
+        register_trace_rule(Swish, rules.elementwise)
+    register_trace_rule(Swish, rules.elementwise, replace=True)
+    assert registry.rule_for(Swish) is rules.elementwise
+
+
+def test_subclass_of_a_registered_module_is_traced_into(clean_registry):
+    class Doubled(ScaledLinear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    register_trace_rule(ScaledLinear, rules.linear)
+    gm = trace_model(nn.Sequential(Doubled(3, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(2, 3)).graph_module
+    assert not any(n.op == "call_module" and n.target == "0" for n in gm.graph.nodes)
