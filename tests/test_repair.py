@@ -208,3 +208,16 @@ def test_bad_arguments():
     fa = {k: v.clone() for k, v in functional.state_dict().items()}
     with pytest.raises(ValueError, match="repair cannot fold a correction into the pre-activation site"):
         repair(functional, fa, {k: v + 1 for k, v in fa.items()}, 0.5, data)
+
+
+def test_a_bundled_models_own_spec_names_the_groups():
+    from pyperm.nn.models import MLP
+
+    torch.manual_seed(7)
+    model = MLP([6, 9, 8, 3])
+    a = {k: v.clone() for k, v in model.state_dict().items()}
+    b = {k: v + 0.5 * torch.randn_like(v) for k, v in a.items()}
+    data = [torch.randn(25, 6), torch.randn(10, 6)]
+    by_spec = repair(model, a, b, 0.5, data, spec=model.permutation_spec())
+    traced = repair(model, a, b, 0.5, data)
+    assert all(torch.equal(by_spec[k], traced[k]) for k in a)
