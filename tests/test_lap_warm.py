@@ -178,3 +178,33 @@ def test_incremental_errors():
     solver = incremental_solver(np.zeros((3, 3)))
     with pytest.raises(ValueError, match="one entry per row"):
         solver.warm_start(np.arange(2), np.zeros(3))
+
+
+@pytest.mark.parametrize("incremental_up_to", [1024, 1])  # a bound incremental solver / duals-only warm starts
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_warm_assigner_solves_a_sequence_changed_in_place(incremental_up_to, dtype):
+    from pyperm.lap.warm import WarmAssigner
+
+    rng = np.random.default_rng(11)
+    assigner = WarmAssigner(incremental_up_to)
+    cost = np.empty((40, 40), dtype=dtype)
+    for step in _similarity_sequence(rng, 40, 6, dtype):
+        cost[...] = step  # the caller changes one buffer in place, as weight matching does
+        _assert_optimal(cost, assigner.solve(cost), rtol=1e-9 if dtype == np.float64 else 1e-5)
+    assigner.reset()
+    _assert_optimal(cost, assigner.solve(cost.copy()), rtol=1e-9 if dtype == np.float64 else 1e-5)
+
+
+def test_warm_assigner_torch_in_torch_out_and_errors():
+    torch = pytest.importorskip("torch")
+    from pyperm.lap.warm import WarmAssigner
+
+    cost = torch.tensor([[4.0, 1.0], [2.0, 0.0]])
+    cols = WarmAssigner().solve(cost)
+    assert isinstance(cols, torch.Tensor) and cols.tolist() == [1, 0]
+    with pytest.raises(TypeError, match="cost must be a float32 or float64"):
+        WarmAssigner().solve(np.ones((2, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match="cost must be a square matrix"):
+        WarmAssigner().solve(np.ones((2, 3)))
+    with pytest.raises(ValueError, match="incremental_up_to must be at least 1"):
+        WarmAssigner(0)

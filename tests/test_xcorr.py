@@ -672,7 +672,7 @@ def test_covariance_ddof_errors():
     with pytest.raises(ValueError, match="covariance needs at least 2 accumulated samples, have 1"):
         acc.covariance()
     np.testing.assert_array_equal(acc.covariance(ddof=0), np.zeros((2, 2)))
-    with pytest.raises(ValueError, match="ddof must be non-negative"):
+    with pytest.raises(ValueError, match="ddof must be at least 0, got -1"):
         acc.covariance(ddof=-1)
     with pytest.raises(TypeError, match="ddof must be an int"):
         acc.covariance(ddof=0.5)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from pyperm._arrays import is_cuda_input, is_torch_tensor, to_numpy
-from pyperm._checks import check_positive_int, check_threads
+from pyperm._checks import check_int, check_positive_int, check_threads
 from pyperm.xcorr._state import MAX, MEAN, MIN, CudaMoments, HostMoments, from_fields
 from pyperm.xcorr.samples import as_pair, as_vector
 
@@ -381,12 +381,9 @@ class CrossCorrelation:
         ValueError
             ``count <= ddof``, or ``ddof`` is negative.
         """
-        if isinstance(ddof, bool) or not isinstance(ddof, (int, np.integer)):
-            raise TypeError(f"ddof must be an int, got {type(ddof).__name__}")
-        if ddof < 0:
-            raise ValueError(f"ddof must be non-negative, got {ddof}")
-        self._require_samples("covariance", int(ddof) + 1)
-        return self._state.covariance(int(ddof), self._threads)
+        ddof = check_int(ddof, "ddof", 0)
+        self._require_samples("covariance", ddof + 1)
+        return self._state.covariance(ddof, self._threads)
 
     def correlation(self) -> np.ndarray:
         r"""The (dim_a, dim_b) Pearson correlation of every channel of A with every channel of B.
