@@ -127,6 +127,11 @@ class Curve(nn.Module):
 
     Subclasses define :meth:`weights`.
 
+    ``curve.to(device_or_dtype)`` moves the endpoints and bends; the point's tensors then
+    live there and replace the model's parameters and persistent buffers in the forward,
+    wherever the model itself is (its non-persistent buffers, if any, must be on the same
+    device as the curve).
+
     Parameters
     ----------
     model : torch.nn.Module

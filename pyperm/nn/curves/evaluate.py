@@ -81,8 +81,8 @@ class CurveResult:
     def to_markdown(self) -> str:
         """A Markdown table of the points, after a line with the summary."""
         lines = [
-            f"average accuracy {self.average_accuracy:.4f}, min accuracy {self.min_accuracy:.4f}, "
-            f"max loss {self.max_loss:.4f}",
+            (f"average accuracy {self.average_accuracy:.4f}, min accuracy {self.min_accuracy:.4f}, "
+             f"max loss {self.max_loss:.4f}"),
             "",
             "| t | loss | accuracy |",
             "| ---: | ---: | ---: |",

@@ -70,7 +70,7 @@ class PolyChain(Curve):
         t = check_t(t)
         segments = self.num_bends + 1
         s = t * segments
-        j = min(int(math.floor(s)), segments - 1)  # t = 1 belongs to the last segment
+        j = min(math.floor(s), segments - 1)  # t = 1 belongs to the last segment
         f = s - j
         w = [0.0] * (segments + 1)
         w[j] = 1.0 - f
