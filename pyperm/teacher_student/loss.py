@@ -72,25 +72,30 @@ def signed_stack(W: torch.Tensor, W_teacher: torch.Tensor) -> tuple[torch.Tensor
 def _norms_and_cosines(V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row norms and pairwise cosines of ``V`` (cosine 0 against a zero row, 1 on the diagonal)."""
     norms = torch.linalg.vector_norm(V, dim=-1)
-    outer = norms[..., :, None] * norms[..., None, :]
-    nonzero = outer > 0
-    cos = torch.where(nonzero, (V @ V.mT) / torch.where(nonzero, outer, 1.0), 0.0).clamp(-1.0, 1.0)
+    inverse = torch.where(norms > 0, 1.0 / norms, 0.0)
+    # In place: these (..., n, n) buffers dominate a sweep, and fresh allocations cost page faults.
+    cos = (V @ V.mT).mul_(inverse[..., :, None]).mul_(inverse[..., None, :]).clamp_(-1.0, 1.0)
     # A row against itself is exactly parallel; rounding would otherwise give theta ~ 1e-8.
     cos.diagonal(dim1=-2, dim2=-1).fill_(1.0)
     return norms, cos
 
 
+def _quadratic_form(x: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """``x^T M x`` over the last dimensions."""
+    return ((M @ x[..., None]).squeeze(-1) * x).sum(dim=-1)
+
+
+@torch.no_grad()
 def stack_loss(V: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """The loss of a signed stack (no autograd through this path: it backs the custom Function)."""
     norms, cos = _norms_and_cosines(V)
     theta = torch.arccos(cos)
-    h = torch.sin(theta) - theta * cos
-    sn = signs * norms
+    h = torch.sin(theta).sub_(theta.mul_(cos))  # sin(theta) - theta cos(theta)
     linear = 0.5 * (signs[:, None] * V).sum(dim=-2).square().sum(dim=-1)
-    curved = torch.einsum("...a,...ab,...b->...", sn, h, sn) * _INV_2PI
-    return linear + curved
+    return linear + _quadratic_form(signs * norms, h) * _INV_2PI
 
 
+@torch.no_grad()
 def stack_loss_and_grad(V: torch.Tensor, signs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The loss of a signed stack and its gradient with respect to every row of ``V``.
 
@@ -104,7 +109,7 @@ def stack_loss_and_grad(V: torch.Tensor, signs: torch.Tensor) -> tuple[torch.Ten
     sn = signs * norms
     signed_rows = signs[:, None] * V
     total = signed_rows.sum(dim=-2)
-    loss = 0.5 * total.square().sum(dim=-1) + torch.einsum("...a,...ab,...b->...", sn, sin - theta * cos, sn) * _INV_2PI
+    loss = 0.5 * total.square().sum(dim=-1) + _quadratic_form(sn, sin - theta * cos) * _INV_2PI
     alive = norms > 0
     unit = V / torch.where(alive, norms, 1.0)[..., None]
     pull = (sin @ sn[..., None]) * unit - theta @ signed_rows

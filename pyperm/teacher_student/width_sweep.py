@@ -20,7 +20,7 @@ import torch
 from pyperm._progress import progress_bar
 from pyperm.teacher_student._checks import DTYPE, positive_float, positive_int, seed_list
 from pyperm.teacher_student._report import agg_figure, markdown_table, mean_and_sem
-from pyperm.teacher_student.barrier import _path_losses, barrier_from_losses
+from pyperm.teacher_student.barrier import barrier_from_losses, segment_losses
 from pyperm.teacher_student.gd import descend, initial_weights
 from pyperm.teacher_student.matching import lap_matching, type_matching
 from pyperm.teacher_student.minima import sample_minimum, teacher_weights
@@ -169,13 +169,17 @@ def _barriers_at_width(A: torch.Tensor, B: torch.Tensor, wt: torch.Tensor, num_p
         aligned["type"] = torch.gather(B, 1, type_matching(A, B, wt)[..., None].expand_as(B))
     names = list(aligned)
     ends_b = torch.stack([aligned[name] for name in names])
-    ends_a = A.expand_as(ends_b)
+    t = torch.linspace(0.0, 1.0, num_points, dtype=A.dtype, device=A.device)
     with torch.no_grad():
-        t, losses = _path_losses(ends_a, ends_b, wt, num_points)
+        # Permuting B leaves its loss unchanged: the endpoints are evaluated once, not per method.
+        end_losses = segment_losses(A, B, wt, t[[0, -1]])
+        inner = segment_losses(A.expand_as(ends_b), ends_b, wt, t[1:-1])
+        ends = end_losses.expand(len(names), *end_losses.shape)
+        losses = torch.cat([ends[..., :1], inner, ends[..., 1:]], dim=-1)
     values = barrier_from_losses(t, losses).cpu().numpy()
     result = {name: values[i] for i, name in enumerate(names)}
     result.setdefault("type", np.full(A.shape[0], np.nan))
-    result["ends"] = losses[0][:, [0, -1]].cpu().numpy()
+    result["ends"] = end_losses.cpu().numpy()
     return result
 
 
