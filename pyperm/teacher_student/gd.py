@@ -169,37 +169,52 @@ def train_gd(
 def descend(
     W: torch.Tensor, wt: torch.Tensor, etas: torch.Tensor, steps: int, tol: float, grad_tol: float, progress: bool = False
 ) -> dict[str, torch.Tensor]:
-    """The GD loop on a batch ``(R, m, d)`` with one step size per run; frozen runs keep their weights.
+    """The GD loop on a batch ``(R, m, d)`` with one step size per run.
 
-    Returns the fields of :class:`GDResult` that are tensors, by name.
+    A run that stops (converged, stationary or diverged) takes zero steps from then on, and at
+    the next check it is written to the output and dropped from the working batch, so the
+    runs still moving do not pay for the finished ones. Returns the tensor fields of
+    :class:`GDResult`, by name.
     """
     m = W.shape[1]
+    out_w, out_loss, out_grad = W.clone(), W.new_empty(W.shape[0]), W.new_empty(W.shape[0])
+    taken = torch.zeros(W.shape[0], dtype=torch.int64, device=W.device)
+    runs = torch.arange(W.shape[0], device=W.device)  # which output row each working row is
     loss, grad = stack_loss_and_grad(*signed_stack(W, wt))
     zero_loss = stack_loss_and_grad(*signed_stack(torch.zeros_like(W[:1]), wt))[0][0]
-    ceiling = _DIVERGENCE_FACTOR * torch.maximum(loss, zero_loss)
-    active = torch.ones(W.shape[0], dtype=torch.bool, device=W.device)
-    taken = torch.zeros(W.shape[0], dtype=torch.int64, device=W.device)
+    ceiling_all = _DIVERGENCE_FACTOR * torch.maximum(loss, zero_loss)
+    ceiling = ceiling_all
+    moving = torch.ones(W.shape[0], dtype=torch.bool, device=W.device)
     bar = progress_bar(progress, steps, "gradient descent", "step")
     for step in range(steps + 1):
-        diverged_now = ~torch.isfinite(loss) | (loss > ceiling)
-        flat_now = _grad_norm(grad, m) <= grad_tol
-        active &= ~diverged_now & (loss > tol) & ~flat_now
-        if step == steps or (step % _CHECK_EVERY == 0 and not bool(active.any())):
-            break
-        # Frozen runs take a zero step; their gradient is computed but not used.
-        W = W - (etas * active)[:, None, None] * grad[:, :m, :]
-        taken += active
+        grad_norm = _grad_norm(grad, m)
+        moving &= torch.isfinite(loss) & (loss <= ceiling) & (loss > tol) & (grad_norm > grad_tol)
+        if step == steps:
+            moving = torch.zeros_like(moving)
+        if step == steps or step % _CHECK_EVERY == 0:
+            # The only host-device sync of the loop: retire the runs that stopped.
+            stopped = ~moving
+            if bool(stopped.any()):
+                done = runs[stopped]
+                out_w[done], out_loss[done], out_grad[done] = W[stopped], loss[stopped], grad_norm[stopped]
+                W, loss, grad, etas, ceiling, runs, moving = (
+                    x[moving] for x in (W, loss, grad, etas, ceiling, runs, moving)
+                )
+            if runs.numel() == 0:
+                break
+        W = W - (etas * moving)[:, None, None] * grad[:, :m, :]
+        taken.index_add_(0, runs, moving.to(torch.int64))
         loss, grad = stack_loss_and_grad(*signed_stack(W, wt))
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    converged = loss <= tol
-    diverged = ~torch.isfinite(loss) | (loss > ceiling)
-    stationary = ~converged & ~diverged & (_grad_norm(grad, m) <= grad_tol)
+    converged = out_loss <= tol
+    diverged = ~torch.isfinite(out_loss) | (out_loss > ceiling_all)
+    stationary = ~converged & ~diverged & (out_grad <= grad_tol)
     return {
-        "weights": W,
-        "loss": loss,
+        "weights": out_w,
+        "loss": out_loss,
         "converged": converged,
         "diverged": diverged,
         "stationary": stationary,
