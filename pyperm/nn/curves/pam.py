@@ -152,6 +152,11 @@ class PAMIteration:
     relaxed_defect : float
         How far the last relaxed blocks were from doubly stochastic (largest row or
         column sum error or negative entry).
+    relaxed_spread : float
+        Mass of the relaxed solution off the previous permutation,
+        :math:`1 - \\sum_g \\operatorname{tr}(P_g^{k\\top} D^*_g) / \\sum_g n_g`: 0 when
+        :math:`D^*` stayed at :math:`P^k` (then every candidate is :math:`P^k`; raise
+        ``lr_perm``), near 1 when it moved far.
     curve_loss : list of float
         :func:`~pyperm.nn.curves.train_curve`'s mean training loss per epoch.
     timings : dict of str to float
@@ -166,6 +171,7 @@ class PAMIteration:
     moved: dict[str, int]
     candidates: int
     relaxed_defect: float
+    relaxed_spread: float
     curve_loss: list[float]
     timings: dict[str, float]
 
@@ -595,6 +601,8 @@ def pam(
                 timings["relaxed_forward_backward"] += mid - start
                 timings["projection"] += time.perf_counter() - mid
             residual = max((relax.defect(m) for m in relaxed.values()), default=0.0)
+            units = sum(spec.sizes.values())
+            spread = 1.0 - float(sum((relaxed[g] * anchor[g]).sum() for g in relaxed)) / units if units else 0.0
 
             start = time.perf_counter()
             candidates = [("previous", dict(perms.items())), ("projection", relax.nearest_permutations(relaxed))]
@@ -619,8 +627,8 @@ def pam(
             timings["candidates"] += time.perf_counter() - start
             moved = _moved(best_perms, perms)
             perms = Permutations(spec, best_perms)
-            logger.info("pam: iteration %d: permutation step took %s (%d units moved), objective %.6g",
-                        k + 1, best_name, sum(moved.values()), best_q)
+            logger.info("pam: iteration %d: relaxed mass off P^k %.3g; permutation step took %s (%d units moved), "
+                        "objective %.6g", k + 1, spread, best_name, sum(moved.values()), best_q)
 
             # ---- curve step: train the offset from the midpoint of A and P^{k+1} B
             start = time.perf_counter()
@@ -641,7 +649,7 @@ def pam(
             objective.append(judge(offset, perms))
             iterations.append(PAMIteration(
                 objective_after_perm=best_q, objective=objective[-1], choice=best_name, moved=moved,
-                candidates=len(seen), relaxed_defect=residual, curve_loss=history, timings=timings,
+                candidates=len(seen), relaxed_defect=residual, relaxed_spread=spread, curve_loss=history, timings=timings,
             ))
             logger.info("pam: iteration %d: objective %.6g after the curve step", k + 1, objective[-1])
             if bar is not None:
