@@ -346,6 +346,35 @@ def test_connect_aligns_by_weights(digits, endpoints):
     assert any(not torch.equal(aligned[k], b[k]) for k in b)
 
 
+@pytest.mark.parametrize("align", ["weight", "activation"])
+def test_connect_uses_a_bundled_models_spec(digits, align):
+    from pyperm.nn.models import ResNet20
+
+    model = ResNet20(in_channels=1)
+    a = clone_state(model)
+    b = clone_state(ResNet20(in_channels=1))
+    data = [(digits["x"][:32], digits["y"][:32])]
+    run = connect(model, a, b, data, align=align, epochs=1, lr=0.01, num_points=2)
+    assert set(run.perms) == set(model.permutation_spec().groups)
+    x = digits["test"][0][0][:16]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(model, run.aligned_state).eval()(x), loaded(model, b).eval()(x),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_evaluation_recomputes_batchnorm_statistics(digits, endpoints):
+    from pyperm.nn.eval.batchnorm import reset_bn_stats
+
+    model, a, b = endpoints
+    result = evaluate_curve(BezierCurve(model, a, b), digits["test"], num_points=2, bn_data=digits["train"])
+    reference = reset_bn_stats(loaded(model, b), digits["train"]).eval()
+    with torch.no_grad():
+        logits = torch.cat([reference(x) for x, _ in digits["test"]])
+    labels = torch.cat([y for _, y in digits["test"]])
+    assert result.loss[-1] == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-5)
+    assert result.accuracy[-1] == pytest.approx((logits.argmax(1) == labels).double().mean().item())
+
+
 def test_loss_plane(digits, endpoints, tmp_path):
     model, a, b = endpoints
     curve = BezierCurve(model, a, b)
