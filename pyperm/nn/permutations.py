@@ -83,9 +83,10 @@ def apply_permutation(
     out = {}
     for key, groups in spec.axes.items():
         t = state_dict[key]
-        for axis, g in enumerate(groups):
-            if g is not None:
-                t = t.index_select(axis, checked[g].to(t.device))
+        for axis in range(len(groups)):
+            index = spec.axis_index(key, axis, checked)  # structured axes too (Segments, Tiled)
+            if index is not None:
+                t = t.index_select(axis, index.to(t.device))
         out[key] = t if t is not state_dict[key] else t.clone()
     return out
 

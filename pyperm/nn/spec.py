@@ -10,6 +10,27 @@ Convention used throughout pyperm: a permutation is an int64 array ``perm`` of l
 ``n``, and permuting a tensor along an axis acted on by ``g`` means
 ``permuted.index_select(axis, perm)``: unit ``i`` of the permuted model is unit
 ``perm[i]`` of the original.
+
+Structured axes
+---------------
+Most axes are acted on by one group, or by none. Some architectures build an axis out
+of several groups or out of copies of one; the spec names these with *axis forms*,
+which are opt-in: a spec made of group names alone (every hand-written spec of the
+bundled models) is *flat*, and stays as it was.
+
+- :class:`Segments`: a concatenation (``torch.cat`` along channels: DenseNet, U-Net
+  skips). Each part is a group, a number of units that are never permuted, or a
+  :class:`Tiled` part.
+- :class:`Tiled`: one group repeated over a fixed block. ``Tiled(g, inner=H*W)`` is the
+  flatten of a ``C x H x W`` feature map (unit ``c`` owns ``H*W`` consecutive features);
+  ``Tiled(g, outer=heads)`` is the same permutation of ``head_dim`` units within every
+  attention head.
+- The same group on two axes of one tensor (a layer applied to its own output, an RNN's
+  hidden-to-hidden weight: ``P W P^T``): name the group on both axes.
+
+Every form permutes by ``index_select`` along the axis with the index that
+:meth:`PermutationSpec.axis_index` builds, so :func:`pyperm.nn.apply_permutation`
+supports them all. Methods that need a flat spec say so (:meth:`PermutationSpec.require_flat`).
 """
 
 from __future__ import annotations
@@ -18,7 +39,117 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-AxisGroups = tuple  # tuple[str | None, ...], one entry per tensor axis
+AxisGroups = tuple  # tuple[AxisEntry, ...], one entry per tensor axis
+
+
+def _check_count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Tiled:
+    """One group repeated over a fixed block: the axis is ``(outer, n, inner)`` flattened.
+
+    The group permutes the middle index; the ``outer`` copies share the permutation, and
+    each unit owns ``inner`` consecutive entries. The axis has ``outer * n * inner`` entries.
+
+    Parameters
+    ----------
+    group : str
+        The group (of ``n`` units).
+    outer, inner : int, default 1
+        The number of copies, and of entries per unit.
+
+    Examples
+    --------
+    A Linear reading a flattened ``4 x 2 x 2`` feature map (``flatten(1)`` of a
+    convolution with 4 channels), and a ``head_dim`` group of 3 units shared by 2 heads:
+
+    >>> spec = PermutationSpec({"conv.weight": ("c", None, None, None), "fc.weight": (None, Tiled("c", inner=4)),
+    ...                         "qkv.weight": (Tiled("d", outer=2), None)}, {"c": 4, "d": 3})
+    >>> spec.axis_index("fc.weight", 1, {"c": [1, 0, 2, 3], "d": [0, 1, 2]}).tolist()
+    [4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15]
+    >>> spec.axis_index("qkv.weight", 0, {"c": [0, 1, 2, 3], "d": [2, 0, 1]}).tolist()
+    [2, 0, 1, 5, 3, 4]
+    """
+
+    group: str
+    outer: int = 1
+    inner: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group, str):
+            raise TypeError(f"Tiled group must be a group name, got {type(self.group).__name__}")
+        _check_count(self.outer, "Tiled outer")
+        _check_count(self.inner, "Tiled inner")
+
+
+@dataclass(frozen=True, init=False)
+class Segments:
+    """A concatenation along one axis: consecutive parts, each permuted on its own.
+
+    Parameters
+    ----------
+    *parts : str, int or Tiled
+        In axis order: a group name (its units), a number of units that are never
+        permuted (a model input concatenated to features, say), or a :class:`Tiled` part.
+        A group may appear in several parts (its permutation then acts on each).
+
+    Examples
+    --------
+    A head reading ``torch.cat([a, b, x], dim=1)`` of two hidden layers (4 and 3 units)
+    and 2 input features:
+
+    >>> spec = PermutationSpec({"a.weight": ("a", None), "b.weight": ("b", None),
+    ...                         "head.weight": (None, Segments("a", "b", 2))}, {"a": 4, "b": 3})
+    >>> spec.axis_index("head.weight", 1, {"a": [3, 2, 1, 0], "b": [0, 2, 1]}).tolist()
+    [3, 2, 1, 0, 4, 6, 5, 7, 8]
+    """
+
+    parts: tuple
+
+    def __init__(self, *parts: str | int | Tiled) -> None:
+        if not parts:
+            raise ValueError("Segments needs at least one part")
+        for part in parts:
+            if isinstance(part, (str, Tiled)):
+                continue
+            if isinstance(part, int) and not isinstance(part, bool):
+                _check_count(part, "a fixed Segments part")
+                continue
+            raise TypeError(f"Segments parts must be group names, ints or Tiled, got {type(part).__name__}")
+        object.__setattr__(self, "parts", tuple(parts))
+
+    def __repr__(self) -> str:
+        return f"Segments({', '.join(map(repr, self.parts))})"
+
+
+AxisEntry = str | Tiled | Segments | None
+
+
+def _entry_groups(entry: Any) -> list[str]:
+    """The groups an axis entry names, in order, each once."""
+    if entry is None:
+        return []
+    if isinstance(entry, str):
+        return [entry]
+    if isinstance(entry, Tiled):
+        return [entry.group]
+    return list(dict.fromkeys(g for part in entry.parts if not isinstance(part, int) for g in _entry_groups(part)))
+
+
+def _rename(entry: Any, mapping: Mapping[str, str]) -> Any:
+    if entry is None:
+        return None
+    if isinstance(entry, str):
+        return mapping[entry]
+    if isinstance(entry, Tiled):
+        return Tiled(mapping[entry.group], entry.outer, entry.inner)
+    return Segments(*[part if isinstance(part, int) else _rename(part, mapping) for part in entry.parts])
 
 
 @dataclass(frozen=True)
@@ -27,19 +158,22 @@ class PermutationSpec:
 
     Parameters
     ----------
-    axes : mapping of str to tuple of (str or None)
+    axes : mapping of str to tuple of (str, Segments, Tiled or None)
         For every ``state_dict`` key of the model, one entry per axis of that tensor:
-        the name of the permutation group acting on the axis, or ``None``. Keys whose
-        tensors are never permuted (``num_batches_tracked``, the last layer's bias)
-        are listed with all-``None`` axes, so a spec covers the whole state dict.
+        the name of the permutation group acting on the axis, a structured form
+        (:class:`Segments`, :class:`Tiled`; see the module notes), or ``None``. Keys
+        whose tensors are never permuted (``num_batches_tracked``, the last layer's
+        bias) are listed with all-``None`` axes, so a spec covers the whole state dict.
+        A group may act on two axes of one tensor (``P W P^T``).
     sizes : mapping of str to int
         The size of every group (number of units it permutes).
 
     Raises
     ------
     ValueError
-        A group is used by no axis, an axis names an unknown group, or a tensor
-        names the same group on two axes.
+        A group is used by no axis, or an axis names an unknown group.
+    TypeError
+        An axis entry is none of the forms above.
 
     Examples
     --------
@@ -63,22 +197,101 @@ class PermutationSpec:
             if n < 1:
                 raise ValueError(f"group {name!r} has size {n}; sizes must be positive")
         used: dict[str, list[tuple[str, int]]] = {g: [] for g in sizes}
+        structured = False
         for key, groups in axes.items():
-            named = [g for g in groups if g is not None]
-            if len(named) != len(set(named)):
-                raise ValueError(f"tensor {key!r} names the same group on two axes: {groups}")
-            for axis, g in enumerate(groups):
-                if g is None:
-                    continue
-                if g not in sizes:
-                    raise ValueError(f"tensor {key!r} axis {axis} names unknown group {g!r}")
-                used[g].append((key, axis))
+            named = [g for g in groups if isinstance(g, str)]
+            structured = structured or len(named) != len(set(named))
+            for axis, entry in enumerate(groups):
+                if entry is not None and not isinstance(entry, (str, Tiled, Segments)):
+                    raise TypeError(
+                        f"tensor {key!r} axis {axis}: an axis entry must be a group name, Segments, Tiled or None, "
+                        f"got {type(entry).__name__}"
+                    )
+                structured = structured or isinstance(entry, (Tiled, Segments))
+                for g in _entry_groups(entry):
+                    if g not in sizes:
+                        raise ValueError(f"tensor {key!r} axis {axis} names unknown group {g!r}")
+                    used[g].append((key, axis))
         unused = [g for g, where in used.items() if not where]
         if unused:
             raise ValueError(f"groups {unused} act on no tensor axis")
         object.__setattr__(self, "axes", axes)
         object.__setattr__(self, "sizes", sizes)
         object.__setattr__(self, "group_axes", {g: tuple(w) for g, w in used.items()})
+        object.__setattr__(self, "_structured", structured)
+
+    @property
+    def structured(self) -> bool:
+        """Whether some axis uses a structured form or some tensor names a group on two axes."""
+        return self._structured  # type: ignore[attr-defined]
+
+    def require_flat(self, method: str) -> None:
+        """Raise ValueError naming ``method`` when the spec is :attr:`structured`.
+
+        For the methods that handle one group per axis only.
+        """
+        if not self.structured:
+            return
+        for key, groups in self.axes.items():
+            named = [g for g in groups if isinstance(g, str)]
+            for axis, entry in enumerate(groups):
+                if isinstance(entry, (Tiled, Segments)) or (isinstance(entry, str) and named.count(entry) > 1):
+                    raise ValueError(
+                        f"{method} supports one group per axis and one axis per group in a tensor; the spec has "
+                        f"{entry!r} on {key!r} axis {axis}"
+                    )
+
+    def axis_length(self, key: str, axis: int) -> int | None:
+        """The number of entries the spec gives ``axes[key][axis]`` (None when the axis is not permuted)."""
+        return self._length(self.axes[key][axis])
+
+    def _length(self, entry: Any) -> int | None:
+        if entry is None:
+            return None
+        if isinstance(entry, str):
+            return self.sizes[entry]
+        if isinstance(entry, Tiled):
+            return entry.outer * self.sizes[entry.group] * entry.inner
+        return sum(part if isinstance(part, int) else self._length(part) for part in entry.parts)  # type: ignore[misc]
+
+    def axis_index(self, key: str, axis: int, perms: Mapping[str, Any]) -> Any:
+        """The index that permutes ``axes[key][axis]``: ``t.index_select(axis, index)``; None if not permuted.
+
+        Parameters
+        ----------
+        key : str
+            A ``state_dict`` key of the spec.
+        axis : int
+            An axis of that tensor.
+        perms : mapping of str to (n,) int array or tensor
+            One permutation per group (checked by the caller; see
+            :class:`pyperm.nn.Permutations`).
+
+        Returns
+        -------
+        torch.Tensor or None
+            An int64 index on the device of the permutations.
+        """
+        import torch
+
+        def index(entry: Any) -> torch.Tensor:
+            if isinstance(entry, str):
+                return torch.as_tensor(perms[entry], dtype=torch.int64)
+            if isinstance(entry, Tiled):
+                p = torch.as_tensor(perms[entry.group], dtype=torch.int64)
+                n = p.numel()
+                outer = torch.arange(entry.outer, device=p.device).view(-1, 1, 1) * (n * entry.inner)
+                inner = torch.arange(entry.inner, device=p.device).view(1, 1, -1)
+                return (outer + p.view(1, -1, 1) * entry.inner + inner).reshape(-1)
+            pieces, offset = [], 0
+            for part in entry.parts:
+                piece = torch.arange(part) if isinstance(part, int) else index(part)
+                pieces.append(piece.to(pieces[0].device if pieces else piece.device) + offset)
+                offset += piece.numel()
+            return torch.cat(pieces)
+
+        entry = self.axes[key][axis]
+        return None if entry is None else index(entry)
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -98,10 +311,10 @@ class PermutationSpec:
             if len(shape) != len(groups):
                 raise ValueError(f"{name}[{key!r}] has shape {shape}; the spec expects {len(groups)} axes")
             for axis, g in enumerate(groups):
-                if g is not None and shape[axis] != self.sizes[g]:
-                    raise ValueError(
-                        f"{name}[{key!r}] axis {axis} has size {shape[axis]}; group {g!r} has size {self.sizes[g]}"
-                    )
+                n = self._length(g)
+                if n is not None and shape[axis] != n:
+                    what = f"group {g!r} has size {n}" if isinstance(g, str) else f"{g!r} spans {n} entries"
+                    raise ValueError(f"{name}[{key!r}] axis {axis} has size {shape[axis]}; {what}")
 
     @classmethod
     def from_model(cls, model: Any, example_input: Any, *, composite: str | None = None) -> PermutationSpec:
@@ -202,7 +415,15 @@ class PermutationSpec:
             return None
         if any(len(groups) != len(other.axes[key]) for key, groups in self.axes.items()):
             return None
-        return mapping if len(mapping) == len(other.sizes) else None
+        if len(mapping) != len(other.sizes):
+            return None
+        if (self.structured or other.structured) and any(
+            _rename(entry, mapping) != other.axes[key][axis]
+            for key, groups in self.axes.items()
+            for axis, entry in enumerate(groups)
+        ):
+            return None  # the same groups, arranged differently within an axis
+        return mapping
 
     def equivalent(self, other: PermutationSpec) -> bool:
         """True when both specs describe the same permutation symmetry, whatever the group names.

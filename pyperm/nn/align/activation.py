@@ -253,6 +253,8 @@ def activation_matching(
         raise TypeError(f"pre_activation must be a bool, got {type(pre_activation).__name__}")
     if spec is not None and not isinstance(spec, PermutationSpec):
         raise TypeError(f"spec must be a PermutationSpec or None, got {type(spec).__name__}")
+    if spec is not None:
+        spec.require_flat("activation_matching")  # structured axes have no sites to match yet
     batches = iterate_batches(data, max_batches)
     _, first = next(batches)  # TypeError, ValueError for data or max_batches
 

@@ -90,6 +90,7 @@ def _check_state(spec: PermutationSpec, state: Any, name: str) -> dict[str, torc
     for key in spec.axes:
         if key in state and not isinstance(state[key], torch.Tensor):
             raise TypeError(f"{name}[{key!r}] must be a torch.Tensor, got {type(state[key]).__name__}")
+    spec.require_flat("weight matching")  # structured axes (Segments, Tiled, P W P^T) are not solved yet
     spec.check_state_dict(state, name)
     return {key: state[key].detach() for key in spec.axes}
 

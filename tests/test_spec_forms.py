@@ -1,0 +1,263 @@
+"""Structured PermutationSpec axes (Segments, Tiled, one group on two axes): a planted permutation of a
+small model written for each form leaves its function unchanged, and bad forms are refused when built."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyperm.nn import Permutations, PermutationSpec, apply_permutation, weight_matching
+from pyperm.nn.spec import Segments, Tiled
+
+
+def planted(spec: PermutationSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {g: torch.randperm(n, generator=gen) for g, n in spec.sizes.items()}
+
+
+def assert_same_function(model: nn.Module, spec: PermutationSpec, *inputs: torch.Tensor, seed: int = 0) -> None:
+    """A planted permutation changes the weights but not the function; its inverse restores the weights."""
+    perms = Permutations(spec, planted(spec, seed))
+    other = copy.deepcopy(model)
+    permuted = apply_permutation(spec, perms, model.state_dict())
+    assert any(not torch.equal(permuted[k], v) for k, v in model.state_dict().items())
+    other.load_state_dict(permuted)
+    model.eval()
+    other.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(other(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
+    back = apply_permutation(spec, perms.inverse(), permuted)
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+
+
+def full_spec(model: nn.Module, sizes: dict[str, int], **axes) -> PermutationSpec:
+    """Every state_dict key, with the given axes and all-None elsewhere (keys with dots written as __)."""
+    given = {k.replace("__", "."): v for k, v in axes.items()}
+    return PermutationSpec({k: given.get(k, (None,) * t.ndim) for k, t in model.state_dict().items()}, sizes)
+
+
+# --------------------------------------------------------------------------- Segments
+
+
+class TwoBranches(nn.Module):
+    """DenseNet/U-Net style: two branches and the input concatenated along features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 5), nn.Linear(3, 4)
+        self.ln = nn.LayerNorm(12)
+        self.head = nn.Linear(12, 2)
+
+    def forward(self, x):
+        h = torch.cat([torch.relu(self.a(x)), torch.tanh(self.b(x)), x], dim=1)
+        return self.head(self.ln(h))
+
+
+def test_segments_concatenation():
+    torch.manual_seed(0)
+    model = TwoBranches()
+    cat = Segments("a", "b", 3)
+    spec = full_spec(
+        model, {"a": 5, "b": 4}, a__weight=("a", None), a__bias=("a",), b__weight=("b", None), b__bias=("b",),
+        ln__weight=(cat,), ln__bias=(cat,), head__weight=(None, cat),
+    )  # fmt: skip
+    assert spec.structured and spec.axis_length("head.weight", 1) == 12
+    assert spec.group_axes["a"] == (("a.weight", 0), ("a.bias", 0), ("ln.weight", 0), ("ln.bias", 0),
+                                    ("head.weight", 1))  # fmt: skip
+    assert_same_function(model, spec, torch.randn(4, 3))
+
+
+class DenseBlock(nn.Module):
+    """Two DenseNet layers on a convolutional stem: each layer reads the concatenation of all before it."""
+
+    def __init__(self, c: int = 4, growth: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(2, c, 3, padding=1)
+        self.bn1, self.conv1 = nn.BatchNorm2d(c), nn.Conv2d(c, growth, 3, padding=1)
+        self.bn2, self.conv2 = nn.BatchNorm2d(c + growth), nn.Conv2d(c + growth, growth, 3, padding=1)
+        self.bn3 = nn.BatchNorm2d(c + 2 * growth)
+        self.fc = nn.Linear(c + 2 * growth, 3)
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = torch.cat([h, self.conv1(F.relu(self.bn1(h)))], 1)
+        h = torch.cat([h, self.conv2(F.relu(self.bn2(h)))], 1)
+        return self.fc(F.adaptive_avg_pool2d(F.relu(self.bn3(h)), 1).flatten(1))
+
+
+def test_segments_dense_block():
+    torch.manual_seed(0)
+    model = DenseBlock()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.normal_(0, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+    two, three = Segments("s", "g1"), Segments("s", "g1", "g2")
+    bn = {f"bn{i}__{p}": (seg,) for i, seg in ((1, "s"), (2, two), (3, three))
+          for p in ("weight", "bias", "running_mean", "running_var")}  # fmt: skip
+    spec = full_spec(
+        model, {"s": 4, "g1": 3, "g2": 3}, stem__weight=("s", None, None, None), stem__bias=("s",),
+        conv1__weight=("g1", "s", None, None), conv1__bias=("g1",),
+        conv2__weight=("g2", two, None, None), conv2__bias=("g2",), fc__weight=(None, three), **bn,
+    )  # fmt: skip
+    assert_same_function(model, spec, torch.randn(2, 2, 5, 5))
+
+
+# --------------------------------------------------------------------------- Tiled
+
+
+class FlattenVGG(nn.Module):
+    """A classifier on the flattened C x 3 x 3 feature map (torchvision's VGG flattens 512 x 7 x 7)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 5, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(3)
+        self.fc1, self.fc2 = nn.Linear(5 * 9, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = self.pool(F.relu(self.conv2(F.relu(self.conv1(x)))))
+        return self.fc2(F.relu(self.fc1(torch.flatten(h, 1))))
+
+
+def test_tiled_flatten_of_a_feature_map():
+    torch.manual_seed(0)
+    model = FlattenVGG()
+    spec = full_spec(
+        model, {"c1": 4, "c2": 5, "h": 6}, conv1__weight=("c1", None, None, None), conv1__bias=("c1",),
+        conv2__weight=("c2", "c1", None, None), conv2__bias=("c2",), fc1__weight=("h", Tiled("c2", inner=9)),
+        fc1__bias=("h",), fc2__weight=(None, "h"),
+    )  # fmt: skip
+    assert_same_function(model, spec, torch.randn(2, 3, 6, 6))
+
+
+def attention_spec(model: nn.Module, heads: int) -> PermutationSpec:
+    """nn.MultiheadAttention: the stream, and head_dim units permuted alike in every head (q with k, v with out)."""
+    qk, vo = Tiled("qk", outer=heads), Tiled("vo", outer=heads)
+    qkv = Segments(qk, qk, vo)
+    d = model.attn.embed_dim
+    return full_spec(
+        model, {"s": d, "qk": d // heads, "vo": d // heads}, embed__weight=("s", None), embed__bias=("s",),
+        attn__in_proj_weight=(qkv, "s"), attn__in_proj_bias=(qkv,), attn__out_proj__weight=("s", vo),
+        attn__out_proj__bias=("s",), head__weight=(None, "s"),
+    )  # fmt: skip
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Linear(5, d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.head(h.mean(1))
+
+
+def test_tiled_head_dim_shared_by_every_head():
+    torch.manual_seed(0)
+    model = Attention()
+    assert_same_function(model, attention_spec(model, 2), torch.randn(2, 4, 5))
+
+
+# --------------------------------------------------------------------------- one group on two axes
+
+
+class OneLayerResidual(nn.Module):
+    """h + relu(W h): W is applied to the residual stream and writes back to it (P W P^T)."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, d)
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.relu(block(h))
+        return self.out(h)
+
+
+def test_same_group_on_two_axes():
+    torch.manual_seed(0)
+    model = OneLayerResidual()
+    blocks = {f"blocks__{i}__weight": ("h", "h") for i in range(2)} | {f"blocks__{i}__bias": ("h",) for i in range(2)}
+    spec = full_spec(model, {"h": 6}, inp__weight=("h", None), inp__bias=("h",), out__weight=(None, "h"), **blocks)
+    assert spec.structured
+    assert spec.group_axes["h"][:3] == (("inp.weight", 0), ("inp.bias", 0), ("blocks.0.weight", 0))
+    assert ("blocks.0.weight", 1) in spec.group_axes["h"]
+    assert_same_function(model, spec, torch.randn(4, 3))
+
+
+@pytest.mark.parametrize(("kind", "gates"), [(nn.RNN, 1), (nn.GRU, 3), (nn.LSTM, 4)], ids=["rnn", "gru", "lstm"])
+def test_recurrent_layer_gates_as_segments(kind, gates):
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.rnn, self.head = nn.Linear(3, 4), kind(4, 5, batch_first=True), nn.Linear(5, 2)
+
+        def forward(self, x):
+            return self.head(self.rnn(torch.tanh(self.proj(x)))[0][:, -1])
+
+    torch.manual_seed(0)
+    model = Classifier()
+    stacked = Segments(*["h"] * gates) if gates > 1 else "h"
+    spec = full_spec(
+        model, {"p": 4, "h": 5}, proj__weight=("p", None), proj__bias=("p",), rnn__weight_ih_l0=(stacked, "p"),
+        rnn__weight_hh_l0=(stacked, "h"), rnn__bias_ih_l0=(stacked,), rnn__bias_hh_l0=(stacked,),
+        head__weight=(None, "h"),
+    )  # fmt: skip
+    assert_same_function(model, spec, torch.randn(2, 6, 3))
+
+
+# --------------------------------------------------------------------------- errors and equivalence
+
+
+def test_bad_forms_are_refused():
+    with pytest.raises(ValueError, match="Segments needs at least one part"):
+        Segments()
+    with pytest.raises(TypeError, match="Segments parts must be group names, ints or Tiled, got float"):
+        Segments("a", 2.0)
+    with pytest.raises(ValueError, match="a fixed Segments part must be positive, got 0"):
+        Segments("a", 0)
+    with pytest.raises(ValueError, match="Tiled inner must be positive"):
+        Tiled("a", inner=0)
+    with pytest.raises(TypeError, match="Tiled outer must be an int, got float"):
+        Tiled("a", outer=2.0)
+    with pytest.raises(TypeError, match="Tiled group must be a group name"):
+        Tiled(3)
+    with pytest.raises(ValueError, match=r"tensor 'w' axis 1 names unknown group 'b'"):
+        PermutationSpec({"w": ("a", Segments("a", "b"))}, {"a": 2})
+    with pytest.raises(TypeError, match=r"tensor 'w' axis 0: an axis entry must be .* got list"):
+        PermutationSpec({"w": (["a"],)}, {"a": 2})
+    spec = PermutationSpec({"w": (Segments("a", 3), Tiled("a", outer=2))}, {"a": 2})
+    spec.check_state_dict({"w": torch.zeros(5, 4)})
+    with pytest.raises(ValueError, match=r"state_dict\['w'\] axis 1 has size 3; Tiled\(group='a', outer=2, inner=1\)"):
+        spec.check_state_dict({"w": torch.zeros(5, 3)})
+    with pytest.raises(ValueError, match=r"weight matching supports one group per axis .* Segments\('a', 3\) on 'w'"):
+        weight_matching(spec, {"w": torch.zeros(5, 4)}, {"w": torch.zeros(5, 4)})
+    twice = PermutationSpec({"w": ("a", "a")}, {"a": 2})
+    with pytest.raises(ValueError, match=r"weight matching supports .* 'a' on 'w' axis 0"):
+        weight_matching(twice, {"w": torch.eye(2)}, {"w": torch.eye(2)})
+
+
+def test_structured_specs_compare_by_structure():
+    a = PermutationSpec({"w": ("a", None), "v": ("b", None), "h": (None, Segments("a", "b", 2))}, {"a": 2, "b": 3})
+    renamed = PermutationSpec({"w": ("x", None), "v": ("y", None), "h": (None, Segments("x", "y", 2))},
+                              {"x": 2, "y": 3})  # fmt: skip
+    swapped = PermutationSpec({"w": ("a", None), "v": ("b", None), "h": (None, Segments("b", "a", 2))},
+                              {"a": 2, "b": 3})  # fmt: skip
+    assert a.equivalent(renamed) and a.group_correspondence(renamed) == {"a": "x", "b": "y"}
+    assert not a.equivalent(swapped)
+    assert a.structured and a != renamed
+    flat = PermutationSpec({"w": ("a", None)}, {"a": 2})
+    assert not flat.structured
+    flat.require_flat("anything")
