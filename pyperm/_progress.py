@@ -16,11 +16,12 @@ loops (the CUDA one) use :func:`keep_going`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger("pyperm")
 
-ProgressArg = Union[bool, None, Callable[..., Any]]
+ProgressArg = bool | None | Callable[..., Any]
 
 __all__ = ["ProgressArg", "keep_going", "progress_bar", "progress_callback"]
 

@@ -10,7 +10,8 @@ back), which the stopping rule needs anyway.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from pyperm._arrays import is_torch_tensor
 from pyperm._checks import check_bool
 from pyperm._cuda_arrays import as_device_array, dtype_name, empty_int64_like, torch_launch
 from pyperm._ext import cuda_module
-from pyperm._arrays import is_torch_tensor
 
 __all__ = ["batch_linear_sum_assignment", "linear_sum_assignment", "solve_square_warm"]
 

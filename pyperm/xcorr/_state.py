@@ -18,7 +18,7 @@ import numpy as np
 
 from pyperm._ext import core
 
-__all__ = ["MEAN", "M2", "MIN", "MAX", "CudaMoments", "HostMoments", "from_fields"]
+__all__ = ["M2", "MAX", "MEAN", "MIN", "CudaMoments", "HostMoments", "from_fields"]
 
 # Rows of the (4, dim) moment block of each side.
 MEAN, M2, MIN, MAX = 0, 1, 2, 3
