@@ -19,8 +19,8 @@ not run the network:
 
   where :math:`\Pi_{\mathcal{DS}}` is 20 rounds of alternating projections onto the
   matrices with unit row and column sums and onto the non-negative matrices
-  (:func:`pyperm.project_doubly_stochastic`), continued until the row and column sums
-  are within a tolerance (:func:`project`);
+  (:func:`pyperm.project_doubly_stochastic`), optionally continued until the row and
+  column sums are within a tolerance (:func:`project`);
 - :func:`nearest_permutations` and :func:`sample_candidates`: the candidates of eq. 51,
   the assignment projection :math:`P_\Pi(D^*) = \arg\max_P \operatorname{tr}(P^\top D^*)`
   (eq. 52, :func:`pyperm.linear_sum_assignment`) and samples from the truncated max-weight
@@ -49,6 +49,7 @@ __all__ = [
     "nearest_permutations",
     "one_hot",
     "project",
+    "project_blocks",
     "projected_step",
     "sample_candidates",
 ]
@@ -142,14 +143,21 @@ def projected_step(matrices: Mapping[str, torch.Tensor], grads: Mapping[str, tor
     Returns new matrices.
     """
     stepped = {g: d - lr * (grads[g].to(d.dtype) + (d - anchor[g]) / nu) for g, d in matrices.items()}
-    # Blocks of one size are projected as one batch: the iterations are a few tensor
-    # operations each, whose fixed cost dominates for the small blocks of most networks.
+    return project_blocks(stepped, iters, tol)
+
+
+@torch.no_grad()
+def project_blocks(matrices: Mapping[str, torch.Tensor], iters: int = 20,
+                   tol: float | None = 1e-6) -> dict[str, torch.Tensor]:
+    """:func:`project` of every block; blocks of one size are projected as one batch (the
+    iterations are a few tensor operations each, whose fixed cost dominates for the small
+    blocks of most networks)."""
     by_size: dict[int, list[str]] = {}
-    for g, d in stepped.items():
+    for g, d in matrices.items():
         by_size.setdefault(d.shape[-1], []).append(g)
     out = {}
     for names in by_size.values():
-        projected = project(torch.stack([stepped[g] for g in names]), iters, tol)
+        projected = project(torch.stack([matrices[g] for g in names]), iters, tol)
         out.update(zip(names, projected.unbind(0)))
     return out
 
