@@ -194,16 +194,19 @@ def resolve_device(name: str) -> Any:
 
 @dataclass
 class LoadedModel:
-    """A model built from ``--model``, its permutation spec and an input batch shape."""
+    """A model built from ``--model``, its permutation spec and an input batch shape (None when unknown)."""
 
     name: str
     module: Any
     spec: Any
-    input_shape: tuple[int, ...]
+    input_shape: tuple[int, ...] | None
 
     def example_input(self, device: Any = "cpu") -> Any:
+        """A seeded random input batch, or None when the input shape is unknown."""
         import torch
 
+        if self.input_shape is None:
+            return None
         return torch.randn(self.input_shape, generator=torch.Generator().manual_seed(0)).to(device)
 
 
@@ -263,8 +266,7 @@ def _user_model(spec_text: str, shape: tuple[int, ...] | None) -> LoadedModel:
     if not isinstance(model, torch.nn.Module):
         raise CommandError(f"--model {spec_text}: {class_name}() is a {type(model).__name__}, not a torch.nn.Module")
     if callable(getattr(model, "permutation_spec", None)):
-        if shape is None:
-            raise CommandError(f"--model {spec_text}: needs --example-input-shape (the shape of an input batch)")
+        # Its own spec needs no tracing; the shape (if given) only feeds the function check of align.
         return LoadedModel(spec_text, model, model.permutation_spec(), shape)
     if shape is None:
         raise CommandError(f"--model {spec_text}: {class_name} has no permutation_spec(); pass --example-input-shape to trace it")
