@@ -76,6 +76,22 @@ def _make_optimizer(optimizer: Any, params: list[torch.nn.Parameter], lr: float,
     return cls(params, **options)
 
 
+def _all_reduce_sum(tensors: list[torch.Tensor]) -> None:
+    """Sum ``tensors`` over the processes in place: one collective per (device, dtype)."""
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.device, t.dtype), []).append(t)
+    for bucket in buckets.values():
+        if len(bucket) == 1:
+            torch.distributed.all_reduce(bucket[0])
+            continue
+        # Collectives cost latency more than bandwidth: one flat buffer, not one call each.
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        torch.distributed.all_reduce(flat)
+        for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+            t.copy_(part.view_as(t))
+
+
 def _shard(tensors: tuple, rank: int, world: int) -> tuple:
     # torch.tensor_split gives contiguous, near-equal shards; every process computes the
     # same split of the same global batch.
@@ -194,8 +210,7 @@ class CurveTrainer:
                 # Same steps in every process, empty shard or not.
                 p.grad = torch.zeros_like(p)
         if self.distributed:
-            for p in active:
-                torch.distributed.all_reduce(p.grad)
+            _all_reduce_sum([p.grad for p in active])
         opt.step()
         return weighted, local
 
