@@ -292,8 +292,10 @@ def test_train_curve_is_seeded_and_stoppable(digits):
     history = train_curve(BezierCurve(model, a, b), data, epochs=5, lr=0.05, optimizer="adam",
                           callback=lambda epoch, loss: seen.append(epoch) or epoch == 2)
     assert seen == [1, 2] and len(history) == 2
-    history = train_curve(PolyChain(model, a, b, num_bends=2), data, epochs=1, lr=0.05, optimizer=torch.optim.RMSprop)
+    chain = PolyChain(model, a, b, num_bends=2)
+    history = train_curve(chain, data, epochs=1, lr=0.05, optimizer=torch.optim.RMSprop, progress=True)
     assert len(history) == 1
+    assert evaluate_curve(chain, data[:1], num_points=2, bn_data=data, progress=True).ts.shape == (2,)
 
 
 def test_evaluate_needs_batchnorm_data(digits):

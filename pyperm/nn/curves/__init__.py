@@ -3,7 +3,8 @@
 - :class:`BezierCurve`, :class:`PolyChain`: curves whose bends are the only trainable
   parameters, run through :func:`torch.func.functional_call` on the user's model.
 - :func:`train_curve`: Algorithm 2 of Tatro et al. (Garipov et al.'s curve finding), also
-  under torch.distributed data parallelism.
+  under torch.distributed data parallelism; :class:`CurveTrainer` is its single step, for
+  methods that interleave curve steps with other work.
 - :func:`evaluate_curve` and :class:`CurveResult`: loss and accuracy along the curve, with
   BatchNorm statistics recomputed at every point.
 - :func:`connect`: align B to A, train the curve, evaluate it.
