@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pyperm.nn._runtime import check_module, iterate_batches, model_inputs
+from pyperm.nn._runtime import check_module, iterate_batches, model_inputs, module_device, to_device
 from pyperm.nn.curves._base import Curve
 from pyperm.nn.curves.bezier import BezierCurve
 from pyperm.nn.curves.evaluate import CurveResult, evaluate_curve
@@ -79,7 +79,7 @@ def _align(model: nn.Module, state_a: Mapping[str, torch.Tensor], state_b: Mappi
         return {"spec": result.spec, "perms": result.perms}
     if spec is None:
         _, first = next(iterate_batches(data, 1, "data"))
-        spec = pnn.PermutationSpec.from_model(model, model_inputs(first, 0, "data"))
+        spec = pnn.PermutationSpec.from_model(model, to_device(model_inputs(first, 0, "data"), module_device(model)))
     result = pnn.weight_matching(spec, state_a, state_b, seed=seed)
     return {"spec": spec, "perms": result.perms}
 
