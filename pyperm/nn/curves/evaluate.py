@@ -14,6 +14,7 @@ import torch
 
 from pyperm._progress import progress_bar
 from pyperm.nn.curves._points import PointEvaluator
+from pyperm.nn.curves.robust import check_attack, robust_accuracy
 from pyperm.nn.curves.train import check_curve
 
 __all__ = ["CurveResult", "evaluate_curve", "plot_curve_results", "summary_table"]
@@ -34,6 +35,9 @@ class CurveResult:
     accuracy : (n,) numpy.ndarray
         Fraction of correctly classified samples at each point (NaN when the targets are
         not class indices).
+    robust_accuracy : (n,) numpy.ndarray or None
+        Accuracy on PGD adversarial examples at each point (``evaluate_curve(...,
+        adversarial=...)``), else None.
 
     Notes
     -----
@@ -45,6 +49,7 @@ class CurveResult:
     ts: np.ndarray
     loss: np.ndarray
     accuracy: np.ndarray
+    robust_accuracy: np.ndarray | None = None
 
     @property
     def average_accuracy(self) -> float:
@@ -68,7 +73,7 @@ class CurveResult:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain Python values (lists and floats), ready for ``json.dump``."""
-        return {
+        out = {
             "ts": [float(t) for t in self.ts],
             "loss": [float(x) for x in self.loss],
             "accuracy": [float(x) for x in self.accuracy],
@@ -77,6 +82,9 @@ class CurveResult:
             "max_loss": self.max_loss,
             "average_loss": self.average_loss,
         }
+        if self.robust_accuracy is not None:
+            out["robust_accuracy"] = [float(x) for x in self.robust_accuracy]
+        return out
 
     def to_markdown(self) -> str:
         """A Markdown table of the points, after a line with the summary."""
@@ -143,6 +151,9 @@ def plot_curve_results(results: Mapping[str, CurveResult], path: str | Path, *, 
                  "linestyle": "--" if name in dashed else "-"}
         ax_loss.plot(r.ts, r.loss, **style)
         ax_acc.plot(r.ts, 100 * np.asarray(r.accuracy), **style)
+        if r.robust_accuracy is not None:  # Tatro et al. Figure 4: robust accuracy dotted, same colour
+            ax_acc.plot(r.ts, 100 * np.asarray(r.robust_accuracy),
+                        **{**style, "marker": "x", "linestyle": ":", "label": f"{name} (robust)"})
     ax_loss.set_xlabel("t")
     ax_loss.set_ylabel("loss")
     ax_acc.set_xlabel("t")
@@ -166,6 +177,7 @@ def evaluate_curve(
     bn_data: Iterable[Any] | None = None,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     progress: bool = False,
+    adversarial: dict[str, Any] | None = None,
 ) -> CurveResult:
     r"""Loss and accuracy of the networks along a curve (Tatro et al. Tables 1-2, Figure 3).
 
@@ -192,6 +204,12 @@ def evaluate_curve(
         :func:`torch.nn.functional.cross_entropy` by default.
     progress : bool, default False
         Show a tqdm progress bar over the points.
+    adversarial : dict, optional
+        Also measure the robust accuracy at every point (Tatro et al. Figure 4):
+        :func:`~pyperm.nn.curves.robust.robust_accuracy` of the point's network (eval
+        mode, recomputed BatchNorm statistics) on ``data`` with these
+        :func:`~pyperm.nn.curves.robust.pgd_attack` keyword arguments (``eps``,
+        ``steps``, ``step_size``, ...).
 
     Returns
     -------
@@ -240,20 +258,24 @@ def evaluate_curve(
         raise TypeError(f"num_points must be an int, got {type(num_points).__name__}")
     if num_points < 2:
         raise ValueError(f"num_points must be at least 2, got {num_points}")
+    attack = None if adversarial is None else check_attack(adversarial)
     evaluator = PointEvaluator(curve.model, data, bn_data, loss_fn)
     ts = np.linspace(0.0, 1.0, num_points)
     loss = np.empty(num_points)
     accuracy = np.empty(num_points)
+    robust = None if attack is None else np.empty(num_points)
     bar = progress_bar(progress, num_points, "curve evaluation", "point")
     try:
         for i, t in enumerate(ts):
             loss[i], accuracy[i] = evaluator(curve.state_at(float(t)))
+            if robust is not None:  # evaluator.model now holds the point, BatchNorm statistics recomputed
+                robust[i] = robust_accuracy(evaluator.model, data, **attack)
             if bar is not None:
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
-    result = CurveResult(ts=ts, loss=loss, accuracy=accuracy)
+    result = CurveResult(ts=ts, loss=loss, accuracy=accuracy, robust_accuracy=robust)
     logger.debug("evaluate_curve: %d points, average accuracy %.4g, min accuracy %.4g, max loss %.4g",
                  num_points, result.average_accuracy, result.min_accuracy, result.max_loss)
     if math.isnan(result.max_loss):
