@@ -22,8 +22,9 @@ def test_bench_width_sweep_uniform_k5(benchmark):
     assert sweep.mean("type")[0] == pytest.approx(0.0, abs=1e-14)  # m = K: a permutation of the teacher
     assert np.all(sweep.barriers["type"] <= sweep.barriers["direct"] + 1e-12)
     assert np.all(sweep.barriers["lap"] <= sweep.barriers["direct"] + 1e-12)
-    benchmark.pedantic(width_sweep, args=(5, WIDTHS_K5), kwargs={"source": "uniform", "pairs": 30, "seed": 0},
-                       rounds=3, iterations=1)
+    benchmark.pedantic(
+        width_sweep, args=(5, WIDTHS_K5), kwargs={"source": "uniform", "pairs": 30, "seed": 0}, rounds=3, iterations=1
+    )
 
 
 def test_bench_exact_loss_batch(benchmark):

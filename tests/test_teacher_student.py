@@ -13,6 +13,7 @@ from pyperm.teacher_student import (
     hessian,
     interpolation_losses,
     lap_matching,
+    learning_rate_sweep,
     monte_carlo_loss,
     neuron_types,
     path_barrier,
@@ -21,7 +22,6 @@ from pyperm.teacher_student import (
     sample_minimum,
     sharpness,
     teacher_weights,
-    learning_rate_sweep,
     train_gd,
     type_matching,
     width_sweep,
@@ -78,7 +78,9 @@ def test_teacher_weights_are_orthonormal_with_default_d():
     assert teacher_weights(3, 3).shape == (3, 3)
 
 
-@pytest.mark.parametrize("K, d, exc", [(0, None, ValueError), (2.0, None, TypeError), (True, None, TypeError), (3, 2, ValueError)])
+@pytest.mark.parametrize(
+    "K, d, exc", [(0, None, ValueError), (2.0, None, TypeError), (True, None, TypeError), (3, 2, ValueError)]
+)
 def test_teacher_weights_rejects_bad_sizes(K, d, exc):
     with pytest.raises(exc, match="K|d"):
         teacher_weights(K, d)
@@ -99,7 +101,9 @@ def test_exact_loss_equals_independent_arccos_formula_and_zero_student():
     W = _random((4, 5), 3)
     torch.testing.assert_close(population_loss(W, Wt), _reference_loss(W, Wt))
     # The zero student: E f*(x)^2 = K/2 + K(K-1)/(2 pi) for an orthonormal teacher.
-    torch.testing.assert_close(population_loss(torch.zeros(2, 5, dtype=F64), Wt), torch.tensor(1.5 + 3 / math.pi, dtype=F64))
+    torch.testing.assert_close(
+        population_loss(torch.zeros(2, 5, dtype=F64), Wt), torch.tensor(1.5 + 3 / math.pi, dtype=F64)
+    )
 
 
 def test_loss_is_zero_at_sampled_minima_and_at_permuted_teachers():
@@ -382,7 +386,9 @@ def test_pq_index_hand_values():
     W = torch.tensor([[0.0, 2.0], [0.0, 0.0], [0.0, 0.0]], dtype=F64)
     assert pq_index(W).item() == pytest.approx(1 - 1 / math.sqrt(3))  # of the norms (2, 0, 0)
     assert pq_index(W, rows=False).item() == pytest.approx(1 - 1 / math.sqrt(6))
-    assert pq_index(torch.stack([W, torch.ones(3, 2, dtype=F64)])).tolist() == pytest.approx([1 - 1 / math.sqrt(3), 0.0])
+    assert pq_index(torch.stack([W, torch.ones(3, 2, dtype=F64)])).tolist() == pytest.approx(
+        [1 - 1 / math.sqrt(3), 0.0]
+    )
 
 
 def test_pq_index_rejects_bad_arguments():

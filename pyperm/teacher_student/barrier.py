@@ -21,6 +21,7 @@ from pyperm.teacher_student.loss import loss_unchecked
 
 __all__ = ["interpolation_losses", "path_barrier"]
 
+
 def _chunk_entries() -> int:
     """Entries of the (n, n) angle matrices evaluated per chunk of path points.
 
@@ -65,7 +66,9 @@ def interpolation_losses(
     return _path_losses(A, B, wt, num_points)
 
 
-def _path_losses(A: torch.Tensor, B: torch.Tensor, wt: torch.Tensor, num_points: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _path_losses(
+    A: torch.Tensor, B: torch.Tensor, wt: torch.Tensor, num_points: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     t = torch.linspace(0.0, 1.0, num_points, dtype=A.dtype, device=A.device)
     return t, segment_losses(A, B, wt, t)
 

@@ -167,7 +167,13 @@ def train_gd(
 
 
 def descend(
-    W: torch.Tensor, wt: torch.Tensor, etas: torch.Tensor, steps: int, tol: float, grad_tol: float, progress: bool = False
+    W: torch.Tensor,
+    wt: torch.Tensor,
+    etas: torch.Tensor,
+    steps: int,
+    tol: float,
+    grad_tol: float,
+    progress: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The GD loop on a batch ``(R, m, d)`` with one step size per run.
 

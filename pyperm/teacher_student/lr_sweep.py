@@ -64,19 +64,46 @@ class LearningRateSweep:
 
     def to_markdown(self) -> str:
         """One row per ``c``: step, edge of stability 2/step, PQ index, small neurons, sharpness, flags."""
-        headers = ["c", "lr", "2/lr", "PQI", "± se", "small neurons", "sharpness", "± se", "loss", "converged", "diverged"]
+        headers = [
+            "c",
+            "lr",
+            "2/lr",
+            "PQI",
+            "± se",
+            "small neurons",
+            "sharpness",
+            "± se",
+            "loss",
+            "converged",
+            "diverged",
+        ]
         rows = []
         for i, c in enumerate(self.cs):
             pq, pq_se = _finite_stats(self.pq[i])
             sharp, sharp_se = _finite_stats(self.sharpness[i])
             lr = c / self.m
-            rows.append([float(c), lr, 2 / lr, pq, pq_se, _finite_stats(self.small_neurons[i])[0], sharp, sharp_se,
-                         _finite_stats(self.loss[i])[0], float(self.converged[i].mean()), float(self.diverged[i].mean())])
+            rows.append(
+                [
+                    float(c),
+                    lr,
+                    2 / lr,
+                    pq,
+                    pq_se,
+                    _finite_stats(self.small_neurons[i])[0],
+                    sharp,
+                    sharp_se,
+                    _finite_stats(self.loss[i])[0],
+                    float(self.converged[i].mean()),
+                    float(self.diverged[i].mean()),
+                ]
+            )
         return markdown_table(headers, rows)
 
     def __str__(self) -> str:
-        title = (f"PQ index of GD solutions against the learning rate c/m: K={self.K}, d={self.d}, m={self.m}, "
-                 f"{self.pq.shape[1]} runs per c (uniform samples: PQI {self.uniform_pq:.3g})")
+        title = (
+            f"PQ index of GD solutions against the learning rate c/m: K={self.K}, d={self.d}, m={self.m}, "
+            f"{self.pq.shape[1]} runs per c (uniform samples: PQI {self.uniform_pq:.3g})"
+        )
         return title + "\n\n" + self.to_markdown()
 
     def plot(self, path: str) -> str:
@@ -173,8 +200,14 @@ def learning_rate_sweep(
 
     W0 = initial_weights(run_seeds, m, wt.shape[1], positive_float(init_scale, "init_scale"), wt.device)
     etas = torch.tensor(np.repeat(cs / m, runs), dtype=DTYPE, device=wt.device)
-    out = descend(W0.repeat(len(cs), 1, 1), wt, etas, positive_int(steps, "steps"), positive_float(tol, "tol"),
-                  positive_float(grad_tol, "grad_tol", allow_zero=True))
+    out = descend(
+        W0.repeat(len(cs), 1, 1),
+        wt,
+        etas,
+        positive_int(steps, "steps"),
+        positive_float(tol, "tol"),
+        positive_float(grad_tol, "grad_tol", allow_zero=True),
+    )
     W, ok = out["weights"], ~out["diverged"]
 
     def per_c(values: torch.Tensor) -> np.ndarray:
@@ -186,7 +219,10 @@ def learning_rate_sweep(
     sharp = torch.linalg.eigvalsh(hessian_unchecked(safe, wt))[..., -1]
     uniform = pq_index(sample_minimum(wt, m, seed=list(range(runs)))).mean() if m >= K else torch.tensor(np.nan)
     return LearningRateSweep(
-        K, wt.shape[1], m, cs,
+        K,
+        wt.shape[1],
+        m,
+        cs,
         pq=per_c(pq_index(safe)),
         small_neurons=per_c((norms < small).to(DTYPE).mean(dim=-1)),
         sharpness=per_c(sharp),

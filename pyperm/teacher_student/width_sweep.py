@@ -96,7 +96,8 @@ class WidthSweep:
         return markdown_table(headers, rows)
 
     def __str__(self) -> str:
-        title = f"Barrier against width: K={self.K}, d={self.d}, {self.source} solutions, {self.settings.get('pairs')} pairs"
+        pairs = self.settings.get("pairs")
+        title = f"Barrier against width: K={self.K}, d={self.d}, {self.source} solutions, {pairs} pairs"
         return title + "\n\n" + self.to_markdown()
 
     def plot(self, path: str) -> str:
