@@ -20,6 +20,7 @@ __all__ = [
     "check_positive_int",
     "check_threads",
     "numpy_generator",
+    "torch_generator",
 ]
 
 
@@ -81,3 +82,16 @@ def numpy_generator(generator: Any, name: str = "generator") -> np.random.Genera
             raise ValueError(f"{name} seed must be non-negative, got {generator}")
         return np.random.default_rng(int(generator))
     raise TypeError(f"{name} must be a numpy Generator, an int seed or None, got {type(generator).__name__}")
+
+
+def torch_generator(seed: Any, name: str = "seed") -> Any:
+    """A torch Generator from a Generator (used as is) or a non-negative int seed (torch imported lazily)."""
+    import torch
+
+    if isinstance(seed, torch.Generator):
+        return seed
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{name} must be an int or a torch.Generator, got {type(seed).__name__}")
+    if seed < 0:
+        raise ValueError(f"{name} must be non-negative, got {seed}")
+    return torch.Generator().manual_seed(int(seed))

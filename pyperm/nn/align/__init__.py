@@ -9,7 +9,11 @@ Algorithm 2) and merging many models (Git Re-Basin Algorithm 3).
 from pyperm.nn.align.activation import ActivationMatchingResult, activation_matching
 from pyperm.nn.align.merge import MergeResult, merge_many
 from pyperm.nn.align.ste import STEMatchingResult, ste_matching
-from pyperm.nn.align.weight import WeightMatchingResult, matching_objective, weight_matching
+from pyperm.nn.align.weight import (
+    WeightMatchingResult,
+    matching_objective,
+    weight_matching,
+)
 
 __all__ = [
     "ActivationMatchingResult",

@@ -33,7 +33,13 @@ import torch.nn as nn
 
 import pyperm
 from pyperm._progress import progress_bar
-from pyperm.nn._runtime import eval_mode, iterate_batches, model_inputs, module_device, num_batches
+from pyperm.nn._runtime import (
+    eval_mode,
+    iterate_batches,
+    model_inputs,
+    module_device,
+    num_batches,
+)
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.trace import ActivationSite, TraceError, symbolic_trace, trace_model
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pyperm._checks import torch_generator
 from pyperm._progress import progress_bar
-from pyperm.nn.align.weight import WeightMatcher, make_generator
+from pyperm.nn.align.weight import WeightMatcher
 from pyperm.nn.permutations import Permutations
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.state import average
@@ -128,7 +129,7 @@ def merge_many(
         raise TypeError(f"max_iter must be an int, got {type(max_iter).__name__}")
     if max_iter < 1:
         raise ValueError(f"max_iter must be at least 1, got {max_iter}")
-    gen = make_generator(seed)
+    gen = torch_generator(seed)
     for i, state in enumerate(states):
         spec.check_state_dict(state, f"states[{i}]")
     states = [{k: v.detach() for k, v in s.items()} for s in states]

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from pyperm._checks import torch_generator
 from pyperm._progress import progress_bar
 from pyperm.nn._runtime import (
     check_module,
@@ -41,7 +42,7 @@ from pyperm.nn._runtime import (
     to_device,
     train_mode,
 )
-from pyperm.nn.align.weight import WeightMatcher, make_generator
+from pyperm.nn.align.weight import WeightMatcher
 from pyperm.nn.permutations import Permutations
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.state import check_pair
@@ -165,7 +166,7 @@ def ste_matching(
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     loss_fn = loss_fn or nn.functional.cross_entropy
-    gen = make_generator(seed)
+    gen = torch_generator(seed)
     device = module_device(model)
     sa = {k: v.detach().to(device) for k, v in state_a.items()}
     sb = {k: v.detach().to(device) for k, v in state_b.items()}

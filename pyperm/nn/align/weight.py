@@ -48,8 +48,14 @@ import numpy as np
 import torch
 
 import pyperm
+from pyperm._checks import torch_generator
 from pyperm._progress import progress_bar
-from pyperm.nn.align._similarity import GroupSimilarity, Term, accurate_dot, frobenius_norm
+from pyperm.nn.align._similarity import (
+    GroupSimilarity,
+    Term,
+    accurate_dot,
+    frobenius_norm,
+)
 from pyperm.nn.permutations import as_permutations
 from pyperm.nn.spec import PermutationSpec
 
@@ -108,15 +114,6 @@ def _objective_keys(spec: PermutationSpec, sa: Mapping[str, torch.Tensor], keys:
             raise ValueError(f"keys names {k!r}, whose dtype {sa[k].dtype} is not floating point")
     return list(dict.fromkeys(chosen))
 
-
-def make_generator(seed: int | torch.Generator) -> torch.Generator:
-    if isinstance(seed, torch.Generator):
-        return seed
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"seed must be an int or a torch.Generator, got {type(seed).__name__}")
-    if seed < 0:
-        raise ValueError(f"seed must be non-negative, got {seed}")
-    return torch.Generator().manual_seed(int(seed))
 
 def _objective(
     spec: PermutationSpec,
@@ -400,7 +397,7 @@ class WeightMatcher:
             raise ValueError(f"tol must be a non-negative finite number, got {tol!r}")
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
-        gen = make_generator(seed)
+        gen = torch_generator(seed)
         sa = _check_state(spec, state_a, "state_a")
         sb = self.state_b
         devices = {sa[k].device for k in self.keys} | ({self.device} if self.keys else set())
