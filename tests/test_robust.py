@@ -180,3 +180,23 @@ def test_check_attack_seed_and_loss():
     with pytest.raises(TypeError, match="loss_fn"):
         check_attack({**ATTACK, "loss_fn": 3})
     assert check_attack({**ATTACK, "seed": torch.Generator()})["eps"] == EPS
+
+
+def test_evaluate_curve_adversarial(endpoints, test_data):
+    """evaluate_curve(adversarial=...): robust accuracy per point, the same as attacking the point's network."""
+    from pyperm.nn.curves.bezier import BezierCurve
+    from pyperm.nn.curves.evaluate import evaluate_curve
+
+    model, sa, sb = endpoints
+    xt, yt = test_data
+    attack = {"eps": 0.1, "steps": 3, "step_size": 0.05}
+    evaluation = batches(xt, yt, 200)
+    line = BezierCurve(model, sa, sb)
+    result = evaluate_curve(line, evaluation, num_points=3, adversarial=attack)
+    assert result.robust_accuracy is not None and result.robust_accuracy.shape == (3,)
+    assert all(r <= a for r, a in zip(result.robust_accuracy, result.accuracy))
+    assert result.robust_accuracy[1] == pytest.approx(_robust_at(line, 0.5, evaluation, attack))
+    assert result.to_dict()["robust_accuracy"] == [float(v) for v in result.robust_accuracy]
+    assert evaluate_curve(line, evaluation, num_points=2).robust_accuracy is None
+    with pytest.raises(ValueError, match="adversarial"):
+        evaluate_curve(line, evaluation, num_points=2, adversarial={"eps": 0.1})
