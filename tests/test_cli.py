@@ -180,6 +180,10 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     assert "unknown dataset 'imagenet'" in _error(capsys, ["barrier", str(a), str(b), "--model", MODEL, "--data", "imagenet", "--out", out])
     assert "cuda:9" in _error(capsys, ["align", str(a), str(b), "--model", MODEL, "--out", out, "--device", "cuda:9"])
     assert "at least two checkpoints" in _error(capsys, ["merge", str(a), "--model", MODEL, "--out", out])
+    small = MLP([10, 4, 3]).state_dict()
+    torch.save(small, tmp_path / "small.pt")
+    line = _error(capsys, ["barrier", str(tmp_path / "small.pt"), str(tmp_path / "small.pt"), "--model", "mlp:10,4,3", "--data", "digits", "--out", out])
+    assert "--model mlp:10,4,3 cannot run on --data digits (inputs of shape (1, 8, 8))" in line
 
 
 def test_existing_outputs_are_refused_without_force(tmp_path, capsys):

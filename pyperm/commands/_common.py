@@ -347,6 +347,24 @@ def load_data(args: argparse.Namespace, device: Any) -> Data | None:
     )
 
 
+def check_inputs(loaded: LoadedModel, data: Data | None, device: Any) -> None:
+    """Run the model once on a test batch, so a model/data mismatch is one clear error before any work."""
+    if data is None:
+        return
+    import copy
+
+    import torch
+
+    x = data.test[0][0][:2]
+    model = copy.deepcopy(loaded.module).to(device).eval()
+    try:
+        with torch.no_grad():
+            model(x)
+    except Exception as exc:
+        detail = " ".join(str(exc).split())
+        raise CommandError(f"--model {loaded.name} cannot run on --data {data.name} (inputs of shape {tuple(x.shape[1:])}): {detail}") from exc
+
+
 def has_batchnorm(model: Any) -> bool:
     """Whether the model has BatchNorm layers (its statistics need recomputing off the endpoints)."""
     import torch

@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from pyperm.commands._common import (
         CommandError,
         build_model,
+        check_inputs,
         float_state,
         load_data,
         prepare_out,
@@ -92,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     refuse_inputs([out / n for n in names], [ckpt_a, ckpt_b])
     prepare_out(out, names, args.force)
     data = load_data(args, device)
+    check_inputs(loaded, data, device)
 
     state_a = float_state(ckpt_a.state, device)
     state_b = float_state(ckpt_b.state, device)

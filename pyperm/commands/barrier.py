@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from pyperm.commands._common import (
         CommandError,
         build_model,
+        check_inputs,
         float_state,
         load_data,
         prepare_out,
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     ckpt_a, ckpt_b = load_for_model([args.a, args.b], loaded)
     out = prepare_out(Path(args.out), ["report.json", "report.md", "barrier.png"], args.force)
     data = load_data(args, device)
+    check_inputs(loaded, data, device)
     state_a = float_state(ckpt_a.state, device)
     state_b = float_state(ckpt_b.state, device)
 

@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         CommandError,
         Timer,
         build_model,
+        check_inputs,
         float_state,
         load_data,
         prepare_out,
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     refuse_inputs([out / n for n in names], ckpts)
     prepare_out(out, names, args.force)
     data = load_data(args, device)
+    check_inputs(loaded, data, device)
 
     states = [float_state(c.state, device) for c in ckpts]
     with Timer() as timer:
