@@ -29,6 +29,10 @@ __all__ = ["WidthSweep", "width_sweep"]
 
 METHODS = ("direct", "type", "lap")
 _LABELS = {"direct": "direct", "type": "type matching (Alg. 1)", "lap": "LAP matching"}
+_COLORS = {"direct": "tab:blue", "type": "tab:orange", "lap": "tab:green"}
+# A direct barrier below this is zero to rounding (e.g. m = 1, where GD finds one solution):
+# no ratio is reported against it.
+_NEGLIGIBLE = 1e-12
 
 
 @dataclass
@@ -48,8 +52,9 @@ class WidthSweep:
         below ``m = K``, where neurons have no types).
     endpoint_loss : (len(widths),) numpy.ndarray
         Mean loss of the solutions (zero to rounding for uniform samples).
-    converged, diverged : (len(widths),) numpy.ndarray
-        Fraction of GD runs that converged / diverged (1 and 0 for uniform samples).
+    converged, diverged, stationary : (len(widths),) numpy.ndarray
+        Fraction of GD runs that converged (loss at most ``tol``), diverged, or stopped at a
+        stationary point above ``tol`` (as below ``m = K``); 1, 0 and 0 for uniform samples.
     settings : dict
         The arguments that produced the sweep.
     """
@@ -62,6 +67,7 @@ class WidthSweep:
     endpoint_loss: np.ndarray
     converged: np.ndarray
     diverged: np.ndarray
+    stationary: np.ndarray
     settings: dict = field(default_factory=dict)
 
     def mean(self, method: str) -> np.ndarray:
@@ -81,7 +87,7 @@ class WidthSweep:
         """One row per width: mean ± standard error of each barrier, and the permuted/direct ratios."""
         headers = ["m", "direct", "± se", "type", "± se", "LAP", "± se", "type/direct", "LAP/direct", "loss(ends)"]
         if self.source == "gd":
-            headers += ["converged", "diverged"]
+            headers += ["converged", "stationary", "diverged"]
         stats = {name: (self.mean(name), self.sem(name)) for name in METHODS}
         rows = []
         for i, m in enumerate(self.widths):
@@ -91,7 +97,7 @@ class WidthSweep:
                 row += [stats[name][0][i], stats[name][1][i]]
             row += [_ratio(stats["type"][0][i], direct), _ratio(stats["lap"][0][i], direct), self.endpoint_loss[i]]
             if self.source == "gd":
-                row += [self.converged[i], self.diverged[i]]
+                row += [self.converged[i], self.stationary[i], self.diverged[i]]
             rows.append(row)
         return markdown_table(headers, rows)
 
@@ -101,32 +107,35 @@ class WidthSweep:
         return title + "\n\n" + self.to_markdown()
 
     def plot(self, path: str) -> str:
-        """Write a PNG: the barriers against width (left) and normalised by the direct one (right)."""
-        fig = agg_figure(11.0, 4.2)
-        left, right = fig.subplots(1, 2)
+        """Write a PNG: all barriers, the permuted ones alone, and permuted / direct, against width."""
+        fig = agg_figure(15.0, 4.2)
+        every, permuted, ratio = fig.subplots(1, 3)
         widths = np.asarray(self.widths)
         direct = self.mean("direct")
         for name in METHODS:
             mean, sem = self.mean(name), self.sem(name)
-            left.errorbar(widths, mean, yerr=sem, marker="o", ms=3, capsize=2, label=_LABELS[name])
+            style = {"marker": "o", "ms": 3, "color": _COLORS[name], "label": _LABELS[name]}
+            every.errorbar(widths, mean, yerr=sem, capsize=2, **style)
             if name != "direct":
-                right.plot(widths, mean / direct, marker="o", ms=3, label=_LABELS[name])
-        for ax in (left, right):
+                permuted.errorbar(widths, mean, yerr=sem, capsize=2, **style)
+                ratio.plot(widths, [_ratio(a, b) for a, b in zip(mean, direct, strict=True)], **style)
+        for ax in (every, permuted, ratio):
             ax.axvline(self.K, color="grey", lw=0.8, ls=":")
             ax.axvline(2 * self.K, color="grey", lw=0.8, ls="--")
             ax.set_xlabel("student width m (dotted: K, dashed: 2K)")
             ax.legend(fontsize=8)
-        left.set_ylabel("loss barrier")
-        right.set_ylabel("barrier / direct barrier")
-        left.set_title(f"K={self.K}, d={self.d}, {self.source} solutions")
-        right.set_title("normalised")
+        every.set_ylabel("loss barrier")
+        every.set_title(f"K={self.K}, d={self.d}, {self.source} solutions")
+        permuted.set_title("modulo permutation")
+        ratio.set_ylabel("permuted barrier / direct barrier")
+        ratio.set_title("normalised")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         return path
 
 
 def _ratio(num: float, den: float) -> float:
-    return num / den if den > 0 and not math.isnan(num) else math.nan
+    return num / den if den > _NEGLIGIBLE and not math.isnan(num) else math.nan
 
 
 def _check_widths(widths: object, K: int, source: str) -> list[int]:
@@ -146,12 +155,13 @@ def _run_seeds(seed: int, m: int, count: int) -> list[int]:
 @dataclass
 class _Solutions:
     weights: torch.Tensor
-    converged: float
-    diverged: float
+    converged: float = 1.0
+    stationary: float = 0.0
+    diverged: float = 0.0
 
 
 def _uniform_solutions(wt: torch.Tensor, m: int, seeds: list[int]) -> _Solutions:
-    return _Solutions(sample_minimum(wt, m, seed=seeds), 1.0, 0.0)
+    return _Solutions(sample_minimum(wt, m, seed=seeds))
 
 
 def _gd_solutions(wt: torch.Tensor, m: int, seeds: list[int], gd: dict) -> _Solutions:
@@ -159,7 +169,8 @@ def _gd_solutions(wt: torch.Tensor, m: int, seeds: list[int], gd: dict) -> _Solu
     W0 = initial_weights(seeds, m, wt.shape[1], gd["init_scale"], wt.device)
     etas = torch.full((len(seeds),), eta, dtype=DTYPE, device=wt.device)
     out = descend(W0, wt, etas, gd["steps"], gd["tol"], gd["grad_tol"])
-    return _Solutions(out["weights"], float(out["converged"].double().mean()), float(out["diverged"].double().mean()))
+    fraction = {name: float(out[name].double().mean()) for name in ("converged", "stationary", "diverged")}
+    return _Solutions(out["weights"], **fraction)
 
 
 def _barriers_at_width(A: torch.Tensor, B: torch.Tensor, wt: torch.Tensor, num_points: int) -> dict[str, np.ndarray]:
@@ -268,7 +279,7 @@ def width_sweep(
     gd = _gd_settings(lr, c, steps, init_scale, tol, grad_tol) if source == "gd" else {}
 
     barriers = {name: np.empty((len(widths), pairs)) for name in METHODS}
-    ends, converged, diverged = (np.empty(len(widths)) for _ in range(3))
+    ends, converged, stationary, diverged = (np.empty(len(widths)) for _ in range(4))
     bar = progress_bar(progress, len(widths), f"width sweep ({source})", "width")
     for i, m in enumerate(widths):
         seeds = _run_seeds(seed, m, 2 * pairs)
@@ -276,13 +287,14 @@ def width_sweep(
         row = _barriers_at_width(sols.weights[:pairs], sols.weights[pairs:], wt, num_points)
         for name in METHODS:
             barriers[name][i] = row[name]
-        ends[i], converged[i], diverged[i] = float(np.mean(row["ends"])), sols.converged, sols.diverged
+        ends[i] = float(np.mean(row["ends"]))
+        converged[i], stationary[i], diverged[i] = sols.converged, sols.stationary, sols.diverged
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     settings = {"pairs": pairs, "seed": seed, "num_points": num_points, **gd}
-    return WidthSweep(K, wt.shape[1], source, widths, barriers, ends, converged, diverged, settings)
+    return WidthSweep(K, wt.shape[1], source, widths, barriers, ends, converged, diverged, stationary, settings)
 
 
 def _gd_settings(lr: object, c: object, steps: object, init_scale: object, tol: object, grad_tol: object) -> dict:
