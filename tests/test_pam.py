@@ -209,6 +209,7 @@ def test_pam_deterministic(mlp_pair, data):
         ({"num_samples": -1}, ValueError, "num_samples"),
         ({"anneal": 2.0}, ValueError, "anneal"),
         ({"momentum": 1.0}, ValueError, "momentum"),
+        ({"momentum": "0.9"}, TypeError, "momentum"),
         ({"projection_tol": 0.0}, ValueError, "projection_tol"),
     ],
 )

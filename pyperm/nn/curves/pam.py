@@ -452,7 +452,10 @@ def pam(
     curve_epochs : int, default 10
         Epochs of curve training per curve step (the paper: 250).
     lr_perm, lr_curve : float
-        Learning rates of the relaxed permutations and of the bend.
+        Learning rates of the relaxed permutations and of the bend. The loss's gradient
+        in :math:`D` scales with the weights it multiplies, so ``lr_perm`` is model
+        dependent: ``PAMIteration.relaxed_spread`` near 0 means :math:`D^*` never left
+        :math:`P^k` (e.g. 1 suits a digits MLP, 1000 a small digits CNN, 10 ResNet20).
     nu_perm, nu_curve : float
         :math:`\nu_P`, :math:`\nu_\phi` of eq. 34 (larger: weaker proximal pull).
     num_samples : int, default 32
@@ -552,8 +555,10 @@ def pam(
     nu_perm = _positive(nu_perm, "nu_perm")
     nu_curve = _positive(nu_curve, "nu_curve")
     anneal = _positive(anneal, "anneal", upper=1.0)
-    if isinstance(momentum, bool) or not isinstance(momentum, Real) or not 0 <= momentum < 1:
-        raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+    if isinstance(momentum, bool) or not isinstance(momentum, Real):
+        raise TypeError(f"momentum must be a real number, got {type(momentum).__name__}")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
     if loss_fn is None:
         loss_fn = F.cross_entropy
     elif not callable(loss_fn):
