@@ -71,6 +71,24 @@ class Dataset:
         """The shape of one image, (C, H, W)."""
         return tuple(self.x_train.shape[1:])
 
+    def normalized(self, mean: list[float], std: list[float]) -> Dataset:
+        """``(x - mean) / std`` per channel (one value for all channels, or one per channel).
+
+        Raises
+        ------
+        DatasetError
+            Wrong number of values, or a non-positive ``std``.
+        """
+        channels = self.x_train.shape[1]
+        for name, values in (("mean", mean), ("std", std)):
+            if len(values) not in (1, channels):
+                raise DatasetError(f"--{name} needs 1 or {channels} values for {self.name} ({channels} channels), got {len(values)}")
+        if min(std) <= 0:
+            raise DatasetError(f"--std values must be positive, got {list(std)}")
+        m = np.asarray(mean, dtype=np.float32).reshape(1, -1, 1, 1)
+        s = np.asarray(std, dtype=np.float32).reshape(1, -1, 1, 1)
+        return Dataset(self.name, (self.x_train - m) / s, self.y_train, (self.x_test - m) / s, self.y_test, self.num_classes)
+
     def subset(self, train: int | None = None, test: int | None = None) -> Dataset:
         """The first ``train`` training and ``test`` test samples (all when None)."""
         return Dataset(self.name, self.x_train[:train], self.y_train[:train], self.x_test[:test], self.y_test[:test], self.num_classes)

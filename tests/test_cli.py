@@ -184,6 +184,7 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     torch.save(small, tmp_path / "small.pt")
     line = _error(capsys, ["barrier", str(tmp_path / "small.pt"), str(tmp_path / "small.pt"), "--model", "mlp:10,4,3", "--data", "digits", "--out", out])
     assert "--model mlp:10,4,3 cannot run on --data digits (inputs of shape (1, 8, 8))" in line
+    assert "--mean needs 1 or 1 values for digits" in _error(capsys, ["barrier", str(a), str(b), "--model", MODEL, "--data", "digits", "--mean", "0.1,0.2", "--out", out])
 
 
 def test_existing_outputs_are_refused_without_force(tmp_path, capsys):
@@ -216,3 +217,30 @@ def test_console_script_runs(tmp_path):
         pytest.skip("the pyperm console script is not installed")
     result = subprocess.run([exe, "align", "--help"], capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0 and "--method" in result.stdout
+
+
+def test_barrier_on_mnist_and_cifar_files(tmp_path):
+    """``--data mnist:DIR`` and ``cifar10:DIR`` read the user's files (tiny ones written here), normalised on request."""
+    from test_datasets import _write_cifar, _write_mnist
+
+    (tmp_path / "mnist").mkdir()
+    _write_mnist(tmp_path / "mnist", gz=True, n_train=20, n_test=10)
+    (tmp_path / "cifar").mkdir()
+    _write_cifar(tmp_path / "cifar", batches=(1,), n=12)
+    cases = [
+        ("mnist", "mnist", [784, 8, 10], []),
+        ("cifar10", "cifar", [3072, 8, 10], ["--mean", "0.49,0.48,0.45", "--std", "0.25,0.24,0.26"]),
+    ]
+    for name, folder, widths, extra in cases:
+        spec = "mlp:" + ",".join(map(str, widths))
+        paths = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            paths.append(tmp_path / f"{name}{seed}.pt")
+            torch.save(MLP(widths).state_dict(), paths[-1])
+        out = tmp_path / f"out_{name}"
+        argv = ["barrier", *map(str, paths), "--model", spec, "--data", f"{name}:{tmp_path / folder}", "--align", "activation"]
+        assert main(argv + ["--num-points", "3", "--out", str(out), *extra, *NO_BARS]) == 0, name
+        report = json.loads((out / "report.json").read_text())
+        assert report["data"]["test_samples"] == (10 if name == "mnist" else 12)
+        assert set(report["paths"]) == {"naive", "activation"}

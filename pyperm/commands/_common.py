@@ -75,6 +75,11 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = False) 
         help="digits (scikit-learn's, no download), mnist:DIR (the idx files) or cifar10:DIR (the python batches); "
         "images are scaled to [0, 1]",
     )
+    parser.add_argument(
+        "--mean", metavar="M[,M...]", help="normalise inputs as (x - mean) / std per channel, as the checkpoints were trained "
+        "(e.g. CIFAR-10's 0.4914,0.4822,0.4465)"
+    )
+    parser.add_argument("--std", metavar="S[,S...]", help="the std of --mean's normalisation (e.g. 0.2470,0.2435,0.2616)")
     parser.add_argument("--batch-size", type=int, default=256, help="batch size of every pass over the data (default 256)")
     parser.add_argument(
         "--max-samples", type=int, default=None, metavar="N", help="use the first N training and N test samples only (default: all)"
@@ -338,6 +343,8 @@ def load_data(args: argparse.Namespace, device: Any) -> Data | None:
     if args.max_samples is not None and args.max_samples < 1:
         raise CommandError(f"--max-samples must be positive, got {args.max_samples}")
     ds = load_dataset(args.data, seed=args.seed).subset(args.max_samples, args.max_samples)
+    if args.mean is not None or args.std is not None:
+        ds = ds.normalized(_floats(args.mean or "0", "--mean"), _floats(args.std or "1", "--std"))
     return Data(
         args.data,
         to_batches(ds.x_train, ds.y_train, args.batch_size, device=device),
@@ -345,6 +352,13 @@ def load_data(args: argparse.Namespace, device: Any) -> Data | None:
         len(ds.y_train),
         len(ds.y_test),
     )
+
+
+def _floats(text: str, option: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise CommandError(f"{option} {text!r}: expected comma-separated numbers") from None
 
 
 def check_inputs(loaded: LoadedModel, data: Data | None, device: Any) -> None:
