@@ -58,6 +58,10 @@ def plot_lines(
             ax.plot(list(x), list(ys), marker="o", markersize=3, label=label)
         if logx:
             ax.set_xscale("log")
+        elif all(float(v).is_integer() for v in x):
+            from matplotlib.ticker import MaxNLocator
+
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers and widths: no 1.25
         ax.set_xlabel(xlabel)
         ax.set_ylabel(label_y)
         ax.grid(alpha=0.3)
