@@ -199,6 +199,15 @@ def test_sharpness_matches_finite_difference_hessian_at_a_minimum():
     torch.testing.assert_close(sharpness(W, Wt), torch.linalg.eigvalsh(0.5 * (fd + fd.T))[-1], atol=1e-5, rtol=1e-5)
 
 
+def test_gauss_newton_part_equals_the_hessian_at_a_minimum_only():
+    Wt = teacher_weights(2, 3)
+    W = sample_minimum(Wt, 5, seed=4)
+    torch.testing.assert_close(hessian(W, Wt, gauss_newton=True), hessian(W, Wt), atol=1e-12, rtol=0)
+    W = _random((3, 3), 18)
+    assert (hessian(W, Wt, gauss_newton=True) - hessian(W, Wt)).abs().max() > 1e-2
+    assert sharpness(W, Wt, gauss_newton=True).shape == ()
+
+
 def test_sharpness_at_the_teacher_and_of_a_batch():
     # At W = W* with one neuron per type the Hessian is 2 E[1 1 x x^T] blocks; for K = 1 that is I,
     # so the sharpness is 1.
@@ -428,7 +437,7 @@ def test_width_sweep_gd_below_and_above_K():
 
 def test_learning_rate_sweep_table_and_plot(tmp_path):
     sweep = learning_rate_sweep(2, 3, [1.0, 200.0], runs=2, seed=0, steps=300, init_scale=0.1)
-    assert sweep.pq.shape == sweep.sharpness.shape == (2, 2)
+    assert sweep.pq.shape == sweep.sharpness.shape == sweep.gn_sharpness.shape == (2, 2)
     assert not sweep.diverged[0].any() and sweep.diverged[1].all()
     assert np.isfinite(sweep.pq[0]).all() and np.isnan(sweep.pq[1]).all()
     assert 0 <= sweep.uniform_pq < 1 and "| c |" in sweep.to_markdown()

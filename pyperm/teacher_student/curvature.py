@@ -99,7 +99,7 @@ def _curvature_blocks(unit: torch.Tensor, norms: torch.Tensor, signs: torch.Tens
     return first + second
 
 
-def hessian(W: torch.Tensor, W_teacher: torch.Tensor) -> torch.Tensor:
+def hessian(W: torch.Tensor, W_teacher: torch.Tensor, *, gauss_newton: bool = False) -> torch.Tensor:
     r"""The Hessian of the exact population loss with respect to the student weights.
 
     .. math::
@@ -107,6 +107,14 @@ def hessian(W: torch.Tensor, W_teacher: torch.Tensor) -> torch.Tensor:
         H_{(a,i),(b,j)} = \frac{\partial^2 L}{\partial W_{ai}\, \partial W_{bj}},
 
     in closed form (see this module's docstring), with the student flattened row by row.
+    With ``gauss_newton=True``, only its Gauss-Newton part
+
+    .. math::
+
+        G_{(a,i),(b,j)} = 2\, \mathbb E\, \mathbb 1[w_a^\top x > 0]\, \mathbb 1[w_b^\top x > 0]\, x_i x_j,
+
+    which equals the Hessian at a global minimum and, unlike it, stays bounded near neurons
+    whose norm goes to zero.
 
     Parameters
     ----------
@@ -114,6 +122,8 @@ def hessian(W: torch.Tensor, W_teacher: torch.Tensor) -> torch.Tensor:
         Student weights (a batch in the leading dimensions).
     W_teacher : (K, d) torch.Tensor
         Teacher weights.
+    gauss_newton : bool, default False
+        Return the Gauss-Newton matrix instead of the full Hessian.
 
     Returns
     -------
@@ -128,31 +138,36 @@ def hessian(W: torch.Tensor, W_teacher: torch.Tensor) -> torch.Tensor:
     W = as_weights(W, "W")
     wt = as_teacher(W_teacher)
     check_pair(W, "W", wt)
-    return hessian_unchecked(W.detach(), wt.detach())
+    return hessian_unchecked(W.detach(), wt.detach(), gauss_newton=bool(gauss_newton))
 
 
-def hessian_unchecked(W: torch.Tensor, W_teacher: torch.Tensor) -> torch.Tensor:
+def hessian_unchecked(W: torch.Tensor, W_teacher: torch.Tensor, *, gauss_newton: bool = False) -> torch.Tensor:
     m, d = W.shape[-2:]
     V, signs = signed_stack(W, W_teacher)
     norms, unit = _units(V)
     alive = norms[..., :m] > 0
     blocks = 2.0 * _cross_blocks(unit[..., :m, :], alive)
-    diagonal = blocks.diagonal(dim1=-4, dim2=-3)  # (..., d, d, m): a view, so the add lands in blocks
-    diagonal += 2.0 * _curvature_blocks(unit, norms, signs, m).movedim(-3, -1)
+    if not gauss_newton:
+        diagonal = blocks.diagonal(dim1=-4, dim2=-3)  # (..., d, d, m): a view, so the add lands in blocks
+        diagonal += 2.0 * _curvature_blocks(unit, norms, signs, m).movedim(-3, -1)
     H = blocks.transpose(-3, -2).reshape(*W.shape[:-2], m * d, m * d)
     return 0.5 * (H + H.mT)
 
 
-def sharpness(W: torch.Tensor, W_teacher: torch.Tensor) -> torch.Tensor:
+def sharpness(W: torch.Tensor, W_teacher: torch.Tensor, *, gauss_newton: bool = False) -> torch.Tensor:
     r"""The largest eigenvalue of the Hessian of the exact loss (the sharpness).
 
     .. math::
 
-        \lambda_{\max}\big(\nabla^2 L(W)\big).
+        \lambda_{\max}\big(\nabla^2 L(W)\big)
+        \quad \text{or, with } \texttt{gauss\_newton=True}, \quad \lambda_{\max}(G).
 
     Gradient descent with step ``lr`` cannot stay at a minimum sharper than ``2 / lr``: the
     edge of stability that paper 004 (Section 5) relates to the jump in the sparsity of GD
-    solutions.
+    solutions. Near a minimum with near-zero neurons the full Hessian has large eigenvalues
+    along those neurons' directions (its curvature term grows like :math:`1/\lVert w_j\rVert`
+    off the manifold), which GD hardly feels; the Gauss-Newton sharpness is the one that sits
+    at :math:`2 / \eta` past the edge of stability.
 
     Parameters
     ----------
@@ -160,6 +175,8 @@ def sharpness(W: torch.Tensor, W_teacher: torch.Tensor) -> torch.Tensor:
         Student weights (a batch in the leading dimensions).
     W_teacher : (K, d) torch.Tensor
         Teacher weights.
+    gauss_newton : bool, default False
+        The largest eigenvalue of the Gauss-Newton matrix instead (see :func:`hessian`).
 
     Returns
     -------
@@ -170,5 +187,5 @@ def sharpness(W: torch.Tensor, W_teacher: torch.Tensor) -> torch.Tensor:
     ----------
     Paper 004, Section 5 and Figure 6.
     """
-    H = hessian(W, W_teacher)
+    H = hessian(W, W_teacher, gauss_newton=gauss_newton)
     return torch.linalg.eigvalsh(H)[..., -1]

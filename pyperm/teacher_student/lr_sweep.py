@@ -5,6 +5,13 @@ each, the PQ index of the solutions' neuron norms, the fraction of (nearly) zero
 the sharpness :math:`\lambda_{\max}(\nabla^2 L)` of the solution next to the edge of stability
 :math:`2 / \eta`, beyond which GD cannot settle. Every (c, run) pair is one run of one batched
 GD (:func:`~pyperm.teacher_student.train_gd`'s loop with a step size per run).
+
+At an exact minimum the Hessian is the Gauss-Newton matrix, which depends only on how many
+neurons each type has (not on their norms). Past the edge of stability GD ends near minima
+with near-zero neurons, and off the exact manifold the curvature term of such a neuron grows
+like :math:`1 / \lVert w_j\rVert`; so the sharpness measured at a solution that stopped at a
+loss of ``tol`` can exceed :math:`2 / \eta` there (seen for K = 5, m = 20, c >= 2.9), while
+the Gauss-Newton sharpness, also recorded, sits at :math:`2 / \eta`.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ class LearningRateSweep:
         Fraction of each solution's neurons with norm below ``small``.
     sharpness : (C, runs) numpy.ndarray
         Largest Hessian eigenvalue of the exact loss at each solution.
+    gn_sharpness : (C, runs) numpy.ndarray
+        Largest eigenvalue of the Gauss-Newton matrix at each solution.
     loss, converged, diverged : (C, runs) numpy.ndarray
         Final loss and flags of each run.
     uniform_pq : float
@@ -56,6 +65,7 @@ class LearningRateSweep:
     pq: np.ndarray
     small_neurons: np.ndarray
     sharpness: np.ndarray
+    gn_sharpness: np.ndarray
     loss: np.ndarray
     converged: np.ndarray
     diverged: np.ndarray
@@ -73,6 +83,7 @@ class LearningRateSweep:
             "small neurons",
             "sharpness",
             "± se",
+            "GN sharpness",
             "loss",
             "converged",
             "diverged",
@@ -92,6 +103,7 @@ class LearningRateSweep:
                     _finite_stats(self.small_neurons[i])[0],
                     sharp,
                     sharp_se,
+                    _finite_stats(self.gn_sharpness[i])[0],
                     _finite_stats(self.loss[i])[0],
                     float(self.converged[i].mean()),
                     float(self.diverged[i].mean()),
@@ -107,7 +119,7 @@ class LearningRateSweep:
         return title + "\n\n" + self.to_markdown()
 
     def plot(self, path: str) -> str:
-        """Write a PNG: PQ index against c (left), sharpness and the edge of stability 2m/c (right)."""
+        """Write a PNG: PQ index against c (left), sharpnesses and the edge of stability 2m/c (right)."""
         fig = agg_figure(11.0, 4.2)
         left, right = fig.subplots(1, 2)
         pq = np.array([_finite_stats(row) for row in self.pq])
@@ -115,7 +127,9 @@ class LearningRateSweep:
         left.errorbar(self.cs, pq[:, 0], yerr=pq[:, 1], marker="o", ms=3, capsize=2, label="GD solutions")
         left.axhline(self.uniform_pq, color="grey", ls="--", lw=0.8, label="uniform samples")
         left.set_ylabel("PQ index of neuron norms (p=1, q=2)")
+        gn = np.array([_finite_stats(row) for row in self.gn_sharpness])
         right.errorbar(self.cs, sharp[:, 0], yerr=sharp[:, 1], marker="o", ms=3, capsize=2, label="sharpness")
+        right.errorbar(self.cs, gn[:, 0], yerr=gn[:, 1], marker="s", ms=3, capsize=2, label="Gauss-Newton sharpness")
         right.plot(self.cs, 2 * self.m / self.cs, color="black", lw=0.8, label="2 / lr (edge of stability)")
         right.set_yscale("log")
         right.set_ylabel("largest Hessian eigenvalue")
@@ -217,6 +231,7 @@ def learning_rate_sweep(
     safe = torch.where(ok[:, None, None], W, 1.0)  # diverged runs: placeholders, masked above
     norms = torch.linalg.vector_norm(safe, dim=-1)
     sharp = torch.linalg.eigvalsh(hessian_unchecked(safe, wt))[..., -1]
+    gn_sharp = torch.linalg.eigvalsh(hessian_unchecked(safe, wt, gauss_newton=True))[..., -1]
     uniform = pq_index(sample_minimum(wt, m, seed=list(range(runs)))).mean() if m >= K else torch.tensor(np.nan)
     return LearningRateSweep(
         K,
@@ -226,6 +241,7 @@ def learning_rate_sweep(
         pq=per_c(pq_index(safe)),
         small_neurons=per_c((norms < small).to(DTYPE).mean(dim=-1)),
         sharpness=per_c(sharp),
+        gn_sharpness=per_c(gn_sharp),
         loss=per_c(out["loss"]),
         converged=out["converged"].reshape(len(cs), runs).cpu().numpy(),
         diverged=out["diverged"].reshape(len(cs), runs).cpu().numpy(),
