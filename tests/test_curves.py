@@ -400,6 +400,14 @@ def test_correlation_signature(digits, endpoints, tmp_path):
     assert len(sig.groups) == 2
     assert np.all(sig.after >= sig.before - 1e-12) and np.all(sig.after <= 1.0 + 1e-9)
     assert sig.plot(tmp_path / "signature.png").exists()
+    # given permutations are measured as given: the identity changes nothing
+    from pyperm.nn import PermutationSpec
+
+    spec = PermutationSpec.from_model(model, digits["x"][:2])
+    same = correlation_signature(loaded(model, a), loaded(model, b), digits["train"][:5], spec,
+                                 perms={g: torch.arange(n) for g, n in spec.sizes.items()})
+    np.testing.assert_allclose(same.after, same.before, atol=1e-12)
+    np.testing.assert_allclose(same.before, sig.before, atol=1e-12)
 
 
 # --------------------------------------------------------------------------- bad input
