@@ -10,6 +10,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import logging
 import math
 import os
 import sys
@@ -114,6 +115,9 @@ def cli_errors(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Cal
     def wrap(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
         @functools.wraps(run)
         def guarded(args: argparse.Namespace) -> int:
+            # The library logs its warnings (a partial CIFAR-10 copy, units left unpermuted); the
+            # command line shows them as its own lines. A no-op when logging is already set up.
+            logging.basicConfig(format=f"pyperm {name}: %(levelname)s: %(message)s", level=logging.WARNING)
             try:
                 return int(run(args) or 0)
             except KeyboardInterrupt:
