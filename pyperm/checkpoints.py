@@ -252,7 +252,14 @@ def check_against_model(ckpt: Checkpoint, model_state: Mapping[str, torch.Tensor
     ------
     CheckpointError
         A key is missing or extra, a shape differs, or a float tensor has NaN or inf.
+
+    Notes
+    -----
+    When every key of the checkpoint carries one extra leading component that the model's
+    keys lack (Lightning saves ``model.`` + the module's keys), it is removed from
+    ``ckpt.state`` and added to ``ckpt.prefix``, so it is written back on saving.
     """
+    _strip_wrapping_module(ckpt, model_state)
     missing = [k for k in model_state if k not in ckpt.state]
     if missing:
         raise CheckpointError(f"{ckpt.path}: key {missing[0]!r} of model {model_name} is missing ({len(missing)} keys missing): wrong model?")
@@ -267,6 +274,20 @@ def check_against_model(ckpt: Checkpoint, model_state: Mapping[str, torch.Tensor
             )
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             raise CheckpointError(f"{ckpt.path}: key {key!r} holds NaN or inf")
+
+
+def _strip_wrapping_module(ckpt: Checkpoint, model_state: Mapping[str, torch.Tensor]) -> None:
+    """Drop a leading ``"name."`` shared by all keys when what remains is exactly the model's keys."""
+    if set(ckpt.state) == set(model_state):
+        return
+    heads = {k.split(".", 1)[0] for k in ckpt.state}
+    if len(heads) != 1 or not all("." in k for k in ckpt.state):
+        return
+    head = heads.pop() + "."
+    stripped = {k[len(head) :]: v for k, v in ckpt.state.items()}
+    if set(stripped) == set(model_state):
+        ckpt.state = stripped
+        ckpt.prefix += head
 
 
 def check_pair(first: Checkpoint, second: Checkpoint) -> None:

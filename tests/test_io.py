@@ -178,3 +178,14 @@ def test_checks_against_the_model_and_between_checkpoints(tmp_path):
     torch.save({k: v.double() for k, v in state.items()}, tmp_path / "b.pt")
     with pytest.raises(CheckpointError, match=r"b\.pt: key 'layers.0.weight' has dtype torch.float64"):
         check_pair(ckpt, load_checkpoint(tmp_path / "b.pt"))
+
+
+def test_lightning_style_prefix_is_found_from_the_model(tmp_path):
+    state = _state()
+    torch.save({"state_dict": {"model." + k: v for k, v in state.items()}, "epoch": 3}, tmp_path / "l.ckpt")
+    ckpt = load_checkpoint(tmp_path / "l.ckpt")
+    check_against_model(ckpt, state, "mlp")
+    assert ckpt.prefix == "model." and _same(ckpt.state, state)
+    save_checkpoint(ckpt, state, tmp_path / "out.ckpt")
+    raw = torch.load(tmp_path / "out.ckpt", weights_only=True)
+    assert sorted(raw["state_dict"]) == sorted("model." + k for k in state)
