@@ -61,11 +61,12 @@ def teacher_weights(K: int, d: int | None = None, *, device: torch.device | str 
 
 def _one_minimum(wt: torch.Tensor, m: int, gen: torch.Generator) -> torch.Tensor:
     K = wt.shape[0]
-    counts = torch.ones(K, dtype=torch.int64, device=wt.device)
+    # One neuron of every type, and m - K neurons of uniformly drawn types: the counts are then
+    # 1 + Multinomial(m - K; 1/K, ..., 1/K) without forming them.
+    types = torch.arange(K, device=wt.device)
     if m > K:
-        extra = torch.multinomial(torch.ones(K, dtype=DTYPE, device=wt.device), m - K, replacement=True, generator=gen)
-        counts += torch.bincount(extra, minlength=K)
-    types = torch.repeat_interleave(torch.arange(K, device=wt.device), counts)
+        uniform = torch.ones(K, dtype=DTYPE, device=wt.device)
+        types = torch.cat([types, torch.multinomial(uniform, m - K, replacement=True, generator=gen)])
     types = types[torch.randperm(m, generator=gen, device=wt.device)]
     draws = torch.empty(m, dtype=DTYPE, device=wt.device).exponential_(generator=gen)
     type_sums = torch.zeros(K, dtype=DTYPE, device=wt.device).index_add_(0, types, draws)
