@@ -17,7 +17,23 @@ from pyperm.nn.align import (
     ste_matching,
     weight_matching,
 )
-from pyperm.nn.eval import BarrierResult, barrier, repair, reset_bn_stats
+from pyperm.nn.curves import (
+    BezierCurve,
+    ConnectResult,
+    CorrelationSignature,
+    CurveResult,
+    CurveTrainer,
+    PlaneResult,
+    PolyChain,
+    connect,
+    correlation_signature,
+    evaluate_curve,
+    loss_plane,
+    train_curve,
+)
+from pyperm.nn.curves.pam import PAMResult, pam
+from pyperm.nn.curves.robust import pgd_attack, robust_accuracy
+from pyperm.nn.eval import BarrierResult, barrier, plot_paths, repair, reset_bn_stats
 from pyperm.nn.permutations import Permutations, apply_permutation
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.state import average, interpolate
@@ -27,9 +43,17 @@ __all__ = [
     "ActivationMatchingResult",
     "ActivationSite",
     "BarrierResult",
+    "BezierCurve",
+    "ConnectResult",
+    "CorrelationSignature",
+    "CurveResult",
+    "CurveTrainer",
     "MergeResult",
+    "PAMResult",
     "PermutationSpec",
     "Permutations",
+    "PlaneResult",
+    "PolyChain",
     "STEMatchingResult",
     "TraceError",
     "TraceResult",
@@ -39,14 +63,23 @@ __all__ = [
     "apply_permutation",
     "average",
     "barrier",
+    "connect",
+    "correlation_signature",
+    "evaluate_curve",
     "interpolate",
+    "loss_plane",
     "matching_objective",
     "merge_many",
     "models",
+    "pam",
+    "pgd_attack",
+    "plot_paths",
     "register_trace_rule",
     "repair",
     "reset_bn_stats",
+    "robust_accuracy",
     "ste_matching",
     "trace_model",
+    "train_curve",
     "weight_matching",
 ]
