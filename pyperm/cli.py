@@ -13,6 +13,9 @@ BENCHMARKS = {
     "bvn": ("pyperm.benchmarks.bvn", "Birkhoff-von Neumann decomposition: pyperm vs a scipy-based greedy"),
     "xcorr": ("pyperm.benchmarks.xcorr", "CrossCorrelation.update vs the bare BLAS product xa.T @ xb"),
     "match": ("pyperm.benchmarks.match", "weight matching (Git Re-Basin Algorithm 1): pyperm vs a reference"),
+    "ste": ("pyperm.benchmarks.ste", "STE matching (Git Re-Basin Algorithm 2): a step vs its floor and vs re-matching"),
+    "curves": ("pyperm.benchmarks.curves", "a curve training step vs a plain training step of the same model and batch"),
+    "pam": ("pyperm.benchmarks.pam", "one PAM outer iteration split into curve, projection, BvN and assignment time"),
 }
 
 # The checkpoint and reproduction jobs, one module each in pyperm.commands with
