@@ -317,7 +317,9 @@ class PermutationSpec:
                     raise ValueError(f"{name}[{key!r}] axis {axis} has size {shape[axis]}; {what}")
 
     @classmethod
-    def from_model(cls, model: Any, example_input: Any, *, composite: str | None = None) -> PermutationSpec:
+    def from_model(
+        cls, model: Any, example_input: Any, *, composite: str | None = None, structured: bool = False
+    ) -> PermutationSpec:
         """Build the spec of ``model`` by tracing it with :mod:`torch.fx`.
 
         Parameters
@@ -334,6 +336,12 @@ class PermutationSpec:
             a trace rule) are left unpermuted with a :class:`pyperm.nn.trace.TraceWarning`
             naming each cause and its module path (None), left unpermuted silently
             ("fix"), or make the trace raise ("raise").
+        structured : bool, default False
+            Describe concatenations, flattened feature maps, head splits and layers
+            applied to their own output with structured axes (:class:`Segments`,
+            :class:`Tiled`, one group on two axes) instead of fixing their units. The
+            result is exact, and :func:`pyperm.nn.apply_permutation` handles it; the
+            alignment methods that need a flat spec say so.
 
         Returns
         -------
@@ -367,7 +375,7 @@ class PermutationSpec:
         # Imported here: the tracer needs torch.fx, which a spec itself never does.
         from pyperm.nn.trace.tracer import _trace
 
-        return _trace(model, example_input, composite, stacklevel=2).spec
+        return _trace(model, example_input, composite, stacklevel=2, structured=structured).spec
 
     def groups_in(self, other: PermutationSpec, name: str = "spec") -> dict[str, str]:
         """Map each group to the group of ``other`` acting on exactly the same axes.

@@ -196,6 +196,13 @@ class TraceCall:
         self.role = Role.PRODUCER
         self._labeler.add_producer(self.node, atom, name or self.path or self.node.name)
 
+    def new_units(self, size: int, name: str) -> int:
+        """A new class of ``size`` units named ``name`` (for units no ``state_dict`` axis holds alone)."""
+        atom = self._labeler.units.new_class(size)
+        self._labeler.openers.setdefault(atom, name)
+        self._labeler.units.activate(Label((atom,)))  # units of the activations inside the operation
+        return atom
+
     def composite(self, what: str, atoms: Sequence[int | None]) -> None:
         """Units that a spec cannot name: fix them (listed in the composites) or raise, as the policy says.
 
@@ -263,6 +270,15 @@ class TraceCall:
     def invariant(self) -> Any:
         """An all-invariant label for the result."""
         return map_tensors(self.result, lambda v: Label.invariant(v.ndim))
+
+    @property
+    def structured(self) -> bool:
+        """Whether the trace describes concatenated and flattened axes with spec axis forms."""
+        return self._labeler.structured
+
+    def structure(self, atom: Any) -> Any:
+        """The structure (concatenation or tiling) a class is bound to, or None."""
+        return self._labeler.units.structure(atom)
 
     @property
     def state_dict(self) -> Mapping[str, torch.Tensor]:

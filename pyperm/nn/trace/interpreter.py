@@ -48,6 +48,9 @@ class Labeler(fx.Interpreter):
         The model's detached ``state_dict``; its axes are the atoms.
     composite : {"fix", "raise"}
         The policy for units a spec cannot name.
+    structured : bool, default False
+        Label concatenated and flattened axes with structures (spec axis forms) instead
+        of fixing their units.
 
     Attributes
     ----------
@@ -67,8 +70,11 @@ class Labeler(fx.Interpreter):
         One line per set of units fixed because a spec cannot name them.
     """
 
-    def __init__(self, gm: fx.GraphModule, state_dict: Mapping[str, torch.Tensor], composite: str) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, state_dict: Mapping[str, torch.Tensor], composite: str, structured: bool = False
+    ) -> None:
         super().__init__(gm)
+        self.structured = structured
         self.units = UnitClasses(state_dict)
         self.composite_policy = composite
         self.composites: list[str] = []
@@ -184,6 +190,9 @@ class Labeler(fx.Interpreter):
         call = TraceCall(self, n, args, kwargs, tuple(largs), dict(lkwargs), result, module)
         rule = self._rule(call)
         label = rule(call) if rule is not None else self._unknown(call)
+        for conflict in self.units.conflicts:
+            self.note(f"{call.where()}: {conflict}: units fixed")
+        self.units.conflicts.clear()
         return label, call.role
 
     def _rule(self, call: TraceCall) -> registry.Rule | None:

@@ -8,11 +8,20 @@ invariant axis *fixes* the class, so it is never permuted.
 
 Values that are not tensors (tuples returned by a layer, dicts, sizes) get labels of the
 same structure: tuples of labels, dicts of labels, or ``None``.
+
+With ``structured=True`` an axis may also be labelled by a structure of classes: a
+:class:`CatAxis` (a concatenation, from ``torch.cat`` along units) or a :class:`TileAxis`
+(one class repeated over a fixed block, from flattening a feature map). Joining a plain
+class with a structure *binds* the class to it (a BatchNorm's weight after a
+concatenation is permuted segment by segment); joining two structures joins them part
+by part. These become :class:`~pyperm.nn.spec.Segments` and :class:`~pyperm.nn.spec.Tiled`
+axes of the spec.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,16 +30,39 @@ from torch.utils import _pytree as pytree
 from pyperm.nn.trace.errors import TraceError
 
 __all__ = [
+    "CatAxis",
     "Label",
+    "TileAxis",
     "UnitClasses",
     "has_atoms",
     "invariant_label",
     "is_label",
+    "is_structure",
     "label_leaves",
     "map_tensors",
     "tensor_leaves",
     "tensors",
 ]
+
+
+@dataclass(frozen=True)
+class TileAxis:
+    """An axis ``(outer, n, inner)`` flattened, class ``atom`` on the middle index."""
+
+    atom: Any  # int, or a structure
+    outer: int
+    inner: int
+
+
+@dataclass(frozen=True)
+class CatAxis:
+    """Consecutive parts of one axis: ``(atom or structure or None, length)`` each."""
+
+    parts: tuple
+
+
+def is_structure(x: Any) -> bool:
+    return isinstance(x, (TileAxis, CatAxis))
 
 
 class Label(tuple):
@@ -162,6 +194,8 @@ class UnitClasses:
         self.state_dict = state_dict
         self._uf = _UnionFind()
         self._atoms: dict[tuple[str, int], int] = {}
+        self._bound: dict[int, Any] = {}  # root -> the structure its axis is permuted by
+        self.conflicts: list[str] = []
         # Tied parameters (one tensor under two names) must be permuted alike: both names
         # share the atoms of the first.
         self._canon: dict[str, str] = {}
@@ -195,37 +229,70 @@ class UnitClasses:
         t = self.state_dict[key]
         return Label(self.atom(key, i) for i in range(t.ndim))
 
+    def new_class(self, size: int) -> int:
+        """A class of units that no ``state_dict`` axis names directly (the units within each attention
+        head, say): it appears in the spec only inside structured axes."""
+        return self._uf.new(size)
+
     # ---- classes
     def root(self, atom: int) -> int:
         """The representative atom of ``atom``'s class."""
         return self._uf.find(atom)
 
-    def size(self, atom: int) -> int:
-        """The number of units of ``atom``'s class."""
+    def size(self, atom: Any) -> int:
+        """The number of units of ``atom``'s class (the length of a structure)."""
+        if isinstance(atom, TileAxis):
+            return atom.outer * self.size(atom.atom) * atom.inner
+        if isinstance(atom, CatAxis):
+            return sum(n for _, n in atom.parts)
         return self._uf.size[self._uf.find(atom)]
 
-    def is_fixed(self, atom: int) -> bool:
+    def structure(self, atom: Any) -> Any:
+        """The structure a class is bound to (a CatAxis or TileAxis), or None; structures are their own."""
+        if is_structure(atom):
+            return atom
+        return self._bound.get(self._uf.find(atom))
+
+    def is_fixed(self, atom: Any) -> bool:
+        if is_structure(atom):
+            return all(self.is_fixed(a) for a in self._parts(atom))
         return self._uf.fixed[self._uf.find(atom)]
 
     def is_active(self, atom: int) -> bool:
         return self._uf.active[self._uf.find(atom)]
 
     def is_group(self, atom: int) -> bool:
-        """Whether ``atom``'s class becomes a permutation group (active and not fixed)."""
+        """Whether ``atom``'s class becomes a permutation group (active, not fixed, not bound to a structure)."""
         r = self._uf.find(atom)
-        return self._uf.active[r] and not self._uf.fixed[r]
+        return self._uf.active[r] and not self._uf.fixed[r] and r not in self._bound
+
+    def _parts(self, entry: Any, seen: set[int] | None = None) -> list[int]:
+        """The plain classes inside a structure (or a class bound to one), else the class itself."""
+        if entry is None:
+            return []
+        seen = set() if seen is None else seen
+        if isinstance(entry, TileAxis):
+            return self._parts(entry.atom, seen)
+        if isinstance(entry, CatAxis):
+            return [a for part, _ in entry.parts for a in self._parts(part, seen)]
+        r = self._uf.find(entry)
+        if r in seen:  # a class bound to a structure that contains it
+            return []
+        seen.add(r)
+        bound = self._bound.get(r)
+        return [entry] + (self._parts(bound, seen) if bound is not None else [])
 
     def activate(self, label: Any) -> None:
         """Marks every class of ``label`` as reaching an activation."""
         for leaf in label_leaves(label):
-            for a in leaf:
-                if a is not None:
+            for entry in leaf:
+                for a in self._parts(entry):
                     self._uf.active[self._uf.find(a)] = True
 
-    def fix(self, *atoms: int | None) -> None:
-        """Fixes the classes of ``atoms`` (None entries are ignored)."""
-        for a in atoms:
-            if a is not None:
+    def fix(self, *atoms: Any) -> None:
+        """Fixes the classes of ``atoms`` and of the structures among them (None entries are ignored)."""
+        for entry in atoms:
+            for a in self._parts(entry):
                 self._uf.fixed[self._uf.find(a)] = True
 
     def fix_label(self, label: Any) -> None:
@@ -233,22 +300,76 @@ class UnitClasses:
         for leaf in label_leaves(label):
             self.fix(*leaf)
 
-    def join(self, *atoms: int | None) -> int | None:
+    def join(self, *atoms: Any) -> Any:
         """Joins classes that must be permuted alike; an invariant (None) among them fixes them all.
 
-        Returns the joined class's atom, or None when an invariant took part.
+        Returns the joined class's atom, or None when an invariant took part. A class
+        joined with a structure is bound to it; structures join part by part, and
+        structures that do not line up are fixed (listed in :attr:`conflicts`).
         """
         if not atoms:
             return None
         if any(a is None for a in atoms):
             self.fix(*atoms)
             return None
-        root = atoms[0]
+        n = self.size(atoms[0])
         for a in atoms[1:]:
-            if self.size(root) != self.size(a):
-                raise TraceError(f"unit classes of sizes {self.size(root)} and {self.size(a)} meet on one axis")
-            root = self._uf.union(root, a)
-        return root
+            if self.size(a) != n:
+                raise TraceError(f"unit classes of sizes {n} and {self.size(a)} meet on one axis")
+        plain = [a for a in atoms if not is_structure(a)]
+        structures = [a for a in atoms if is_structure(a)]
+        root = None
+        for a in plain:
+            root = a if root is None else self._union(root, a)
+        if not structures:
+            return root
+        if root is not None:
+            bound = self._bound.get(self._uf.find(root))
+            if bound is not None:
+                structures.append(bound)
+        joined = self._join_structures(structures)
+        if joined is None:
+            self.fix(root)
+            return None
+        if root is None:
+            return joined
+        self._bound[self._uf.find(root)] = joined
+        return self._uf.find(root)
+
+    def _union(self, a: int, b: int) -> int:
+        ra, rb = self._uf.find(a), self._uf.find(b)
+        sa, sb = self._bound.get(ra), self._bound.get(rb)
+        r = self._uf.union(a, b)
+        if sa is not None and sb is not None and ra != rb:
+            joined = self._join_structures([sa, sb])
+            if joined is None:
+                self.fix(r)
+            else:
+                self._bound[r] = joined
+        elif (sa or sb) is not None:
+            self._bound[r] = sa or sb
+        return r
+
+    def _join_structures(self, structures: list) -> Any:
+        first = structures[0]
+        for other in structures[1:]:
+            if type(other) is not type(first) or self._shape(other) != self._shape(first):
+                self.conflicts.append(f"structures {self._shape(first)} and {self._shape(other)} meet on one axis")
+                self.fix(*structures)
+                return None
+        if isinstance(first, TileAxis):
+            return TileAxis(self.join(*[s.atom for s in structures]), first.outer, first.inner)
+        parts = []
+        for i, (_, length) in enumerate(first.parts):
+            parts.append((self.join(*[s.parts[i][0] for s in structures]), length))
+        return CatAxis(tuple(parts))
+
+    def _shape(self, entry: Any) -> Any:
+        if isinstance(entry, TileAxis):
+            return ("tile", entry.outer, entry.inner)
+        if isinstance(entry, CatAxis):
+            return ("cat", tuple(n for _, n in entry.parts))
+        return None
 
     def atoms_of(self, key: str) -> Iterable[tuple[int, int | None]]:
         """(axis, atom or None) for every axis of ``state_dict[key]``."""

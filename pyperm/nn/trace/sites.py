@@ -67,7 +67,7 @@ def _carries(labeler: Labeler, node: fx.Node, root: int) -> int | None:
     if not is_label(lab):
         return None
     for axis, a in enumerate(lab):
-        if a is not None and labeler.units.root(a) == root:
+        if isinstance(a, int) and labeler.units.root(a) == root:  # not inside a structure: no site there
             return axis
     return None
 

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from pyperm.nn.spec import PermutationSpec
+from pyperm.nn.spec import PermutationSpec, Segments, Tiled
 from pyperm.nn.trace import registry
 from pyperm.nn.trace.errors import TraceError
 from pyperm.nn.trace.interpreter import COMPOSITE_POLICIES, Labeler
+from pyperm.nn.trace.labels import TileAxis
 from pyperm.nn.trace.sites import ActivationSite, find_sites
 
 logger = logging.getLogger(__name__)
@@ -121,22 +122,65 @@ def _build_spec(labeler: Labeler) -> tuple[PermutationSpec, dict[str, int]]:
         r = units.root(atom)
         if r not in names and units.is_group(atom):
             names[r] = f"P_{where}"
-    axes: dict[str, tuple[str | None, ...]] = {}
+    axes: dict[str, tuple[Any, ...]] = {}
     sizes: dict[str, int] = {}
     roots: dict[str, int] = {}
-    for key in units.state_dict:
-        groups: list[str | None] = []
-        for axis, a in units.atoms_of(key):
-            if a is None or not units.is_group(a):
-                groups.append(None)
-                continue
-            r = units.root(a)
-            if r not in names:  # a class without a producing layer (a free parameter, say)
-                names[r] = f"P_{key}_{axis}"
-            groups.append(names[r])
-            sizes.setdefault(names[r], units.size(a))
-            roots.setdefault(names[r], r)
-        axes[key] = tuple(groups)
+
+    def group(a: int, where: str) -> str:
+        r = units.root(a)
+        if r not in names:  # a class without a producing layer (a free parameter, say)
+            names[r] = f"P_{where}"
+        sizes.setdefault(names[r], units.size(a))
+        roots.setdefault(names[r], r)
+        return names[r]
+
+    def entry(a: Any, where: str) -> Any:
+        """The spec's entry for an axis labelled ``a``: a group, a structured form, or None."""
+        if a is None:
+            return None
+        structure = units.structure(a)
+        if structure is None:
+            return group(a, where) if units.is_group(a) and units.is_active(a) else None
+        if units.is_fixed(a):
+            return None
+        if isinstance(structure, TileAxis):
+            inner = entry(structure.atom, where)
+            if isinstance(inner, str):
+                return Tiled(inner, structure.outer, structure.inner)
+            if isinstance(inner, Segments) and structure.outer == 1 and all(isinstance(p, str) for p in inner.parts):
+                return Segments(*[Tiled(p, 1, structure.inner) for p in inner.parts])  # flatten of a concatenation
+            unnamed.append((current[0], a))  # the spec cannot name it: its units are fixed below
+            return None
+        parts: list[Any] = []
+        for i, (part, length) in enumerate(structure.parts):
+            e = entry(part, f"{where}_{i}")
+            if isinstance(e, Segments):
+                parts.extend(e.parts)
+            else:
+                parts.append(length if e is None else e)
+        if all(isinstance(p, int) for p in parts):
+            return None
+        merged: list[Any] = []
+        for p in parts:  # neighbouring fixed parts are one fixed part
+            if isinstance(p, int) and merged and isinstance(merged[-1], int):
+                merged[-1] += p
+            else:
+                merged.append(p)
+        return Segments(*merged)
+
+    for _ in range(len(units.state_dict) + 1):  # each pass fixes at least one class
+        unnamed: list[tuple[str, Any]] = []
+        for key in units.state_dict:
+            current = [key]
+            axes[key] = tuple(entry(a, f"{key}_{axis}") for axis, a in units.atoms_of(key))
+        if not unnamed:
+            break
+        for key, a in unnamed:  # fixing them may change other entries: build again
+            units.fix(a)
+            labeler.note(f"parameter {key!r} would need a concatenation repeated over a block, which a "
+                         "PermutationSpec cannot name: units fixed")  # fmt: skip
+        sizes.clear()
+        roots.clear()
     # Keep the groups in graph order of their first producer, then the rest.
     ordered: dict[str, int] = {}
     for _, atom in labeler.producers:
@@ -169,7 +213,9 @@ def _warn(composites: Sequence[str], stacklevel: int) -> None:
     )
 
 
-def trace_model(model: nn.Module, example_input: Any, *, composite: str | None = None) -> TraceResult:
+def trace_model(
+    model: nn.Module, example_input: Any, *, composite: str | None = None, structured: bool = False
+) -> TraceResult:
     """Trace ``model`` and build its permutation spec and activation sites.
 
     Parameters
@@ -189,6 +235,12 @@ def trace_model(model: nn.Module, example_input: Any, *, composite: str | None =
         a :class:`TraceWarning` (None), leave them unpermuted silently ("fix"), or
         raise :class:`TraceError` ("raise"). Either way they are listed in
         ``TraceResult.composites``.
+    structured : bool, default False
+        Describe concatenations along units, flattened feature maps, splits of an axis
+        of units (attention heads, channel shuffles) and layers applied to their own
+        output with structured spec axes (:class:`~pyperm.nn.spec.Segments`,
+        :class:`~pyperm.nn.spec.Tiled`, one group on two axes) instead of fixing their
+        units.
 
     Returns
     -------
@@ -216,10 +268,12 @@ def trace_model(model: nn.Module, example_input: Any, *, composite: str | None =
     >>> result.post_activation_sites["P_0"][0].module
     '1'
     """
-    return _trace(model, example_input, composite, stacklevel=2)
+    return _trace(model, example_input, composite, stacklevel=2, structured=structured)
 
 
-def _trace(model: nn.Module, example_input: Any, composite: str | None, stacklevel: int) -> TraceResult:
+def _trace(
+    model: nn.Module, example_input: Any, composite: str | None, stacklevel: int, structured: bool = False
+) -> TraceResult:
     """:func:`trace_model`, warning ``stacklevel`` frames up (1: the caller of ``_trace``)."""
     if composite is not None and composite not in COMPOSITE_POLICIES:
         raise ValueError(f"composite must be 'fix' or 'raise' (or None: fix and warn), got {composite!r}")
@@ -228,7 +282,9 @@ def _trace(model: nn.Module, example_input: Any, composite: str | None, stacklev
     args = _as_args(example_input)
     gm = symbolic_trace(model)
     state_dict = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
-    labeler = Labeler(gm, state_dict, composite)
+    if not isinstance(structured, bool):
+        raise TypeError(f"structured must be a bool, got {type(structured).__name__}")
+    labeler = Labeler(gm, state_dict, composite, structured)
     modes = [(m, m.training) for m in model.modules()]
     try:
         model.eval()
@@ -241,7 +297,8 @@ def _trace(model: nn.Module, example_input: Any, composite: str | None, stacklev
     finally:
         for m, mode in modes:
             m.training = mode
-    _fix_self_loops(labeler, composite)
+    if not structured:  # a structured spec names the group on both axes
+        _fix_self_loops(labeler, composite)
     spec, roots = _build_spec(labeler)
     pre, post = find_sites(labeler, roots)
     if warn:

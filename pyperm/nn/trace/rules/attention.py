@@ -18,7 +18,7 @@ from torch import nn
 
 from pyperm.nn.trace.call import TraceCall
 from pyperm.nn.trace.errors import TraceError
-from pyperm.nn.trace.labels import Label, label_leaves
+from pyperm.nn.trace.labels import CatAxis, Label, TileAxis, label_leaves
 from pyperm.nn.trace.registry import register_all
 
 __all__ = ["multihead_attention"]
@@ -46,17 +46,29 @@ def multihead_attention(call: TraceCall) -> Any:
         if any(a is not None for a in lab[:-1]):
             call.composite("attends over an axis that carries permuted units", lab[:-1])
     out_w, out_b = call.param("out_proj.weight"), call.param("out_proj.bias")
-    inner.append(out_w[1])  # type: ignore[index]
-    for name in ("in_proj_bias", "bias_k", "bias_v"):
-        inner.extend(call.param(name) or ())
+    if call.structured and m._qkv_same_embed_dim and m.bias_k is None:  # type: ignore[union-attr]
+        # Within every head, query and key units are permuted alike (their dot product stays), and
+        # value units with the output projection's columns; the same permutation in every head.
+        heads, head_dim = m.num_heads, m.head_dim  # type: ignore[union-attr]
+        qk = TileAxis(call.new_units(head_dim, f"{call.path}.qk"), heads, 1)
+        vo = TileAxis(call.new_units(head_dim, f"{call.path}.vo"), heads, 1)
+        qkv = CatAxis(((qk, m.embed_dim), (qk, m.embed_dim), (vo, m.embed_dim)))  # type: ignore[union-attr]
+        call.join(inner[0], qkv)
+        if call.param("in_proj_bias") is not None:
+            call.join(call.param("in_proj_bias")[0], qkv)  # type: ignore[index]
+        call.join(out_w[1], vo)  # type: ignore[index]
+    else:
+        inner.append(out_w[1])  # type: ignore[index]
+        for name in ("in_proj_bias", "bias_k", "bias_v"):
+            inner.extend(call.param(name) or ())
+        call.leave_unpermuted(
+            "keeps its per-head units",
+            inner,
+            "its query, key and value units are split into heads, which a flat PermutationSpec cannot name",
+            "attention heads",
+        )
     for lab in label_leaves(call.largs[3:]) + label_leaves(list(call.lkwargs.values())):
-        inner.extend(lab)  # masks
-    call.leave_unpermuted(
-        "keeps its per-head units",
-        inner,
-        "its query, key and value units are split into heads, which a flat PermutationSpec cannot name",
-        "attention heads",
-    )
+        call.fix(*lab)  # masks
     if out_b is not None:
         call.join(out_w[0], out_b[0])  # type: ignore[index]
     call.opened(out_w[0], False, call.path or call.node.name)  # type: ignore[index]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from pyperm.nn.trace.call import TraceCall
-from pyperm.nn.trace.labels import Label, map_tensors, tensor_leaves, tensors
+from pyperm.nn.trace.labels import CatAxis, Label, map_tensors, tensor_leaves, tensors
 from pyperm.nn.trace.registry import register_all
 from pyperm.nn.trace.sites import Role
 
@@ -37,15 +37,29 @@ def cat(call: TraceCall) -> Label:
     call.role = Role.PASS
     if len(parts) == 1:
         return parts[0][1]
-    out: list[int | None] = []
+    out: list[Any] = []
     for k in range(out_t.ndim):
         atoms = [lab[k] for _, lab in parts]
         if k != d:
             out.append(call.join(*atoms) if any(a is not None for a in atoms) else None)
+        elif call.structured and any(a is not None for a in atoms):
+            out.append(_segments(call, [(lab[d], t.shape[d]) for t, lab in parts]))
         else:
             call.composite(f"concatenates along axis {d}, which carries permuted units", atoms)
             out.append(None)
     return Label(out)
+
+
+def _segments(call: TraceCall, parts: list[tuple[Any, int]]) -> CatAxis:
+    """A concatenation's axis: the parts in order, nested concatenations spliced in."""
+    flat: list[tuple[Any, int]] = []
+    for entry, length in parts:
+        inner = call.structure(entry) if entry is not None else None
+        if isinstance(inner, CatAxis):
+            flat.extend(inner.parts)
+        else:
+            flat.append((entry, length))
+    return CatAxis(tuple(flat))
 
 
 def stack(call: TraceCall) -> Label:

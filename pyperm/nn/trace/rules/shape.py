@@ -18,7 +18,7 @@ from torch import nn
 
 from pyperm.nn.trace.call import TraceCall
 from pyperm.nn.trace.errors import TraceError
-from pyperm.nn.trace.labels import Label, has_atoms, invariant_label, is_label
+from pyperm.nn.trace.labels import Label, TileAxis, has_atoms, invariant_label, is_label
 from pyperm.nn.trace.registry import register_all
 from pyperm.nn.trace.sites import Role
 
@@ -78,12 +78,24 @@ def reshape_labels(call: TraceCall, src: tuple, dst: tuple, lx: Label) -> Label:
             continue
         if len(bi) == 1 and len(bj) == 1:
             out[bj[0]] = atoms[0]
+        elif len(bj) == 1 and call.structured and sum(a is not None for a in atoms) == 1:
+            # Flatten of C x H x W (or heads x head_dim): one class repeated over a fixed block.
+            k = next(i for i, a in enumerate(atoms) if a is not None)
+            outer, inner = math.prod(src[i] for i in bi[:k]), math.prod(src[i] for i in bi[k + 1 :])
+            out[bj[0]] = TileAxis(atoms[k], outer, inner) if (outer, inner) != (1, 1) else atoms[k]
         elif len(bj) == 1:
             others = [src[i] for i in bi if lx[i] is None]
             what = (f"merges an axis of permuted units with axes of sizes {others} into one axis (blocks of "
                     f"{math.prod(others)} features per unit: flatten of a convolution output larger "
                     "than 1x1?)")  # fmt: skip
             call.composite(what, atoms)
+        elif len(bi) == 1 and call.structured:
+            # A split (heads x head_dim, a channel shuffle's groups): the innermost new axis gets a
+            # class of its own, repeated over the outer ones, the same in every block.
+            n = dst[bj[-1]]
+            inner = call.new_units(n, f"{call.path or call.node.name}.{call.node.name}")
+            if call.join(atoms[0], TileAxis(inner, src[bi[0]] // n, 1)) is not None:
+                out[bj[-1]] = inner
         else:
             raise TraceError(
                 f"unsupported reshape {call.where()}: it splits or mixes an axis of permuted units "

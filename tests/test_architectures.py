@@ -1,0 +1,316 @@
+"""Architectures nobody in this project wrote, as small stand-ins: each traces (no error), every cause of
+units left unpermuted is reported, the traced spec keeps the function, and the share of hidden units it can
+permute is at least what the tracer reaches today (the table in the issue 12 notes).
+
+torchvision and timm are optional: their models are checked when installed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyperm.nn import PermutationSpec, TraceError, TraceResult, apply_permutation, trace_model
+from pyperm.nn.spec import Tiled
+
+# --------------------------------------------------------------------------- helpers
+
+
+def permutable_share(model: nn.Module, spec: PermutationSpec) -> float:
+    """The share of hidden units (the outputs of every Linear, convolution, embedding, recurrent and attention
+    layer except those producing the model's outputs) that the spec permutes."""
+    sd = model.state_dict()
+    produced = []  # (state_dict key, axis holding the produced units)
+    for name, m in model.named_modules():
+        if getattr(m, "is_head", False) or name.endswith("out_proj"):
+            continue  # out_proj is counted with its attention module
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            produced.append((f"{name}.weight", 0))
+        elif isinstance(m, (nn.Embedding, nn.ConvTranspose2d)):
+            produced.append((f"{name}.weight", 1))
+        elif isinstance(m, (nn.LSTM, nn.GRU, nn.RNN)):
+            produced.append((f"{name}.weight_hh_l0", 1))
+        elif isinstance(m, nn.MultiheadAttention):
+            produced += [(f"{name}.in_proj_weight", 0), (f"{name}.out_proj.weight", 0)]
+    total = sum(sd[key].shape[axis] for key, axis in produced)
+    return sum(sd[key].shape[axis] for key, axis in produced if spec.axes[key][axis] is not None) / total
+
+
+def head(layer: nn.Module) -> nn.Module:
+    layer.is_head = True  # produces the model's output: never permuted
+    return layer
+
+
+def assert_same_function(model: nn.Module, spec: PermutationSpec, x: torch.Tensor) -> None:
+    gen = torch.Generator().manual_seed(0)
+    perms = {g: torch.randperm(n, generator=gen) for g, n in spec.sizes.items()}
+    other = copy.deepcopy(model)
+    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    model.eval()
+    other.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- models
+
+
+class DenseNetBlock(nn.Module):
+    def __init__(self, c: int = 8, growth: int = 4, layers: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.bns = nn.ModuleList(nn.BatchNorm2d(c + i * growth) for i in range(layers))
+        self.convs = nn.ModuleList(nn.Conv2d(c + i * growth, growth, 3, padding=1) for i in range(layers))
+        self.fc = head(nn.Linear(c + layers * growth, 5))
+
+    def forward(self, x):
+        h = self.stem(x)
+        for bn, conv in zip(self.bns, self.convs):
+            h = torch.cat([h, conv(F.relu(bn(h)))], 1)
+        return self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+class UNet(nn.Module):
+    def __init__(self, c: int = 6) -> None:
+        super().__init__()
+        self.down1, self.down2 = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(c, 2 * c, 3, padding=1)
+        self.up = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
+        self.dec = nn.Conv2d(2 * c, c, 3, padding=1)
+        self.out = head(nn.Conv2d(c, 2, 1))
+
+    def forward(self, x):
+        d1 = F.relu(self.down1(x))
+        d2 = F.relu(self.down2(F.max_pool2d(d1, 2)))
+        u = torch.cat([F.relu(self.up(d2)), d1], 1)  # the skip connection
+        return self.out(F.relu(self.dec(u)))
+
+
+class VGGFlatten(nn.Module):
+    """torchvision's VGG head: adaptive pooling to 7x7, flatten, Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                                      nn.ReLU(), nn.AdaptiveAvgPool2d(7))  # fmt: skip
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(8 * 49, 16), nn.ReLU(), head(nn.Linear(16, 5)))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+class ResidualMLP(nn.Module):
+    """One-layer residual branches h + relu(W h): W needs P on both axes."""
+
+    def __init__(self, d: int = 12, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, d)
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
+        self.out = head(nn.Linear(d, 3))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + F.relu(block(h))
+        return self.out(h)
+
+
+class RecurrentClassifier(nn.Module):
+    def __init__(self, kind: type) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.rnn = kind(8, 10, batch_first=True)
+        self.fc = head(nn.Linear(10, 3))
+
+    def forward(self, ids):
+        return self.fc(self.rnn(self.embed(ids))[0][:, -1])
+
+
+class EncoderMHA(nn.Module):
+    def __init__(self, d: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, d)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.out = head(nn.Linear(d, 3))
+
+    def forward(self, x):
+        h = self.embed(x)
+        z = self.ln1(h)
+        h = h + self.attn(z, z, z, need_weights=False)[0]
+        h = h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+        return self.out(h.mean(1))
+
+
+class EncoderFusedQKV(nn.Module):
+    """timm/HF style attention: one qkv Linear, a reshape that splits heads, scaled dot-product attention."""
+
+    def __init__(self, d: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Linear(6, d)
+        self.ln = nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.out = head(nn.Linear(d, 3))
+
+    def forward(self, x):
+        h = self.embed(x)
+        b, t, d = h.shape
+        qkv = self.qkv(self.ln(h)).reshape(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
+        return self.out((h + self.proj(a)).mean(1))
+
+
+class GroupedConvBlock(nn.Module):
+    """ResNeXt/RegNet style bottleneck: 1x1, grouped 3x3, 1x1, with a residual stream."""
+
+    def __init__(self, c: int = 8, width: int = 8, groups: int = 2) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.a = nn.Conv2d(c, width, 1)
+        self.b = nn.Conv2d(width, width, 3, padding=1, groups=groups)
+        self.c = nn.Conv2d(width, c, 1)
+        self.fc = head(nn.Linear(c, 4))
+
+    def forward(self, x):
+        h = F.relu(self.stem(x))
+        h = F.relu(h + self.c(F.relu(self.b(F.relu(self.a(h))))))
+        return self.fc(h.mean((2, 3)))
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2 / EfficientNet: expand, depthwise, squeeze-excite, project, residual."""
+
+    def __init__(self, c: int = 8, expand: int = 24) -> None:
+        super().__init__()
+        self.stem, self.bn0 = nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.expand, self.bn1 = nn.Conv2d(c, expand, 1), nn.BatchNorm2d(expand)
+        self.dw, self.bn2 = nn.Conv2d(expand, expand, 3, padding=1, groups=expand), nn.BatchNorm2d(expand)
+        self.se1, self.se2 = nn.Conv2d(expand, 6, 1), nn.Conv2d(6, expand, 1)
+        self.project, self.bn3 = nn.Conv2d(expand, c, 1), nn.BatchNorm2d(c)
+        self.fc = head(nn.Linear(c, 4))
+
+    def forward(self, x):
+        h = F.relu6(self.bn0(self.stem(x)))
+        z = F.silu(self.bn2(self.dw(F.silu(self.bn1(self.expand(h))))))
+        z = z * torch.sigmoid(self.se2(F.silu(self.se1(F.adaptive_avg_pool2d(z, 1)))))
+        h = h + self.bn3(self.project(z))
+        return self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+class ConvNeXtBlock(nn.Module):
+    """Depthwise 7x7, channels-last LayerNorm and MLP, layer scale (a parameter times the branch)."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 4, stride=4)
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.ln = nn.LayerNorm(c)
+        self.fc1, self.fc2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        self.gamma = nn.Parameter(torch.full((c,), 0.5))
+        self.out = head(nn.Linear(c, 4))
+
+    def forward(self, x):
+        h = self.stem(x)
+        z = self.dw(h).permute(0, 2, 3, 1)
+        z = self.gamma * self.fc2(F.gelu(self.fc1(self.ln(z))))
+        h = h + z.permute(0, 3, 1, 2)
+        return self.out(h.mean((2, 3)))
+
+
+# name: (factory, example input shape or a callable making it, share of hidden units permuted: flat, structured)
+CASES = {
+    "densenet-block": (DenseNetBlock, (2, 3, 8, 8), 0.0, 1.0),
+    "unet": (UNet, (2, 3, 8, 8), 0.6, 1.0),
+    "vgg-7x7-flatten": (VGGFlatten, (2, 3, 14, 14), 0.75, 1.0),
+    "residual-mlp-1-layer": (ResidualMLP, (2, 6), 0.0, 1.0),
+    "lstm-classifier": (lambda: RecurrentClassifier(nn.LSTM), lambda: torch.randint(0, 20, (2, 5)), 0.44, 1.0),
+    "gru-classifier": (lambda: RecurrentClassifier(nn.GRU), lambda: torch.randint(0, 20, (2, 5)), 0.44, 1.0),
+    "encoder-mha": (EncoderMHA, (2, 5, 6), 0.62, 1.0),
+    "encoder-fused-qkv": (EncoderFusedQKV, (2, 5, 6), None, 1.0),
+    "grouped-conv-block": (GroupedConvBlock, (2, 3, 8, 8), 0.5, 0.5),
+    "inverted-residual-se": (InvertedResidual, (2, 3, 8, 8), 1.0, 1.0),
+    "convnext-block": (ConvNeXtBlock, (2, 3, 16, 16), 1.0, 1.0),
+}
+
+
+def example(case: str) -> torch.Tensor:
+    shape = CASES[case][1]
+    return shape() if callable(shape) else torch.randn(shape)
+
+
+def traced(case: str, structured: bool) -> tuple[nn.Module, TraceResult]:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = CASES[case][0]()
+        x = example(case)
+    return model, trace_model(model, x, composite="fix", structured=structured)
+
+
+@pytest.mark.parametrize("structured", [False, True], ids=["flat", "structured"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_architecture(case, structured):
+    want = CASES[case][3 if structured else 2]
+    if want is None:
+        with pytest.raises(TraceError, match=r"Tensor\.reshape .*splits or mixes an axis of permuted units"):
+            traced(case, structured)
+        return
+    model, result = traced(case, structured)
+    share = permutable_share(model, result.spec)
+    assert share == pytest.approx(want, abs=0.01), (case, share, result.composites)
+    if share < 1.0:
+        assert result.composites, "units left unpermuted must be reported"
+    else:
+        assert result.composites == ()
+    assert result.spec.structured == (structured and case in STRUCTURED)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        assert_same_function(model, result.spec, example(case))
+
+
+# The cases whose full symmetry needs structured axes.
+STRUCTURED = {"densenet-block", "unet", "vgg-7x7-flatten", "residual-mlp-1-layer", "lstm-classifier",
+              "gru-classifier", "encoder-mha", "encoder-fused-qkv"}  # fmt: skip
+
+
+def test_channel_shuffle_is_a_split_then_a_merge():
+    class Shuffle(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.fc = nn.Conv2d(3, 8, 1), nn.Conv2d(8, 6, 1), head(nn.Linear(6, 2))
+
+        def forward(self, x):
+            h = F.relu(self.a(x))
+            n, c, hh, ww = h.shape
+            h = h.view(n, 2, c // 2, hh, ww).transpose(1, 2).reshape(n, c, hh, ww)  # ShuffleNet's shuffle
+            return self.fc(F.relu(self.b(h)).mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = Shuffle()
+    spec = trace_model(model, torch.randn(2, 3, 4, 4), structured=True).spec
+    assert permutable_share(model, spec) == 1.0
+    a, b = spec.axes["a.weight"][0], spec.axes["b.weight"][1]
+    assert isinstance(a, Tiled) and a.outer == 2 and isinstance(b, Tiled) and b.inner == 2 and a.group == b.group
+    assert_same_function(model, spec, torch.randn(2, 3, 4, 4))
+
+
+# --------------------------------------------------------------------------- torchvision, timm (optional)
+
+TORCHVISION = ["resnet18", "mobilenet_v2", "efficientnet_b0", "convnext_tiny"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TORCHVISION)
+def test_torchvision_models(name):
+    tv = pytest.importorskip("torchvision")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = getattr(tv.models, name)(weights=None)
+    x = torch.randn(1, 3, 64, 64)
+    result = trace_model(model, x, composite="fix", structured=True)
+    assert result.spec.sizes
+    assert_same_function(model, result.spec, torch.randn(2, 3, 64, 64))
