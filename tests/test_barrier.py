@@ -77,6 +77,19 @@ def test_numbers_equal_a_hand_written_loop():
     assert np.all((result.accuracy >= 0) & (result.accuracy <= 1))
 
 
+def test_endpoint_sharing_the_models_memory():
+    """The usual call, barrier(a, a.state_dict(), b_state), passes tensors that alias the
+    model's own parameters: loading the points into the model must not move endpoint A."""
+    model = _model()
+    model.load_state_dict(_random_state(model, 1))
+    b = _random_state(model, 2)
+    data = _data()
+    copied = barrier(model, {k: v.clone() for k, v in model.state_dict().items()}, b, data, num_points=6)
+    aliased = barrier(model, model.state_dict(), b, data, num_points=6)
+    np.testing.assert_allclose(aliased.loss, copied.loss, rtol=1e-6)
+    np.testing.assert_allclose(aliased.accuracy, copied.accuracy)
+
+
 def test_model_state_and_modes_are_restored_even_on_error():
     model = _model()
     model.train()

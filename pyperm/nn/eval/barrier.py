@@ -204,6 +204,12 @@ def plot_paths(path: str | Path, results: Mapping[str, BarrierResult], *, title:
     return path
 
 
+def _own_copy(t: torch.Tensor, device: torch.device, in_model: set[int]) -> torch.Tensor:
+    """``t`` on ``device``, copied when it shares storage with the model's own tensors."""
+    moved = t.detach().to(device)
+    return moved.clone() if moved.untyped_storage().data_ptr() in in_model else moved
+
+
 def _chord(ts: np.ndarray, values: np.ndarray) -> np.ndarray:
     """The line between the endpoints' values: ``(1 - t) v(0) + t v(1)``."""
     return (1.0 - ts) * values[0] + ts * values[-1]
@@ -420,8 +426,11 @@ def barrier(
     runner = copy.deepcopy(model).to(target) if own else model
     saved = None if own else {k: v.detach().clone() for k, v in model.state_dict().items()}
     # The endpoints on the evaluation device once, so each point's interpolation is computed there.
-    a = {k: v.detach().to(target) for k, v in state_a.items()}
-    b = {k: v.detach().to(target) for k, v in state_b.items()}
+    # An endpoint that shares memory with the model (``barrier(a, a.state_dict(), ...)``, the
+    # usual call) is copied: loading each point into the model would otherwise move it too.
+    in_model = {t.untyped_storage().data_ptr() for t in runner.state_dict().values()}
+    a = {k: _own_copy(v, target, in_model) for k, v in state_a.items()}
+    b = {k: _own_copy(v, target, in_model) for k, v in state_b.items()}
 
     losses, accuracies = [], []
     samples = 0
