@@ -422,6 +422,8 @@ def test_width_sweep_uniform_table_and_plot(tmp_path):
     text = sweep.to_markdown()
     assert text.count("\n") == 4 and "| m |" in text
     assert "uniform" in str(sweep)
+    rows = sweep.rows()
+    assert [r["m"] for r in rows] == [2, 3, 6] and rows[1]["lap_mean"] == pytest.approx(sweep.mean("lap")[1])
     path = sweep.plot(str(tmp_path / "sweep.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -83,6 +83,24 @@ class WidthSweep:
             raise ValueError(f"method must be one of {sorted(self.barriers)}, got {method!r}")
         return self.barriers[method]
 
+    def rows(self) -> list[dict[str, float]]:
+        """One dict per width: ``m``, ``<method>_mean`` and ``<method>_sem`` for every method, and the
+        GD fractions (a table for pandas or csv)."""
+        stats = {name: (self.mean(name), self.sem(name)) for name in METHODS}
+        table = []
+        for i, m in enumerate(self.widths):
+            row: dict[str, float] = {"m": m}
+            for name, (mean, sem) in stats.items():
+                row[f"{name}_mean"], row[f"{name}_sem"] = float(mean[i]), float(sem[i])
+            row["endpoint_loss"] = float(self.endpoint_loss[i])
+            row["converged"], row["stationary"], row["diverged"] = (
+                float(self.converged[i]),
+                float(self.stationary[i]),
+                float(self.diverged[i]),
+            )
+            table.append(row)
+        return table
+
     def to_markdown(self) -> str:
         """One row per width: mean ± standard error of each barrier, and the permuted/direct ratios."""
         headers = ["m", "direct", "± se", "type", "± se", "LAP", "± se", "type/direct", "LAP/direct", "loss(ends)"]
