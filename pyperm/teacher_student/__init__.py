@@ -45,7 +45,12 @@ What was reconstructed (the paper's formulas were partly lost in the text extrac
 - **PQ index (Definition 7, Diao et al. 2023).** :math:`1 - n^{1/q - 1/p}\lVert v\rVert_p /
   \lVert v\rVert_q` with :math:`p = 1, q = 2`, of the neurons' norms by default.
 - **GD (Section 5, B.1).** Full-batch GD on the exact loss from
-  :math:`\mathcal N(0, \sigma^2)` entries, step :math:`c / m`.
+  :math:`\mathcal N(0, \sigma^2)` entries (default :math:`\sigma = 10^{-2}`; the paper's value
+  was lost), step :math:`c / m`; a run stops when its loss reaches ``tol``, its gradient norm
+  ``grad_tol`` (below :math:`m = K`), or it diverges.
+- **Sharpness.** The largest eigenvalue of the closed-form Hessian; its Gauss-Newton part is
+  also available (it is what sits at :math:`2/\eta` past the edge of stability, while the full
+  Hessian is inflated by near-zero neurons).
 
 References
 ----------
