@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyperm.nn import Permutations, PermutationSpec, apply_permutation, weight_matching
+from pyperm.nn import Permutations, PermutationSpec, apply_permutation, matching_objective, weight_matching
+from pyperm.nn.align.weight import WeightMatcher
 from pyperm.nn.spec import Segments, Tiled
 
 
@@ -242,11 +243,15 @@ def test_bad_forms_are_refused():
     spec.check_state_dict({"w": torch.zeros(5, 4)})
     with pytest.raises(ValueError, match=r"state_dict\['w'\] axis 1 has size 3; Tiled\(group='a', outer=2, inner=1\)"):
         spec.check_state_dict({"w": torch.zeros(5, 3)})
-    with pytest.raises(ValueError, match=r"weight matching supports one group per axis .* Segments\('a', 3\) on 'w'"):
-        weight_matching(spec, {"w": torch.zeros(5, 4)}, {"w": torch.zeros(5, 4)})
+    with pytest.raises(ValueError, match=r"WeightMatcher supports one group per axis .* Segments\('a', 3\) on 'w'"):
+        WeightMatcher(spec, {"w": torch.zeros(5, 4)})
     twice = PermutationSpec({"w": ("a", "a")}, {"a": 2})
-    with pytest.raises(ValueError, match=r"weight matching supports .* 'a' on 'w' axis 0"):
-        weight_matching(twice, {"w": torch.eye(2)}, {"w": torch.eye(2)})
+    with pytest.raises(ValueError, match=r"WeightMatcher supports .* 'a' on 'w' axis 0"):
+        WeightMatcher(twice, {"w": torch.eye(2)})
+    with pytest.raises(ValueError, match=r"unknown group 'z'"):
+        spec.unit_positions("w", 0, "z")
+    with pytest.raises(ValueError, match=r"group 'a' does not act on 'w' axis 1"):
+        PermutationSpec({"w": ("a", None)}, {"a": 2}).unit_positions("w", 1, "a")
 
 
 def test_structured_specs_compare_by_structure():
@@ -261,3 +266,65 @@ def test_structured_specs_compare_by_structure():
     flat = PermutationSpec({"w": ("a", None)}, {"a": 2})
     assert not flat.structured
     flat.require_flat("anything")
+
+
+# --------------------------------------------------------------------------- weight matching
+
+
+def planted_recovery(model: nn.Module, spec: PermutationSpec, seed: int = 3) -> None:
+    """B is A with a planted permutation: weight matching finds the permutation back (B aligned equals A)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)  # spread the weights: no ties between units
+    sa = model.state_dict()
+    sb = apply_permutation(spec, planted(spec, seed), sa)
+    result = weight_matching(spec, sa, sb, seed=0)
+    assert result.objective == sorted(result.objective)  # never decreases
+    aligned = apply_permutation(spec, result.perms, sb)
+    for key, t in sa.items():
+        torch.testing.assert_close(aligned[key], t, msg=key)
+    assert result.objective[-1] == pytest.approx(matching_objective(spec, sa, sa), rel=1e-5)
+
+
+@pytest.mark.parametrize("form", ["segments", "dense-block", "tiled-flatten", "tiled-heads", "two-axes", "lstm"])
+def test_weight_matching_recovers_a_planted_permutation(form):
+    torch.manual_seed(0)
+    if form == "segments":
+        model = TwoBranches()
+        cat = Segments("a", "b", 3)
+        spec = full_spec(
+            model, {"a": 5, "b": 4}, a__weight=("a", None), a__bias=("a",), b__weight=("b", None),
+            b__bias=("b",), ln__weight=(cat,), ln__bias=(cat,), head__weight=(None, cat),
+        )  # fmt: skip
+    elif form == "dense-block":
+        model = DenseBlock()
+        two, three = Segments("s", "g1"), Segments("s", "g1", "g2")
+        bn = {f"bn{i}__{p}": (seg,) for i, seg in ((1, "s"), (2, two), (3, three))
+              for p in ("weight", "bias", "running_mean", "running_var")}  # fmt: skip
+        spec = full_spec(
+            model, {"s": 4, "g1": 3, "g2": 3}, stem__weight=("s", None, None, None), stem__bias=("s",),
+            conv1__weight=("g1", "s", None, None), conv1__bias=("g1",),
+            conv2__weight=("g2", two, None, None), conv2__bias=("g2",), fc__weight=(None, three), **bn,
+        )  # fmt: skip
+    elif form == "tiled-flatten":
+        model = FlattenVGG()
+        spec = full_spec(
+            model, {"c1": 4, "c2": 5, "h": 6}, conv1__weight=("c1", None, None, None), conv1__bias=("c1",),
+            conv2__weight=("c2", "c1", None, None), conv2__bias=("c2",), fc1__weight=("h", Tiled("c2", inner=9)),
+            fc1__bias=("h",), fc2__weight=(None, "h"),
+        )  # fmt: skip
+    elif form == "tiled-heads":
+        model = Attention()
+        spec = attention_spec(model, 2)
+    elif form == "two-axes":
+        model = OneLayerResidual()
+        blocks = {f"blocks__{i}__weight": ("h", "h") for i in range(2)} | {f"blocks__{i}__bias": ("h",) for i in (0, 1)}
+        spec = full_spec(model, {"h": 6}, inp__weight=("h", None), inp__bias=("h",), out__weight=(None, "h"), **blocks)
+    else:
+        model = nn.Sequential()
+        model.proj, model.rnn = nn.Linear(3, 4), nn.LSTM(4, 5)
+        stacked = Segments(*["h"] * 4)
+        spec = full_spec(model, {"p": 4, "h": 5}, proj__weight=("p", None), proj__bias=("p",),
+                         rnn__weight_ih_l0=(stacked, "p"), rnn__weight_hh_l0=(stacked, "h"),
+                         rnn__bias_ih_l0=(stacked,), rnn__bias_hh_l0=(stacked,))  # fmt: skip
+    planted_recovery(model, spec)

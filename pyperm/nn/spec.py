@@ -293,6 +293,47 @@ class PermutationSpec:
         entry = self.axes[key][axis]
         return None if entry is None else index(entry)
 
+    def unit_positions(self, key: str, axis: int, group: str) -> Any:
+        """Where each unit of ``group`` sits along ``axes[key][axis]``: an (n, k) int64 tensor.
+
+        Row ``u`` lists the ``k`` entries of the axis that unit ``u`` owns (one for a
+        plain group; ``outer * inner`` per :class:`Tiled` part; more when the group is in
+        several :class:`Segments` parts). Permuting the group by ``perm`` moves row
+        ``perm[i]`` to row ``i``. Weight matching reads a group's similarity from these.
+
+        Examples
+        --------
+        >>> spec = PermutationSpec({"w": (Segments("a", Tiled("b", inner=2)),)}, {"a": 2, "b": 3})
+        >>> spec.unit_positions("w", 0, "b").tolist()
+        [[2, 3], [4, 5], [6, 7]]
+        """
+        import torch
+
+        if group not in self.sizes:
+            raise ValueError(f"unknown group {group!r}")
+        n = self.sizes[group]
+
+        def positions(entry: Any, offset: int) -> list[Any]:
+            if entry == group:
+                return [torch.arange(n).view(n, 1) + offset]
+            if isinstance(entry, Tiled) and entry.group == group:
+                inner = torch.arange(entry.inner).view(1, 1, -1)
+                outer = torch.arange(entry.outer).view(1, -1, 1) * (n * entry.inner)
+                return [(torch.arange(n).view(-1, 1, 1) * entry.inner + outer + inner).reshape(n, -1) + offset]
+            if isinstance(entry, Segments):
+                found = []
+                for part in entry.parts:
+                    if not isinstance(part, int):
+                        found += positions(part, offset)
+                    offset += part if isinstance(part, int) else self._length(part)  # type: ignore[operator]
+                return found
+            return []
+
+        found = positions(self.axes[key][axis], 0)
+        if not found:
+            raise ValueError(f"group {group!r} does not act on {key!r} axis {axis}")
+        return torch.cat(found, dim=1)
+
     @property
     def groups(self) -> tuple[str, ...]:
         """The group names, in a stable order (the order of ``sizes``)."""

@@ -90,13 +90,14 @@ class WeightMatchingResult:
     sweeps: int = 0
     converged: bool = False
 
-def _check_state(spec: PermutationSpec, state: Any, name: str) -> dict[str, torch.Tensor]:
+def _check_state(spec: PermutationSpec, state: Any, name: str, flat: bool = True) -> dict[str, torch.Tensor]:
     if not isinstance(state, Mapping):
         raise TypeError(f"{name} must be a mapping of names to tensors, got {type(state).__name__}")
     for key in spec.axes:
         if key in state and not isinstance(state[key], torch.Tensor):
             raise TypeError(f"{name}[{key!r}] must be a torch.Tensor, got {type(state[key]).__name__}")
-    spec.require_flat("weight matching")  # structured axes (Segments, Tiled, P W P^T) are not solved yet
+    if flat:
+        spec.require_flat("WeightMatcher")  # structured axes (Segments, Tiled, P W P^T): _match_structured
     spec.check_state_dict(state, name)
     return {key: state[key].detach() for key in spec.axes}
 
@@ -132,7 +133,10 @@ def _objective(
         if a.shape != b.shape:
             raise ValueError(f"state_a[{key!r}] has shape {tuple(a.shape)} but state_b has {tuple(b.shape)}")
         for ax, g in enumerate(spec.axes[key]):
-            if g in moved:
+            if spec.structured:  # Segments, Tiled: the spec builds the index
+                index = spec.axis_index(key, ax, perms) if set(spec.group_axes) & moved else None
+                b = b if index is None else b.index_select(ax, index.to(b.device))
+            elif g in moved:
                 b = b.index_select(ax, perms[g].to(b.device))
         term = accurate_dot(a, b.to(a.device))
         if not math.isfinite(term):
@@ -188,8 +192,8 @@ def matching_objective(
     """
     if not isinstance(spec, PermutationSpec):
         raise TypeError(f"spec must be a PermutationSpec, got {type(spec).__name__}")
-    sa = _check_state(spec, state_a, "state_a")
-    sb = _check_state(spec, state_b, "state_b")
+    sa = _check_state(spec, state_a, "state_a", flat=False)
+    sb = _check_state(spec, state_b, "state_b", flat=False)
     checked = as_permutations(spec, perms) if perms is not None else spec.identity()
     return _objective(spec, sa, sb, checked, _objective_keys(spec, sa, keys))
 
@@ -295,8 +299,86 @@ def weight_matching(
     >>> result.objective[-1] >= result.objective[0]
     True
     """
+    if isinstance(spec, PermutationSpec) and spec.structured:
+        return _match_structured(spec, state_a, state_b, max_iter, seed, init, keys, tol, dtype, callback)
     matcher = WeightMatcher(spec, state_b, keys=keys, dtype=dtype)
     return matcher.match(state_a, init=init, max_iter=max_iter, seed=seed, tol=tol, progress=progress, callback=callback)
+
+
+def _match_structured(
+    spec: PermutationSpec,
+    state_a: Mapping[str, torch.Tensor],
+    state_b: Mapping[str, torch.Tensor],
+    max_iter: int,
+    seed: Any,
+    init: Mapping[str, Any] | None,
+    keys: Iterable[str] | None,
+    tol: float,
+    dtype: torch.dtype,
+    callback: Callable[[int, Mapping[str, torch.Tensor], float], bool | None] | None,
+) -> WeightMatchingResult:
+    """Algorithm 1 on a spec with structured axes: a plain reference implementation, not the fast matcher.
+
+    A group's similarity sums, over every axis it acts on, the products of the rows its
+    units own there (:meth:`PermutationSpec.unit_positions`) with B permuted along every
+    other axis. A group acting on two axes of one tensor makes the objective quadratic
+    in its permutation; each step then solves the linearisation with the other
+    occurrence held at its current value (coordinate descent), and a step is kept only
+    if the exact objective rises, so the objective never decreases.
+    """
+    if isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer)):
+        raise TypeError(f"max_iter must be an int, got {type(max_iter).__name__}")
+    if max_iter < 0:
+        raise ValueError(f"max_iter must be non-negative, got {max_iter}")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0:
+        raise ValueError(f"tol must be a non-negative finite number, got {tol!r}")
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    gen = torch_generator(seed)
+    sa = _check_state(spec, state_a, "state_a", flat=False)
+    sb = _check_state(spec, state_b, "state_b", flat=False)
+    chosen = _objective_keys(spec, sa, keys)
+    perms = as_permutations(spec, init) if init is not None else dict(spec.identity())
+    objective = [_objective(spec, sa, sb, perms, chosen)]
+    current = objective[0]
+    chosen_set = set(chosen)
+    sweeps, converged = 0, max_iter == 0
+    for sweeps in range(1, max_iter + 1):
+        improved = False
+        for gi in torch.randperm(len(spec.groups), generator=gen).tolist():
+            g = spec.groups[gi]
+            n = spec.sizes[g]
+            sim = torch.zeros(n, n, dtype=dtype)
+            for key, axis in spec.group_axes[g]:
+                if key not in chosen_set:
+                    continue
+                # B permuted everywhere except where g sits on this axis (the other groups of
+                # the axis are not read: only g's rows enter).
+                b = sb[key]
+                for ax in range(b.ndim):
+                    index = spec.axis_index(key, ax, perms if ax != axis else {**perms, g: torch.arange(n)})
+                    if index is not None:
+                        b = b.index_select(ax, index.to(b.device))
+                pos = spec.unit_positions(key, axis, g)
+                rows_a = sa[key].index_select(axis, pos.reshape(-1).to(sa[key].device)).movedim(axis, 0)
+                rows_b = b.index_select(axis, pos.reshape(-1).to(b.device)).movedim(axis, 0)
+                sim += (rows_a.reshape(n, -1).to(dtype) @ rows_b.reshape(n, -1).to(dtype).T).cpu()
+            _, cols = pyperm.linear_sum_assignment(sim.double().numpy(), maximize=True)
+            candidate = torch.as_tensor(cols, dtype=torch.int64)
+            if torch.equal(candidate, perms[g]):
+                continue
+            value = _objective(spec, sa, sb, {**perms, g: candidate}, chosen)
+            if value > current + tol * max(abs(current), 1.0):
+                perms[g], current, improved = candidate, value, True
+        objective.append(current)
+        stop = callback(sweeps, perms, current) if callback is not None else None
+        if not improved:
+            converged = True
+            break
+        if stop:
+            break
+    return WeightMatchingResult(perms={g: p.cpu() for g, p in perms.items()}, objective=objective, sweeps=sweeps,
+                                converged=converged)  # fmt: skip
 
 
 
