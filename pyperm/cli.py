@@ -15,6 +15,7 @@ BENCHMARKS = {
     "match": ("pyperm.benchmarks.match", "weight matching (Git Re-Basin Algorithm 1): pyperm vs a reference"),
     "ste": ("pyperm.benchmarks.ste", "STE matching (Git Re-Basin Algorithm 2): a step vs its floor and vs re-matching"),
     "curves": ("pyperm.benchmarks.curves", "a curve training step vs a plain training step of the same model and batch"),
+    "teacher-student": ("pyperm.benchmarks.teacher_student", "paper 004: the K=5 width sweep, batched loss and GD (exact loss)"),
     "pam": ("pyperm.benchmarks.pam", "one PAM outer iteration split into curve, projection, BvN and assignment time"),
 }
 
