@@ -24,7 +24,7 @@ def test_bench_pam_outer_iteration(benchmark, name):
     args = argparse.Namespace(batches=4, batch_size=128)
     model, spec, sa, sb, data = setup(name, args.batches, args.batch_size)
     options = {"outer_iters": 1, "perm_steps": 4, "curve_epochs": 1, "num_samples": 32, "judge_batches": 1,
-               "lr_perm": LR_PERM[name], "lr_curve": 0.01}
+               "lr_perm": LR_PERM[name], "nu_perm": 1e6, "lr_curve": 0.01}
     result = pam(model, sa, sb, data, spec, **options)
     it = result.iterations[0]
     for g, n in spec.sizes.items():

@@ -179,7 +179,7 @@ def test_pam_with_batchnorm_cnn(data):
     sa, sb = train(model_a, 3, epochs=2), train(model_b, 4, epochs=2)
     spec = PermutationSpec.from_model(model_a, x[:2])
     result = pam(model_a, sa, sb, data[:4], spec, init="weight", outer_iters=1, perm_steps=4, curve_epochs=1,
-                 num_samples=4, judge_batches=2, lr_perm=5.0)
+                 num_samples=4, judge_batches=2, lr_perm=100.0, nu_perm=1e4)
     assert len(result.objective) == 2
     assert result.iterations[0].objective_after_perm <= result.objective[0] + 1e-12
     model_b.load_state_dict(sb)
@@ -211,6 +211,8 @@ def test_pam_deterministic(mlp_pair, data):
         ({"momentum": 1.0}, ValueError, "momentum"),
         ({"momentum": "0.9"}, TypeError, "momentum"),
         ({"projection_tol": 0.0}, ValueError, "projection_tol"),
+        ({"lr_curve": 0.5, "nu_curve": 0.1}, ValueError, "lr_curve / nu_curve"),
+        ({"lr_perm": 10.0, "nu_perm": 10.0}, ValueError, "lr_perm / nu_perm"),
     ],
 )
 def test_pam_argument_errors(mlp_pair, data, kwargs, exc, match):

@@ -36,8 +36,9 @@ from pyperm.benchmarks._report import format_table
 MODELS = ("digits-cnn", "resnet20x1")
 TARGET_SHARE = 0.20
 # Step sizes of the relaxed permutations that move a fair share of the mass off the
-# identity in a few steps (relaxed spread ~0.1-0.2), so that the BvN decompositions and the
-# candidates are not trivial: the loss's gradient in D scales with the model's weights.
+# identity in a few steps (with nu_perm = 1e6, a weak proximal pull), so that the BvN
+# decompositions and the candidates are not trivial: the loss's gradient in D scales with
+# the model's weights.
 LR_PERM = {"digits-cnn": 1000.0, "resnet20x1": 10.0}
 PARTS = ("relaxed_forward_backward", "projection", "assignment", "bvn_sampling", "candidates", "curve_step", "other")
 HEADERS = ("relaxed f/b", "projection", "assignment", "bvn", "candidates", "curve step", "other")
@@ -122,7 +123,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, float]:
     model, spec, sa, sb, data = setup(name, args.batches, args.batch_size)
     options = {"outer_iters": 1, "perm_steps": args.perm_steps, "curve_epochs": args.curve_epochs,
                "num_samples": args.samples, "judge_batches": args.judge_batches,
-               "lr_perm": LR_PERM[name] if args.lr_perm is None else args.lr_perm, "lr_curve": 0.01}
+               "lr_perm": LR_PERM[name] if args.lr_perm is None else args.lr_perm, "nu_perm": 1e6, "lr_curve": 0.01}
     pam(model, sa, sb, data[:1], spec, **{**options, "perm_steps": 1, "num_samples": 2, "judge_batches": 1})
     start = time.perf_counter()
     result = pam(model, sa, sb, data, spec, **options)

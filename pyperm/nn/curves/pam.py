@@ -457,7 +457,8 @@ def pam(
         dependent: ``PAMIteration.relaxed_spread`` near 0 means :math:`D^*` never left
         :math:`P^k` (e.g. 1 suits a digits MLP, 1000 a small digits CNN, 10 ResNet20).
     nu_perm, nu_curve : float
-        :math:`\nu_P`, :math:`\nu_\phi` of eq. 34 (larger: weaker proximal pull).
+        :math:`\nu_P`, :math:`\nu_\phi` of eq. 34 (larger: weaker proximal pull). The
+        proximal terms are taken as gradients, so ``lr / nu`` must be below 1 for both.
     num_samples : int, default 32
         :math:`M`, block permutations sampled from the BvN decompositions.
     max_terms : int, default 10
@@ -555,6 +556,11 @@ def pam(
     nu_perm = _positive(nu_perm, "nu_perm")
     nu_curve = _positive(nu_curve, "nu_curve")
     anneal = _positive(anneal, "anneal", upper=1.0)
+    # The proximal terms enter as gradients (x - x^k) / nu of explicit steps, which overshoot
+    # x^k (and, for the curve with momentum, oscillate) once lr / nu reaches 1.
+    for lr, nu, names in ((lr_perm, nu_perm, "lr_perm / nu_perm"), (lr_curve, nu_curve, "lr_curve / nu_curve")):
+        if lr / nu >= 1.0:
+            raise ValueError(f"{names} must be below 1 (the proximal term is a gradient step), got {lr / nu:.3g}")
     if isinstance(momentum, bool) or not isinstance(momentum, Real):
         raise TypeError(f"momentum must be a real number, got {type(momentum).__name__}")
     if not 0 <= momentum < 1:
