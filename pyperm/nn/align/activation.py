@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -259,14 +260,13 @@ def activation_matching(
         raise TypeError(f"pre_activation must be a bool, got {type(pre_activation).__name__}")
     if spec is not None and not isinstance(spec, PermutationSpec):
         raise TypeError(f"spec must be a PermutationSpec or None, got {type(spec).__name__}")
-    if spec is not None:
-        spec.require_flat("activation_matching")  # structured axes have no sites to match yet
     batches = iterate_batches(data, max_batches)
     _, first = next(batches)  # TypeError, ValueError for data or max_batches
 
     dev_a, dev_b = module_device(model_a), module_device(model_b)
     inputs = model_inputs(first, 0)
-    traced = trace_model(model_a, tuple(t.to(dev_a) for t in inputs), composite=composite)
+    structured = spec is not None and spec.structured  # Segments, Tiled: the traced spec must have them too
+    traced = trace_model(model_a, tuple(t.to(dev_a) for t in inputs), composite=composite, structured=structured)
     gm_b = symbolic_trace(model_b)
     if str(gm_b.graph) != str(traced.graph_module.graph):
         raise ValueError("model_a and model_b trace to different graphs: activation matching needs one architecture")
@@ -277,9 +277,11 @@ def activation_matching(
         names = spec.groups_in(traced.spec)
     all_sites = traced.sites(pre_activation)
     sites = {g: all_sites[names[g]] for g in spec.groups}
-    for g, where in sites.items():
-        if not where:  # pragma: no cover - every traced group has a producer, hence a site
-            raise ValueError(f"group {g!r} has no activation site")
+    unseen = [g for g, where in sites.items() if not where]
+    if unseen:
+        # Units no activation shows alone (the head dims inside nn.MultiheadAttention, in a
+        # structured spec): they keep their order.
+        warnings.warn(f"groups {unseen} have no activation site; they keep the identity", UserWarning, stacklevel=2)
 
     if not spec.sizes:
         return ActivationMatchingResult(perms={}, spec=spec)
@@ -332,6 +334,9 @@ def activation_matching(
     identity: dict[str, float] = {}
     num_samples: dict[str, int] = {}
     for g in spec.groups:
+        if not sites[g]:
+            perms[g], num_samples[g] = torch.arange(spec.sizes[g]), 0
+            continue
         group_accs = [accs[(g, i)] for i in range(len(sites[g]))]
         num_samples[g] = sum(acc.count for acc in group_accs)
         if any(acc.count == 0 for acc in group_accs):

@@ -113,6 +113,13 @@ def find_sites(
         root = group_roots[g]
 
         cur = node
+        while _carries(labeler, cur, root) is None:  # a layer returning a tuple: its member holds the units
+            nxt = _next(labeler, cur, root, (Role.PASS,))
+            if nxt is None:
+                break
+            cur = nxt
+        if _carries(labeler, cur, root) is None:
+            continue
         while (nxt := _next(labeler, cur, root, (Role.NORM,))) is not None:
             cur = nxt
         pre[g].setdefault(cur, _carries(labeler, cur, root))  # type: ignore[arg-type]

@@ -96,6 +96,7 @@ def reshape_labels(call: TraceCall, src: tuple, dst: tuple, lx: Label) -> Label:
             inner = call.new_units(n, f"{call.path or call.node.name}.{call.node.name}")
             if call.join(atoms[0], TileAxis(inner, src[bi[0]] // n, 1)) is not None:
                 out[bj[-1]] = inner
+                call.opened(inner)  # the split's output shows these units: their activation site
         else:
             raise TraceError(
                 f"unsupported reshape {call.where()}: it splits or mixes an axis of permuted units "
@@ -150,6 +151,7 @@ def expand(call: TraceCall) -> Label:
 def member(call: TraceCall) -> Any:
     """The label of an element picked out of a container (tuple, named tuple, list, dict)."""
     obj, lobj = call.args[0], call.largs[0]
+    call.role = Role.PASS  # a layer's output picked out of the tuple it returns
     key = call.args[1] if len(call.args) > 1 else None
     if isinstance(obj, (tuple, list)) and isinstance(lobj, tuple) and len(lobj) == len(obj):
         if isinstance(key, slice) and call.node.target is operator.getitem:
