@@ -21,7 +21,7 @@ pytest.importorskip("matplotlib")
 from pyperm.checkpoints import load_checkpoint
 from pyperm.cli import main
 from pyperm.datasets import load_digits
-from pyperm.nn.models import MLP
+from pyperm.nn.models import MLP, TinyTen
 from pyperm.reproduce._train import train_classifier
 
 WIDTHS = [64, 24, 24, 10]
@@ -244,3 +244,32 @@ def test_barrier_on_mnist_and_cifar_files(tmp_path):
         report = json.loads((out / "report.json").read_text())
         assert report["data"]["test_samples"] == (10 if name == "mnist" else 12)
         assert set(report["paths"]) == {"naive", "activation"}
+
+
+def test_batchnorm_conv_model_on_cifar_files(tmp_path):
+    """A bundled conv model with BatchNorm: align keeps its function (running statistics permuted too);
+    the barrier and merge recompute the statistics on the training batches."""
+    from test_datasets import _write_cifar
+
+    (tmp_path / "cifar").mkdir()
+    _write_cifar(tmp_path / "cifar", batches=(1,), n=8)
+    paths = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = TinyTen()
+        with torch.no_grad():  # non-trivial running statistics, so permuting them matters
+            for name, buf in model.named_buffers():
+                if name.endswith("running_mean"):
+                    buf.normal_()
+                elif name.endswith("running_var"):
+                    buf.uniform_(0.5, 2.0)
+        paths.append(tmp_path / f"t{seed}.safetensors")
+        safetensors_torch.save_file(model.state_dict(), str(paths[-1]))
+    data = ["--data", f"cifar10:{tmp_path / 'cifar'}", "--num-points", "3"]
+    assert main(["align", *map(str, paths), "--model", "tinyten", *data, "--out", str(tmp_path / "a"), *NO_BARS]) == 0
+    report = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert report["max_output_change_of_b"] < 1e-4
+    assert report["barriers"]["weight"]["reset_bn"] is True
+    data = data[:2]
+    assert main(["merge", *map(str, paths), "--model", "tinyten", *data, "--out", str(tmp_path / "m"), *NO_BARS]) == 0
+    assert load_checkpoint(tmp_path / "m" / "merged.safetensors").format == "safetensors"
