@@ -102,7 +102,9 @@ def _resolve(path: Path) -> Path:
         raise CheckpointError(f"{path}: holds {len(indexes)} index files; name one of them")
     files = sorted(p for p in path.iterdir() if p.suffix in TORCH_SUFFIXES + (".safetensors",))
     if len(files) != 1:
-        raise CheckpointError(f"{path}: a directory must hold one index json or one checkpoint file, found {len(files)} checkpoint files")
+        raise CheckpointError(
+            f"{path}: a directory must hold one index json or one checkpoint file, found {len(files)} checkpoint files"
+        )
     return files[0]
 
 
@@ -148,7 +150,9 @@ def _safetensors() -> Any:
     try:
         import safetensors.torch
     except ImportError as exc:
-        raise CheckpointError("reading .safetensors files needs the safetensors package: pip install safetensors") from exc
+        raise CheckpointError(
+            "reading .safetensors files needs the safetensors package: pip install safetensors"
+        ) from exc
     return safetensors
 
 
@@ -191,7 +195,9 @@ def _load_sharded(path: Path) -> Checkpoint:
     if missing:
         raise CheckpointError(f"{path}: key {missing[0]!r} is in 'weight_map' but in none of the shards")
     metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
-    return Checkpoint(state=_check_tensors(state, path), path=path, format="sharded", metadata=metadata, weight_map=dict(weight_map))
+    return Checkpoint(
+        state=_check_tensors(state, path), path=path, format="sharded", metadata=metadata, weight_map=dict(weight_map)
+    )
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
@@ -222,7 +228,9 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         ckpt = Checkpoint(state=_check_tensors(state, path), path=path, format="safetensors", metadata=metadata)
     elif path.suffix in TORCH_SUFFIXES:
         state, wrapper, dropped = _unwrap(_load_torch_file(path), path)
-        ckpt = Checkpoint(state=_check_tensors(state, path), path=path, format="torch", wrapper_key=wrapper, dropped=dropped)
+        ckpt = Checkpoint(
+            state=_check_tensors(state, path), path=path, format="torch", wrapper_key=wrapper, dropped=dropped
+        )
     else:
         raise CheckpointError(
             f"{path}: unknown checkpoint type {path.suffix!r} (expected {', '.join(TORCH_SUFFIXES)}, .safetensors or an index json)"
@@ -262,10 +270,14 @@ def check_against_model(ckpt: Checkpoint, model_state: Mapping[str, torch.Tensor
     _strip_wrapping_module(ckpt, model_state)
     missing = [k for k in model_state if k not in ckpt.state]
     if missing:
-        raise CheckpointError(f"{ckpt.path}: key {missing[0]!r} of model {model_name} is missing ({len(missing)} keys missing): wrong model?")
+        raise CheckpointError(
+            f"{ckpt.path}: key {missing[0]!r} of model {model_name} is missing ({len(missing)} keys missing): wrong model?"
+        )
     extra = [k for k in ckpt.state if k not in model_state]
     if extra:
-        raise CheckpointError(f"{ckpt.path}: key {extra[0]!r} is not in model {model_name} ({len(extra)} extra keys): wrong model?")
+        raise CheckpointError(
+            f"{ckpt.path}: key {extra[0]!r} is not in model {model_name} ({len(extra)} extra keys): wrong model?"
+        )
     for key, ref in model_state.items():
         value = ckpt.state[key]
         if tuple(value.shape) != tuple(ref.shape):
@@ -298,7 +310,9 @@ def check_pair(first: Checkpoint, second: Checkpoint) -> None:
     for key, a in first.state.items():
         b = second.state[key]
         if a.shape != b.shape:
-            raise CheckpointError(f"{second.path}: key {key!r} has shape {tuple(b.shape)}, {first.path} has {tuple(a.shape)}")
+            raise CheckpointError(
+                f"{second.path}: key {key!r} has shape {tuple(b.shape)}, {first.path} has {tuple(a.shape)}"
+            )
         if a.dtype != b.dtype:
             raise CheckpointError(f"{second.path}: key {key!r} has dtype {b.dtype}, {first.path} has {a.dtype}")
     extra = [k for k in second.state if k not in first.state]
@@ -321,7 +335,9 @@ def output_paths(like: Checkpoint, path: str | Path) -> list[Path]:
     return [path] + [path.parent / shard for shard in sorted(set(like.weight_map.values()))]
 
 
-def save_checkpoint(like: Checkpoint, state: Mapping[str, torch.Tensor], path: str | Path, *, force: bool = False) -> list[Path]:
+def save_checkpoint(
+    like: Checkpoint, state: Mapping[str, torch.Tensor], path: str | Path, *, force: bool = False
+) -> list[Path]:
     """Write ``state`` at ``path`` in the layout of ``like`` (wrapper key, prefix, metadata, shards).
 
     Parameters
@@ -359,7 +375,9 @@ def save_checkpoint(like: Checkpoint, state: Mapping[str, torch.Tensor], path: s
     if like.format == "torch":
         torch.save(full if like.wrapper_key is None else {like.wrapper_key: full}, targets[0])
     elif like.format == "safetensors":
-        _safetensors().torch.save_file(full, str(targets[0]), metadata={str(k): str(v) for k, v in like.metadata.items()} or None)
+        _safetensors().torch.save_file(
+            full, str(targets[0]), metadata={str(k): str(v) for k, v in like.metadata.items()} or None
+        )
     else:
         for shard in sorted(set(like.weight_map.values())):
             part = {k: v for k, v in full.items() if like.weight_map[k] == shard}

@@ -82,16 +82,27 @@ class Dataset:
         channels = self.x_train.shape[1]
         for name, values in (("mean", mean), ("std", std)):
             if len(values) not in (1, channels):
-                raise DatasetError(f"--{name} needs 1 or {channels} values for {self.name} ({channels} channels), got {len(values)}")
+                raise DatasetError(
+                    f"--{name} needs 1 or {channels} values for {self.name} ({channels} channels), got {len(values)}"
+                )
         if min(std) <= 0:
             raise DatasetError(f"--std values must be positive, got {list(std)}")
         m = np.asarray(mean, dtype=np.float32).reshape(1, -1, 1, 1)
         s = np.asarray(std, dtype=np.float32).reshape(1, -1, 1, 1)
-        return Dataset(self.name, (self.x_train - m) / s, self.y_train, (self.x_test - m) / s, self.y_test, self.num_classes)
+        return Dataset(
+            self.name, (self.x_train - m) / s, self.y_train, (self.x_test - m) / s, self.y_test, self.num_classes
+        )
 
     def subset(self, train: int | None = None, test: int | None = None) -> Dataset:
         """The first ``train`` training and ``test`` test samples (all when None)."""
-        return Dataset(self.name, self.x_train[:train], self.y_train[:train], self.x_test[:test], self.y_test[:test], self.num_classes)
+        return Dataset(
+            self.name,
+            self.x_train[:train],
+            self.y_train[:train],
+            self.x_test[:test],
+            self.y_test[:test],
+            self.num_classes,
+        )
 
 
 # ------------------------------------------------------------------------------ digits
@@ -229,15 +240,17 @@ def load_mnist(root: str | Path) -> Dataset:
 class _ArrayUnpickler(pickle.Unpickler):
     """Unpickles plain containers and numpy arrays only: a batch file cannot run code."""
 
-    _ALLOWED = frozenset({
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("numpy.core.multiarray", "scalar"),
-        ("numpy._core.multiarray", "scalar"),
-        ("_codecs", "encode"),
-    })
+    _ALLOWED = frozenset(
+        {
+            ("numpy.core.multiarray", "_reconstruct"),
+            ("numpy._core.multiarray", "_reconstruct"),
+            ("numpy", "ndarray"),
+            ("numpy", "dtype"),
+            ("numpy.core.multiarray", "scalar"),
+            ("numpy._core.multiarray", "scalar"),
+            ("_codecs", "encode"),
+        }
+    )
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self._ALLOWED:
@@ -298,7 +311,9 @@ def load_cifar10(root: str | Path) -> Dataset:
         logger.warning("%s: only %d of the 5 CIFAR-10 training batches found", root, len(present))
     train = [_read_cifar_batch(p) for p in present]
     x_test, y_test = _read_cifar_batch(root / "test_batch")
-    return Dataset("cifar10", np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train]), x_test, y_test)
+    return Dataset(
+        "cifar10", np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train]), x_test, y_test
+    )
 
 
 # ------------------------------------------------------------------------------ dispatch

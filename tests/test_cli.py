@@ -80,7 +80,9 @@ def test_align_weight_writes_b_permuted_in_its_own_format(tmp_path, layout, caps
     # The permuted checkpoint computes B's function, and is not B itself.
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
     model = MLP(WIDTHS)
-    torch.testing.assert_close(_outputs(model, permuted.state, x), _outputs(model, original.state, x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _outputs(model, permuted.state, x), _outputs(model, original.state, x), rtol=1e-5, atol=1e-5
+    )
     assert not torch.equal(permuted.state["layers.0.weight"], original.state["layers.0.weight"])
     assert report["matching"]["objective"] > report["matching"]["identity_objective"]
     assert [g["name"] for g in report["groups"]] == ["hidden1", "hidden2"]
@@ -94,7 +96,21 @@ def test_align_activation_with_data_reports_barriers(tmp_path):
     a = _write(tmp_path / "a", _trained(1), "pt")
     b = _write(tmp_path / "b", _trained(2), "pt")
     out = tmp_path / "out"
-    args = ["align", str(a), str(b), "--model", MODEL, "--method", "activation", "--data", "digits", "--num-points", "3", "--out", str(out)]
+    args = [
+        "align",
+        str(a),
+        str(b),
+        "--model",
+        MODEL,
+        "--method",
+        "activation",
+        "--data",
+        "digits",
+        "--num-points",
+        "3",
+        "--out",
+        str(out),
+    ]
     assert main(args + NO_BARS) == 0
     report = json.loads((out / "report.json").read_text())
     assert set(report["barriers"]) == {"naive", "activation"}
@@ -176,15 +192,34 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     line = _error(capsys, ["align", str(a), str(tmp_path / "c.pt"), "--model", MODEL, "--out", out])
     assert "c.pt: key 'layers.2.bias' has dtype torch.float64" in line
     assert "unknown model 'resnet99'" in _error(capsys, ["align", str(a), str(b), "--model", "resnet99", "--out", out])
-    assert "needs --data" in _error(capsys, ["align", str(a), str(b), "--model", MODEL, "--method", "ste", "--out", out])
-    assert "unknown dataset 'imagenet'" in _error(capsys, ["barrier", str(a), str(b), "--model", MODEL, "--data", "imagenet", "--out", out])
+    assert "needs --data" in _error(
+        capsys, ["align", str(a), str(b), "--model", MODEL, "--method", "ste", "--out", out]
+    )
+    assert "unknown dataset 'imagenet'" in _error(
+        capsys, ["barrier", str(a), str(b), "--model", MODEL, "--data", "imagenet", "--out", out]
+    )
     assert "cuda:9" in _error(capsys, ["align", str(a), str(b), "--model", MODEL, "--out", out, "--device", "cuda:9"])
     assert "at least two checkpoints" in _error(capsys, ["merge", str(a), "--model", MODEL, "--out", out])
     small = MLP([10, 4, 3]).state_dict()
     torch.save(small, tmp_path / "small.pt")
-    line = _error(capsys, ["barrier", str(tmp_path / "small.pt"), str(tmp_path / "small.pt"), "--model", "mlp:10,4,3", "--data", "digits", "--out", out])
+    line = _error(
+        capsys,
+        [
+            "barrier",
+            str(tmp_path / "small.pt"),
+            str(tmp_path / "small.pt"),
+            "--model",
+            "mlp:10,4,3",
+            "--data",
+            "digits",
+            "--out",
+            out,
+        ],
+    )
     assert "--model mlp:10,4,3 cannot run on --data digits (inputs of shape (1, 8, 8))" in line
-    assert "--mean needs 1 or 1 values for digits" in _error(capsys, ["barrier", str(a), str(b), "--model", MODEL, "--data", "digits", "--mean", "0.1,0.2", "--out", out])
+    assert "--mean needs 1 or 1 values for digits" in _error(
+        capsys, ["barrier", str(a), str(b), "--model", MODEL, "--data", "digits", "--mean", "0.1,0.2", "--out", out]
+    )
 
 
 def test_existing_outputs_are_refused_without_force(tmp_path, capsys):
@@ -239,7 +274,16 @@ def test_barrier_on_mnist_and_cifar_files(tmp_path):
             paths.append(tmp_path / f"{name}{seed}.pt")
             torch.save(MLP(widths).state_dict(), paths[-1])
         out = tmp_path / f"out_{name}"
-        argv = ["barrier", *map(str, paths), "--model", spec, "--data", f"{name}:{tmp_path / folder}", "--align", "activation"]
+        argv = [
+            "barrier",
+            *map(str, paths),
+            "--model",
+            spec,
+            "--data",
+            f"{name}:{tmp_path / folder}",
+            "--align",
+            "activation",
+        ]
         assert main(argv + ["--num-points", "3", "--out", str(out), *extra, *NO_BARS]) == 0, name
         report = json.loads((out / "report.json").read_text())
         assert report["data"]["test_samples"] == (10 if name == "mnist" else 12)

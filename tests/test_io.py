@@ -150,7 +150,10 @@ def test_sharded_index_problems_are_named(tmp_path):
     body = json.loads(index.read_text())
     body["weight_map"]["extra.weight"] = "model-00003-of-00002.safetensors"
     index.write_text(json.dumps(body))
-    with pytest.raises(CheckpointError, match="model-00003-of-00002.safetensors: shard named in model.safetensors.index.json does not exist"):
+    with pytest.raises(
+        CheckpointError,
+        match="model-00003-of-00002.safetensors: shard named in model.safetensors.index.json does not exist",
+    ):
         load_checkpoint(index)
     body["weight_map"]["extra.weight"] = "../elsewhere.safetensors"
     index.write_text(json.dumps(body))
@@ -167,7 +170,9 @@ def test_checks_against_the_model_and_between_checkpoints(tmp_path):
     ckpt = load_checkpoint(tmp_path / "a.pt")
     check_against_model(ckpt, state, "mlp:3,5,2")
     wider = dict(state, **{"layers.0.weight": torch.zeros(6, 3)})
-    with pytest.raises(CheckpointError, match=r"a\.pt: key 'layers.0.weight' has shape \(5, 3\), model mlp:3,5,6,2 expects \(6, 3\)"):
+    with pytest.raises(
+        CheckpointError, match=r"a\.pt: key 'layers.0.weight' has shape \(5, 3\), model mlp:3,5,6,2 expects \(6, 3\)"
+    ):
         check_against_model(ckpt, wider, "mlp:3,5,6,2")
     with pytest.raises(CheckpointError, match=r"key 'other' of model m is missing"):
         check_against_model(ckpt, dict(state, other=torch.zeros(1)), "m")

@@ -77,13 +77,23 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = False) 
         "images are scaled to [0, 1]",
     )
     parser.add_argument(
-        "--mean", metavar="M[,M...]", help="normalise inputs as (x - mean) / std per channel, as the checkpoints were trained "
-        "(e.g. CIFAR-10's 0.4914,0.4822,0.4465)"
+        "--mean",
+        metavar="M[,M...]",
+        help="normalise inputs as (x - mean) / std per channel, as the checkpoints were trained "
+        "(e.g. CIFAR-10's 0.4914,0.4822,0.4465)",
     )
-    parser.add_argument("--std", metavar="S[,S...]", help="the std of --mean's normalisation (e.g. 0.2470,0.2435,0.2616)")
-    parser.add_argument("--batch-size", type=int, default=256, help="batch size of every pass over the data (default 256)")
     parser.add_argument(
-        "--max-samples", type=int, default=None, metavar="N", help="use the first N training and N test samples only (default: all)"
+        "--std", metavar="S[,S...]", help="the std of --mean's normalisation (e.g. 0.2470,0.2435,0.2616)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=256, help="batch size of every pass over the data (default 256)"
+    )
+    parser.add_argument(
+        "--max-samples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="use the first N training and N test samples only (default: all)",
     )
 
 
@@ -278,7 +288,9 @@ def _user_model(spec_text: str, shape: tuple[int, ...] | None) -> LoadedModel:
         # Its own spec needs no tracing; the shape (if given) only feeds the function check of align.
         return LoadedModel(spec_text, model, model.permutation_spec(), shape)
     if shape is None:
-        raise CommandError(f"--model {spec_text}: {class_name} has no permutation_spec(); pass --example-input-shape to trace it")
+        raise CommandError(
+            f"--model {spec_text}: {class_name} has no permutation_spec(); pass --example-input-shape to trace it"
+        )
     from pyperm.nn import PermutationSpec
 
     example = torch.zeros(shape)
@@ -314,7 +326,12 @@ def build_model(spec_text: str, example_input_shape: str | None = None) -> Loade
                 raise CommandError(f"--model {spec_text!r}: takes one positional option, the width multiplier")
             if positional:
                 keywords["width_multiplier"] = positional[0]
-            cls = {"resnet20": models.ResNet20, "vgg16": models.VGG16, "vgg11": models.VGG11, "tinyten": models.TinyTen}[name]
+            cls = {
+                "resnet20": models.ResNet20,
+                "vgg16": models.VGG16,
+                "vgg11": models.VGG11,
+                "tinyten": models.TinyTen,
+            }[name]
             model = cls(**keywords)
             default_shape = (2, keywords.get("in_channels", 3), 32, 32)
     except TypeError as exc:
@@ -380,7 +397,9 @@ def check_inputs(loaded: LoadedModel, data: Data | None, device: Any) -> None:
             model(x)
     except Exception as exc:
         detail = " ".join(str(exc).split())
-        raise CommandError(f"--model {loaded.name} cannot run on --data {data.name} (inputs of shape {tuple(x.shape[1:])}): {detail}") from exc
+        raise CommandError(
+            f"--model {loaded.name} cannot run on --data {data.name} (inputs of shape {tuple(x.shape[1:])}): {detail}"
+        ) from exc
 
 
 def has_batchnorm(model: Any) -> bool:

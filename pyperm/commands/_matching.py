@@ -14,11 +14,18 @@ METHODS = ("weight", "activation", "ste")
 
 def add_matching_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of the matching methods (each ignored by the methods it does not concern)."""
-    parser.add_argument("--max-iter", type=int, default=100, help="weight matching: most sweeps over the groups (default 100)")
     parser.add_argument(
-        "--max-batches", type=int, default=None, help="activation/STE matching: most training batches to read (default: all)"
+        "--max-iter", type=int, default=100, help="weight matching: most sweeps over the groups (default 100)"
     )
-    parser.add_argument("--ste-epochs", type=int, default=1, help="STE matching: passes over the training data (default 1)")
+    parser.add_argument(
+        "--max-batches",
+        type=int,
+        default=None,
+        help="activation/STE matching: most training batches to read (default: all)",
+    )
+    parser.add_argument(
+        "--ste-epochs", type=int, default=1, help="STE matching: passes over the training data (default 1)"
+    )
     parser.add_argument("--ste-lr", type=float, default=1e-3, help="STE matching: Adam's learning rate (default 1e-3)")
 
 
@@ -67,7 +74,9 @@ def match(
     info: dict[str, Any] = {"method": method}
     with Timer() as timer:
         if method == "weight":
-            result = pnn.weight_matching(loaded.spec, state_a, state_b, max_iter=args.max_iter, seed=args.seed, progress=args.progress)
+            result = pnn.weight_matching(
+                loaded.spec, state_a, state_b, max_iter=args.max_iter, seed=args.seed, progress=args.progress
+            )
             perms = dict(result.perms)
             info.update(objective_per_sweep=list(result.objective), sweeps=result.sweeps, converged=result.converged)
         elif method == "activation":

@@ -37,14 +37,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", metavar="A", help="the reference checkpoint (left as it is)")
     parser.add_argument("b", metavar="B", help="the checkpoint to permute")
     add_model_arguments(parser)
-    parser.add_argument("--method", choices=METHODS, default="weight", help="how to match units (default weight; the others need --data)")
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default="weight",
+        help="how to match units (default weight; the others need --data)",
+    )
     add_data_arguments(parser)
     add_matching_arguments(parser)
     parser.add_argument("--num-points", type=int, default=11, help="points on each path for the barriers (default 11)")
     add_common_arguments(parser)
 
 
-def path_barriers(loaded: Any, state_a: dict, paths: dict[str, dict], data: Any, num_points: int, device: Any, progress: bool) -> dict:
+def path_barriers(
+    loaded: Any, state_a: dict, paths: dict[str, dict], data: Any, num_points: int, device: Any, progress: bool
+) -> dict:
     """``barrier`` of A with each state of ``paths`` on the test batches (BatchNorm reset on the training batches)."""
     import copy
 
@@ -89,7 +96,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     stem = ckpt_b.path.name.split(".")[0] + "_permuted"
     ckpt_files = output_paths(ckpt_b, out / default_name(ckpt_b, stem))
-    names = [p.name for p in ckpt_files] + ["permutations.json", "report.json", "report.md"] + (["barrier.png"] if args.data else [])
+    names = (
+        [p.name for p in ckpt_files]
+        + ["permutations.json", "report.json", "report.md"]
+        + (["barrier.png"] if args.data else [])
+    )
     refuse_inputs([out / n for n in names], [ckpt_a, ckpt_b])
     prepare_out(out, names, args.force)
     data = load_data(args, device)
@@ -121,7 +132,9 @@ def run(args: argparse.Namespace) -> int:
     }
     barriers = None
     if data is not None:
-        barriers = path_barriers(loaded, state_a, {"naive": state_b, args.method: permuted_f32}, data, args.num_points, device, args.progress)
+        barriers = path_barriers(
+            loaded, state_a, {"naive": state_b, args.method: permuted_f32}, data, args.num_points, device, args.progress
+        )
         report["data"] = {"name": data.name, "train_samples": data.num_train, "test_samples": data.num_test}
         report["barriers"] = {label: r.to_dict() for label, r in barriers.items()}
 
@@ -136,7 +149,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"objective vec(A).vec(pi(B)): {info['identity_objective']:.6g} -> {info['objective']:.6g}")
     if barriers is not None:
         for label, r in barriers.items():
-            print(f"{label:>10} path: loss barrier {r.loss_barrier:.4f}, accuracy barrier {100 * r.accuracy_barrier:.2f} pp")
+            print(
+                f"{label:>10} path: loss barrier {r.loss_barrier:.4f}, accuracy barrier {100 * r.accuracy_barrier:.2f} pp"
+            )
     print(f"report: {out / 'report.md'}")
     return 0
 
@@ -161,12 +176,26 @@ def _markdown(report: dict[str, Any], barriers: dict | None) -> str:
         f"- written: {', '.join(f'`{p}`' for p in report['outputs'])}",
     ]
     if report["dropped_wrapper_entries"]:
-        lines.append(f"- entries of B's checkpoint not written back (they describe the unpermuted model): {report['dropped_wrapper_entries']}")
-    lines += ["", "## Groups", "", markdown_table(["group", "units", "units moved"], [[g["name"], g["size"], g["units_moved"]] for g in report["groups"]])]
+        lines.append(
+            f"- entries of B's checkpoint not written back (they describe the unpermuted model): {report['dropped_wrapper_entries']}"
+        )
+    lines += [
+        "",
+        "## Groups",
+        "",
+        markdown_table(
+            ["group", "units", "units moved"], [[g["name"], g["size"], g["units_moved"]] for g in report["groups"]]
+        ),
+    ]
     if "objective_per_sweep" in info:
         # The first value is the objective before any sweep (B as it is).
         rows = [[i if i else "0 (B as is)", v] for i, v in enumerate(info["objective_per_sweep"])]
-        lines += ["", f"## Objective per sweep ({info['sweeps']} sweeps, converged: {info['converged']})", "", markdown_table(["sweep", "objective"], rows)]
+        lines += [
+            "",
+            f"## Objective per sweep ({info['sweeps']} sweeps, converged: {info['converged']})",
+            "",
+            markdown_table(["sweep", "objective"], rows),
+        ]
     if "similarity" in info:
         rows = [[g, info["identity_similarity"][g], v] for g, v in info["similarity"].items()]
         lines += ["", "## Mean correlation of matched units", "", markdown_table(["group", "before", "after"], rows)]
@@ -176,9 +205,28 @@ def _markdown(report: dict[str, Any], barriers: dict | None) -> str:
         lines.append(markdown_table(["step", "midpoint loss"], [[i, v] for i, v in enumerate(losses)]))
     if barriers is not None:
         d = report["data"]
-        lines += ["", f"## Barriers on {d['name']} (test split, {d['test_samples']} samples)", "", "![paths](barrier.png)", ""]
-        rows = [[label, r.loss_barrier, 100 * r.accuracy_barrier, float(r.loss[len(r.loss) // 2]), 100 * float(r.accuracy[len(r.accuracy) // 2])] for label, r in barriers.items()]
-        lines.append(markdown_table(["path", "loss barrier", "accuracy barrier (pp)", "midpoint loss", "midpoint accuracy (%)"], rows))
+        lines += [
+            "",
+            f"## Barriers on {d['name']} (test split, {d['test_samples']} samples)",
+            "",
+            "![paths](barrier.png)",
+            "",
+        ]
+        rows = [
+            [
+                label,
+                r.loss_barrier,
+                100 * r.accuracy_barrier,
+                float(r.loss[len(r.loss) // 2]),
+                100 * float(r.accuracy[len(r.accuracy) // 2]),
+            ]
+            for label, r in barriers.items()
+        ]
+        lines.append(
+            markdown_table(
+                ["path", "loss barrier", "accuracy barrier (pp)", "midpoint loss", "midpoint accuracy (%)"], rows
+            )
+        )
         for label, r in barriers.items():
             lines += ["", f"### {label} path", "", r.to_markdown()]
     return "\n".join(lines) + "\n"

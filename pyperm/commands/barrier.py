@@ -27,13 +27,19 @@ __all__ = ["HELP", "add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``pyperm barrier``."""
-    parser.epilog = "example: pyperm barrier a.pt b.pt --model mlp:64,128,10 --data digits --align weight --out barrier/"
+    parser.epilog = (
+        "example: pyperm barrier a.pt b.pt --model mlp:64,128,10 --data digits --align weight --out barrier/"
+    )
     parser.add_argument("a", metavar="A", help="the checkpoint at t = 0")
     parser.add_argument("b", metavar="B", help="the checkpoint at t = 1")
     add_model_arguments(parser)
     add_data_arguments(parser, required=True)
     parser.add_argument(
-        "--align", choices=METHODS, action="append", default=[], help="also the path to B matched by this method (repeatable)"
+        "--align",
+        choices=METHODS,
+        action="append",
+        default=[],
+        help="also the path to B matched by this method (repeatable)",
     )
     add_matching_arguments(parser)
     parser.add_argument("--num-points", type=int, default=11, help="evenly spaced points on each path (default 11)")
@@ -90,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
     plot_paths(out / "barrier.png", results, f"{loaded.name} on {data.name} (test split)")
     (out / "report.md").write_text(_markdown(report, results))
     for label, r in results.items():
-        print(f"{label:>10} path: loss barrier {r.loss_barrier:.4f}, accuracy barrier {100 * r.accuracy_barrier:.2f} pp")
+        print(
+            f"{label:>10} path: loss barrier {r.loss_barrier:.4f}, accuracy barrier {100 * r.accuracy_barrier:.2f} pp"
+        )
     print(f"report: {out / 'report.md'}")
     return 0
 

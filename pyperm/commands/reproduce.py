@@ -23,8 +23,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Without either flag: the default settings, as close to the papers' as a laptop allows
     # (each report's Settings section says where they are scaled down); tens of minutes.
     scale = parser.add_mutually_exclusive_group()
-    scale.add_argument("--quick", dest="scale", action="store_const", const="quick", help="within 10 minutes on a 2-core laptop (default: the fuller settings, tens of minutes)")
-    scale.add_argument("--smoke", dest="scale", action="store_const", const="smoke", help="a tiny setting, under a minute (for tests)")
+    scale.add_argument(
+        "--quick",
+        dest="scale",
+        action="store_const",
+        const="quick",
+        help="within 10 minutes on a 2-core laptop (default: the fuller settings, tens of minutes)",
+    )
+    scale.add_argument(
+        "--smoke", dest="scale", action="store_const", const="smoke", help="a tiny setting, under a minute (for tests)"
+    )
     parser.set_defaults(scale="full")
     parser.add_argument("--out", required=True, metavar="DIR", help="folder for report.md, report.json and the PNGs")
     parser.add_argument("--force", action="store_true", help="overwrite existing output files")

@@ -52,7 +52,9 @@ def findings_section(findings: list[Finding]) -> str:
     ]
     disagree = [f for f in findings if not f.agrees]
     if disagree:
-        lines.append("Where ours does not agree: " + "; ".join(f"{f.source}: {f.paper} (ours: {f.ours})" for f in disagree) + ".")
+        lines.append(
+            "Where ours does not agree: " + "; ".join(f"{f.source}: {f.paper} (ours: {f.ours})" for f in disagree) + "."
+        )
     return "\n".join(lines)
 
 

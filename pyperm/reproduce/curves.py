@@ -91,29 +91,55 @@ def _one_pair(cfg: dict, data: dict, device: Any, seed: int, pair: int, progress
 
     model = cnn(cfg["width"]).to(device)
     seeds = (100 * seed + 2 * pair + 1, 100 * seed + 2 * pair + 2)
-    sa, sb = (train_classifier(model, data["x_train"], data["y_train"], seed=s, epochs=cfg["epochs"], batch_size=BATCH) for s in seeds)
+    sa, sb = (
+        train_classifier(model, data["x_train"], data["y_train"], seed=s, epochs=cfg["epochs"], batch_size=BATCH)
+        for s in seeds
+    )
     spec = _spec(model, data)
-    common = {"epochs": cfg["curve_epochs"], "lr": CURVE_LR, "seed": seed, "test_data": data["test"], "bn_data": data["train_eval"]}
+    common = {
+        "epochs": cfg["curve_epochs"],
+        "lr": CURVE_LR,
+        "seed": seed,
+        "test_data": data["test"],
+        "bn_data": data["train_eval"],
+    }
     curves, test, seconds = {}, {}, {}
     for kind, align in (("unaligned", None), ("aligned", "activation")):
         t = time.perf_counter()
-        res = connect(model, sa, sb, data["train"], align=align, spec=spec, num_points=cfg["points"], progress=progress, **common)
+        res = connect(
+            model, sa, sb, data["train"], align=align, spec=spec, num_points=cfg["points"], progress=progress, **common
+        )
         seconds[kind] = time.perf_counter() - t
         curves[kind], test[kind] = res.curve, res.result
     for kind, init in (("PAM unaligned", "identity"), ("PAM aligned", "activation")):
         t = time.perf_counter()
         res = pam(
-            model, sa, sb, data["train"], spec, init=init, perm_steps=cfg["perm_steps"], curve_epochs=cfg["curve_epochs"],
-            lr_curve=CURVE_LR, seed=seed, progress=progress,
+            model,
+            sa,
+            sb,
+            data["train"],
+            spec,
+            init=init,
+            perm_steps=cfg["perm_steps"],
+            curve_epochs=cfg["curve_epochs"],
+            lr_curve=CURVE_LR,
+            seed=seed,
+            progress=progress,
         )
         seconds[kind] = time.perf_counter() - t
         curves[kind] = res.curve
         test[kind] = evaluate_curve(res.curve, data["test"], num_points=cfg["points"], bn_data=data["train_eval"])
     # Table 2: the training loss along each curve.
-    train = {k: evaluate_curve(c, data["train_eval"], num_points=cfg["points"], bn_data=data["train_eval"]) for k, c in curves.items()}
+    train = {
+        k: evaluate_curve(c, data["train_eval"], num_points=cfg["points"], bn_data=data["train_eval"])
+        for k, c in curves.items()
+    }
     model_a, model_b = _loaded(model, sa).eval(), _loaded(model, sb).eval()
     endpoints = correlation_signature(model_a, model_b, data["train_eval"], spec)
-    midpoints = {k: correlation_signature(model_a, _midpoint_model(model, curves[k], data), data["train_eval"], spec) for k in ("unaligned", "aligned")}
+    midpoints = {
+        k: correlation_signature(model_a, _midpoint_model(model, curves[k], data), data["train_eval"], spec)
+        for k in ("unaligned", "aligned")
+    }
     from pyperm.reproduce._train import evaluate
 
     return {
@@ -247,14 +273,25 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     findings = _findings(pairs)
     seconds = time.perf_counter() - start
 
-    plot_curve_results(pairs[0]["test"], out / "curves_test.png", title="test accuracy and loss along the curves (first pair)")
+    plot_curve_results(
+        pairs[0]["test"], out / "curves_test.png", title="test accuracy and loss along the curves (first pair)"
+    )
     _plot_signature(out / "signature.png", pairs[0])
 
     def row(kind: str) -> list[Any]:
         a = [100 * p["test"][kind].average_accuracy for p in pairs]
         m = [100 * p["test"][kind].min_accuracy for p in pairs]
         tl = [p["train"][kind].average_loss for p in pairs]
-        return [kind, _mean(a), _std(a), _mean(m), _std(m), _mean(tl), _std(tl), _mean([p["seconds"][kind] for p in pairs])]
+        return [
+            kind,
+            _mean(a),
+            _std(a),
+            _mean(m),
+            _std(m),
+            _mean(tl),
+            _std(tl),
+            _mean([p["seconds"][kind] for p in pairs]),
+        ]
 
     endpoint_acc = [100 * a for p in pairs for a in p["endpoint_accuracy"]]
     sig = pairs[0]["signature"]
@@ -286,7 +323,16 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         f"Endpoints' test accuracy: {_mean(endpoint_acc):.2f}% ± {_std(endpoint_acc):.2f}.",
         "",
         markdown_table(
-            ["curve", "average test accuracy (%)", "± std", "minimum test accuracy (%)", "± std", "average training loss", "± std", "seconds"],
+            [
+                "curve",
+                "average test accuracy (%)",
+                "± std",
+                "minimum test accuracy (%)",
+                "± std",
+                "average training loss",
+                "± std",
+                "seconds",
+            ],
             [row(k) for k in KINDS],
         ),
         "",
@@ -297,10 +343,21 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         "![signature](signature.png)",
         "",
         markdown_table(
-            ["layer (group)", "endpoints before", "endpoints after", "A vs unaligned midpoint", "A vs aligned midpoint"],
             [
-                [g, float(sig.before[i]), float(sig.after[i]), float(pairs[0]["midpoint_signature"]["unaligned"].before[i]),
-                 float(pairs[0]["midpoint_signature"]["aligned"].before[i])]
+                "layer (group)",
+                "endpoints before",
+                "endpoints after",
+                "A vs unaligned midpoint",
+                "A vs aligned midpoint",
+            ],
+            [
+                [
+                    g,
+                    float(sig.before[i]),
+                    float(sig.after[i]),
+                    float(pairs[0]["midpoint_signature"]["unaligned"].before[i]),
+                    float(pairs[0]["midpoint_signature"]["aligned"].before[i]),
+                ]
                 for i, g in enumerate(sig.groups)
             ],
         ),
@@ -348,6 +405,9 @@ def _plot_signature(path: Path, pair: dict) -> Path:
         title="correlation signature (cf. Tatro et al. Fig. 1)",
         panels=[
             ("mean correlation, A vs B", {"before alignment": sig.before, "after alignment": sig.after}),
-            ("mean correlation, A vs curve midpoint", {"unaligned curve": mids["unaligned"].before, "aligned curve": mids["aligned"].before}),
+            (
+                "mean correlation, A vs curve midpoint",
+                {"unaligned curve": mids["unaligned"].before, "aligned curve": mids["aligned"].before},
+            ),
         ],
     )

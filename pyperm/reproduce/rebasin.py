@@ -25,8 +25,24 @@ logger = logging.getLogger(__name__)
 # and Figure 4's hidden widths and the pairs of models per width.
 SETTINGS = {
     "smoke": {"width": 32, "depth": 2, "epochs": 10, "ste_epochs": 1, "points": 5, "widths": [4, 32], "pairs": 1},
-    "quick": {"width": 512, "depth": 3, "epochs": 30, "ste_epochs": 5, "points": 11, "widths": [4, 8, 16, 32, 64, 128, 256, 512], "pairs": 2},
-    "full": {"width": 512, "depth": 3, "epochs": 60, "ste_epochs": 10, "points": 21, "widths": [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], "pairs": 3},
+    "quick": {
+        "width": 512,
+        "depth": 3,
+        "epochs": 30,
+        "ste_epochs": 5,
+        "points": 11,
+        "widths": [4, 8, 16, 32, 64, 128, 256, 512],
+        "pairs": 2,
+    },
+    "full": {
+        "width": 512,
+        "depth": 3,
+        "epochs": 60,
+        "ste_epochs": 10,
+        "points": 21,
+        "widths": [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
+        "pairs": 3,
+    },
 }
 BATCH = 64  # training batch size
 STE_BATCH = 128  # STE matching's batches: one projection per batch, so more steps per epoch than EVAL_BATCH gives
@@ -39,12 +55,17 @@ def _mlp(width: int, depth: int) -> Any:
     return MLP([64] + [width] * depth + [10])
 
 
-def _pair(width: int, depth: int, epochs: int, seeds: tuple[int, int], data: dict, device: Any) -> tuple[Any, dict, dict]:
+def _pair(
+    width: int, depth: int, epochs: int, seeds: tuple[int, int], data: dict, device: Any
+) -> tuple[Any, dict, dict]:
     """Two MLPs trained from different seeds (initialisation and batch order)."""
     from pyperm.reproduce._train import train_classifier
 
     model = _mlp(width, depth).to(device)
-    states = [train_classifier(model, data["x_train"], data["y_train"], seed=s, epochs=epochs, batch_size=BATCH) for s in seeds]
+    states = [
+        train_classifier(model, data["x_train"], data["y_train"], seed=s, epochs=epochs, batch_size=BATCH)
+        for s in seeds
+    ]
     return model, states[0], states[1]
 
 
@@ -52,7 +73,9 @@ def _figure2(cfg: dict, data: dict, device: Any, seed: int, progress: bool) -> d
     """The four paths between one pair of models, on the test and the training split."""
     from pyperm import nn as pnn
 
-    model, state_a, state_b = _pair(cfg["width"], cfg["depth"], cfg["epochs"], (2 * seed + 1, 2 * seed + 2), data, device)
+    model, state_a, state_b = _pair(
+        cfg["width"], cfg["depth"], cfg["epochs"], (2 * seed + 1, 2 * seed + 2), data, device
+    )
     spec = model.permutation_spec()
     perms: dict[str, Any] = {}
     seconds: dict[str, float] = {}
@@ -69,7 +92,9 @@ def _figure2(cfg: dict, data: dict, device: Any, seed: int, progress: bool) -> d
     seconds["activation"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    ste = pnn.ste_matching(model, spec, state_a, state_b, data["ste"], epochs=cfg["ste_epochs"], lr=1e-3, seed=seed, progress=progress)
+    ste = pnn.ste_matching(
+        model, spec, state_a, state_b, data["ste"], epochs=cfg["ste_epochs"], lr=1e-3, seed=seed, progress=progress
+    )
     perms["ste"] = ste.perms
     seconds["ste"] = time.perf_counter() - t
 
@@ -166,7 +191,8 @@ def _findings(fig2: dict, fig4: dict) -> list:
             "STE matching performs best but is very computationally expensive; weight matching is orders of magnitude faster.",
             f"STE barrier {b['ste']:.3f} in {fig2['seconds']['ste']:.2f} s; weight {b['weight']:.3f} in {fig2['seconds']['weight']:.3f} s "
             f"({fig2['seconds']['ste'] / max(fig2['seconds']['weight'], 1e-9):.0f}x faster)",
-            b["ste"] <= min(b["weight"], b["activation"]) + 1e-3 and fig2["seconds"]["ste"] > 10 * fig2["seconds"]["weight"],
+            b["ste"] <= min(b["weight"], b["activation"]) + 1e-3
+            and fig2["seconds"]["ste"] > 10 * fig2["seconds"]["weight"],
             "STE barrier lowest (within 1e-3) and STE > 10x weight matching's time",
         ),
     ]
@@ -263,7 +289,11 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
 
     arch = "64-" + "-".join([str(cfg["width"])] * cfg["depth"]) + "-10"
     for split in ("test", "train"):
-        plot_paths(out / f"fig2_{split}.png", fig2["results"][split], f"MLP {arch} on digits, {split} split (cf. Git Re-Basin Fig. 2)")
+        plot_paths(
+            out / f"fig2_{split}.png",
+            fig2["results"][split],
+            f"MLP {arch} on digits, {split} split (cf. Git Re-Basin Fig. 2)",
+        )
     rows = fig4["rows"]
     plot_lines(
         out / "fig4_width.png",
@@ -274,7 +304,13 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         title=f"loss barrier vs width, {cfg['depth']} hidden layers on digits (cf. Git Re-Basin Fig. 4)",
         logx=True,
         panels=[
-            ("test loss barrier", {"naive": [r["naive_loss_barrier"] for r in rows], "weight matching": [r["weight_matching_loss_barrier"] for r in rows]}),
+            (
+                "test loss barrier",
+                {
+                    "naive": [r["naive_loss_barrier"] for r in rows],
+                    "weight matching": [r["weight_matching_loss_barrier"] for r in rows],
+                },
+            ),
             (
                 "test accuracy barrier (pp)",
                 {
@@ -290,7 +326,16 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         for label, r in fig2["results"][split].items():
             mid = len(r.ts) // 2
             path_rows.append(
-                [split, label, r.loss_barrier, 100 * r.accuracy_barrier, float(r.loss[mid]), 100 * float(r.accuracy[mid]), float(r.loss[0]), float(r.loss[-1])]
+                [
+                    split,
+                    label,
+                    r.loss_barrier,
+                    100 * r.accuracy_barrier,
+                    float(r.loss[mid]),
+                    100 * float(r.accuracy[mid]),
+                    float(r.loss[0]),
+                    float(r.loss[-1]),
+                ]
             )
     settings = {
         "data": f"scikit-learn digits, 8x8 images, {data['num_train']} training / {data['num_test']} test images (fixed shuffle, seed 0)",
@@ -305,7 +350,9 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         f"Fig. 2 MLP 512x3 on MNIST -> {arch} on digits; Fig. 4 VGG16/ResNet20 on CIFAR-10 -> MLPs of growing width on digits",
     ]
     if scale != "full":
-        scaled.append(f"`--{scale}`: fewer epochs ({cfg['epochs']}), STE epochs ({cfg['ste_epochs']}), widths and pairs than the default")
+        scaled.append(
+            f"`--{scale}`: fewer epochs ({cfg['epochs']}), STE epochs ({cfg['ste_epochs']}), widths and pairs than the default"
+        )
 
     lines = [
         "# Git Re-Basin on digits: linear mode connectivity after permuting",
@@ -321,7 +368,16 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         "![training split](fig2_train.png)",
         "",
         markdown_table(
-            ["split", "path", "loss barrier", "accuracy barrier (pp)", "midpoint loss", "midpoint accuracy (%)", "loss at A", "loss at B"],
+            [
+                "split",
+                "path",
+                "loss barrier",
+                "accuracy barrier (pp)",
+                "midpoint loss",
+                "midpoint accuracy (%)",
+                "loss at A",
+                "loss at B",
+            ],
             path_rows,
         ),
         "",
@@ -332,9 +388,21 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         "![width](fig4_width.png)",
         "",
         markdown_table(
-            ["hidden width", "naive loss barrier", "weight-matching loss barrier", "naive accuracy barrier (pp)", "weight-matching accuracy barrier (pp)"],
             [
-                [r["width"], r["naive_loss_barrier"], r["weight_matching_loss_barrier"], 100 * r["naive_accuracy_barrier"], 100 * r["weight_matching_accuracy_barrier"]]
+                "hidden width",
+                "naive loss barrier",
+                "weight-matching loss barrier",
+                "naive accuracy barrier (pp)",
+                "weight-matching accuracy barrier (pp)",
+            ],
+            [
+                [
+                    r["width"],
+                    r["naive_loss_barrier"],
+                    r["weight_matching_loss_barrier"],
+                    100 * r["naive_accuracy_barrier"],
+                    100 * r["weight_matching_accuracy_barrier"],
+                ]
                 for r in rows
             ],
         ),

@@ -24,9 +24,33 @@ __all__ = ["OUTPUTS", "TITLE", "run"]
 # Per scale: CNN width, adversarial training epochs of the endpoints and of the curves,
 # PGD steps in training and in evaluation, points on each curve, test samples attacked.
 SETTINGS = {
-    "smoke": {"width": 4, "epochs": 3, "curve_epochs": 1, "train_steps": 2, "eval_steps": 3, "points": 3, "test_samples": 128},
-    "quick": {"width": 8, "epochs": 15, "curve_epochs": 25, "train_steps": 5, "eval_steps": 10, "points": 11, "test_samples": 397},
-    "full": {"width": 16, "epochs": 30, "curve_epochs": 40, "train_steps": 7, "eval_steps": 20, "points": 21, "test_samples": 397},
+    "smoke": {
+        "width": 4,
+        "epochs": 3,
+        "curve_epochs": 1,
+        "train_steps": 2,
+        "eval_steps": 3,
+        "points": 3,
+        "test_samples": 128,
+    },
+    "quick": {
+        "width": 8,
+        "epochs": 15,
+        "curve_epochs": 25,
+        "train_steps": 5,
+        "eval_steps": 10,
+        "points": 11,
+        "test_samples": 397,
+    },
+    "full": {
+        "width": 16,
+        "epochs": 30,
+        "curve_epochs": 40,
+        "train_steps": 7,
+        "eval_steps": 20,
+        "points": 21,
+        "test_samples": 397,
+    },
 }
 EPS = 0.1  # L-inf radius on [0, 1] pixels (the digits' 17 grey levels are 1/16 apart)
 CURVE_LR = 0.01
@@ -200,7 +224,9 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
 
     model = cnn(cfg["width"]).to(device)
     sa, sb = (
-        train_classifier(model, data["x_train"], data["y_train"], seed=100 * seed + s, epochs=cfg["epochs"], perturb=perturb)
+        train_classifier(
+            model, data["x_train"], data["y_train"], seed=100 * seed + s, epochs=cfg["epochs"], perturb=perturb
+        )
         for s in (1, 2)
     )
     spec = pnn.PermutationSpec.from_model(model, data["test"][0][0][:2])
@@ -239,9 +265,7 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
             ("robust test accuracy (%)", {k: [100 * v for v in p["robust"]] for k, p in paths.items()}),
         ],
     )
-    rows = [
-        [f"{t:.2f}"] + [100 * paths[k][m][i] for k in paths for m in ("clean", "robust")] for i, t in enumerate(ts)
-    ]
+    rows = [[f"{t:.2f}"] + [100 * paths[k][m][i] for k in paths for m in ("clean", "robust")] for i, t in enumerate(ts)]
     settings = {
         "data": f"scikit-learn digits, {data['num_train']} training images; {cfg['test_samples']} test images attacked",
         "model": f"CNN 1-{cfg['width']}-{2 * cfg['width']}-{2 * cfg['width']} channels with BatchNorm",

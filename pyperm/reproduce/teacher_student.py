@@ -25,19 +25,37 @@ __all__ = ["OUTPUTS", "TITLE", "run"]
 # learning-rate sweep at width lr_m over cs (step c / m).
 SETTINGS = {
     "smoke": {
-        "K": 2, "gd_widths": [1, 2, 3, 4, 6], "gd_pairs": 2, "steps": 600,
-        "uniform_widths": [2, 3, 4, 6, 8, 16], "uniform_pairs": 6,
-        "lr_m": 8, "cs": [0.5, 1.0, 2.0], "runs": 2,
+        "K": 2,
+        "gd_widths": [1, 2, 3, 4, 6],
+        "gd_pairs": 2,
+        "steps": 600,
+        "uniform_widths": [2, 3, 4, 6, 8, 16],
+        "uniform_pairs": 6,
+        "lr_m": 8,
+        "cs": [0.5, 1.0, 2.0],
+        "runs": 2,
     },
     "quick": {
-        "K": 4, "gd_widths": [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24], "gd_pairs": 5, "steps": 3000,
-        "uniform_widths": [4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 128], "uniform_pairs": 30,
-        "lr_m": 16, "cs": [0.25, 0.5, 1.0, 1.5, 2.0, 2.25, 2.5, 2.75, 3.0], "runs": 5,
+        "K": 4,
+        "gd_widths": [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24],
+        "gd_pairs": 5,
+        "steps": 3000,
+        "uniform_widths": [4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 128],
+        "uniform_pairs": 30,
+        "lr_m": 16,
+        "cs": [0.25, 0.5, 1.0, 1.5, 2.0, 2.25, 2.5, 2.75, 3.0],
+        "runs": 5,
     },
     "full": {
-        "K": 5, "gd_widths": [1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50], "gd_pairs": 10, "steps": 20000,
-        "uniform_widths": [5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 75, 100, 150, 200], "uniform_pairs": 30,
-        "lr_m": 20, "cs": [0.25, 0.5, 1.0, 1.5, 2.0, 2.25, 2.5, 2.75, 3.0, 3.5], "runs": 10,
+        "K": 5,
+        "gd_widths": [1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50],
+        "gd_pairs": 10,
+        "steps": 20000,
+        "uniform_widths": [5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 75, 100, 150, 200],
+        "uniform_pairs": 30,
+        "lr_m": 20,
+        "cs": [0.25, 0.5, 1.0, 1.5, 2.0, 2.25, 2.5, 2.75, 3.0, 3.5],
+        "runs": 10,
     },
 }
 
@@ -178,9 +196,28 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     cfg = SETTINGS[scale]
     K = cfg["K"]
     start = time.perf_counter()
-    gd = ts.width_sweep(K, cfg["gd_widths"], source="gd", pairs=cfg["gd_pairs"], steps=cfg["steps"], seed=seed, device=device, progress=progress)
-    uniform = ts.width_sweep(K, cfg["uniform_widths"], source="uniform", pairs=cfg["uniform_pairs"], seed=seed, device=device, progress=progress)
-    lr = ts.learning_rate_sweep(K, cfg["lr_m"], cfg["cs"], runs=cfg["runs"], steps=cfg["steps"], seed=seed, device=device)
+    gd = ts.width_sweep(
+        K,
+        cfg["gd_widths"],
+        source="gd",
+        pairs=cfg["gd_pairs"],
+        steps=cfg["steps"],
+        seed=seed,
+        device=device,
+        progress=progress,
+    )
+    uniform = ts.width_sweep(
+        K,
+        cfg["uniform_widths"],
+        source="uniform",
+        pairs=cfg["uniform_pairs"],
+        seed=seed,
+        device=device,
+        progress=progress,
+    )
+    lr = ts.learning_rate_sweep(
+        K, cfg["lr_m"], cfg["cs"], runs=cfg["runs"], steps=cfg["steps"], seed=seed, device=device
+    )
     findings = _findings(gd, uniform, lr, K)
     seconds = time.perf_counter() - start
 
