@@ -39,6 +39,16 @@ silently and ``composite="raise"`` raises :class:`TraceError` at the first cause
 flatten whose spatial extent is 1 (global pooling, then flatten: the common case) is not
 composite: the features are the channels.
 
+With ``structured=True`` (:func:`trace_model`, :meth:`PermutationSpec.from_model`) the
+tracer names these axes instead of fixing their units, with the spec's axis forms
+(:mod:`pyperm.nn.spec`): a concatenation along units is a ``Segments`` axis, a flatten of
+a ``C x H x W`` feature map a ``Tiled`` one, a split of an axis of units (attention heads
+of a fused qkv projection, a channel shuffle) a new group tiled over the outer axes, a
+layer applied to its own output names its group on both axes of its weight, a one-layer
+``nn.RNN``/``nn.GRU``/``nn.LSTM`` has its hidden units as a group with the gates as
+segments, and ``nn.MultiheadAttention`` its head dims as tiled groups. Grouped
+convolutions (a group of groups) are still fixed.
+
 Operations that cannot be handled at all (a reshape that splits a channel axis, an
 order-dependent operation such as ``sort``/``cumsum``/``flip`` along channels, an unknown
 function or module applied to permuted channels, a grouped convolution) raise
