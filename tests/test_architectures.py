@@ -241,7 +241,7 @@ CASES = {
     "gru-classifier": (lambda: RecurrentClassifier(nn.GRU), lambda: torch.randint(0, 20, (2, 5)), 0.44, 1.0),
     "encoder-mha": (EncoderMHA, (2, 5, 6), 0.62, 1.0),
     "encoder-fused-qkv": (EncoderFusedQKV, (2, 5, 6), None, 1.0),
-    "grouped-conv-block": (GroupedConvBlock, (2, 3, 8, 8), 0.5, 0.5),
+    "grouped-conv-block": (GroupedConvBlock, (2, 3, 8, 8), 0.5, 1.0),
     "inverted-residual-se": (InvertedResidual, (2, 3, 8, 8), 1.0, 1.0),
     "convnext-block": (ConvNeXtBlock, (2, 3, 16, 16), 1.0, 1.0),
 }
@@ -283,7 +283,7 @@ def test_architecture(case, structured):
 
 # The cases whose full symmetry needs structured axes.
 STRUCTURED = {"densenet-block", "unet", "vgg-7x7-flatten", "residual-mlp-1-layer", "lstm-classifier",
-              "gru-classifier", "encoder-mha", "encoder-fused-qkv"}  # fmt: skip
+              "gru-classifier", "encoder-mha", "encoder-fused-qkv", "grouped-conv-block"}  # fmt: skip
 
 
 def test_channel_shuffle_is_a_split_then_a_merge():

@@ -13,7 +13,7 @@ from torch import nn
 
 from pyperm.nn.trace.call import TraceCall
 from pyperm.nn.trace.errors import TraceError
-from pyperm.nn.trace.labels import Label
+from pyperm.nn.trace.labels import Label, TileAxis
 from pyperm.nn.trace.registry import register_all
 from pyperm.nn.trace.sites import Role
 
@@ -56,7 +56,20 @@ def convolution(call: TraceCall, x: torch.Tensor, lx: Label, w: Label | None, b:
         return Label(tuple(lx[:ch]) + (unit,) + tuple(lx[ch + 1 :]))
     # Grouped convolution (depthwise with a channel multiplier too): output channel block b sees
     # input channel block b alone, so units may only be permuted within their channel group
-    # (and blocks as a whole), which a spec cannot say yet: the channels on both sides stay fixed.
+    # (and blocks as a whole). A flat spec cannot say so: the channels on both sides stay fixed.
+    # A structured one names part of it: the same permutation within every group, on each side
+    # (Tiled over the groups); the weight's input axis then takes the input one.
+    if call.structured and not transposed and c_in // groups > 1:
+        c_out = wt.shape[0]
+        inside = call.new_units(c_in // groups, f"{call.weight_name()}.in")
+        outside = call.new_units(c_out // groups, f"{call.weight_name()}.out")
+        call.join(lx[ch], TileAxis(inside, groups, 1))
+        call.join(w[1], inside)
+        out = call.join(w[0], TileAxis(outside, groups, 1))
+        if b is not None:
+            call.join(b[0], out)
+        call.opened(out, weight_dep, call.weight_name())
+        return Label(tuple(lx[:ch]) + (out,) + tuple(lx[ch + 1 :]))
     call.leave_unpermuted(
         f"is a grouped convolution (groups={groups})" + (" of permuted channels" if lx[ch] is not None else ""),
         [lx[ch], w[0]],
