@@ -395,6 +395,8 @@ def _match_structured(
     objective = [_objective(spec, sa, sb, perms, chosen)]
     current = objective[0]
     chosen_set = set(chosen)
+    # Groups acting on two axes of one tensor make the objective quadratic in their permutation.
+    quadratic = {g for g, where in spec.group_axes.items() if len({k for k, _ in where}) < len(where)}
     sweeps, converged = 0, max_iter == 0
     for sweeps in range(1, max_iter + 1):
         improved = False
@@ -420,7 +422,11 @@ def _match_structured(
             candidate = torch.as_tensor(cols, dtype=torch.int64)
             if torch.equal(candidate, perms[g]):
                 continue
-            value = _objective(spec, sa, sb, {**perms, g: candidate}, chosen)
+            if g in quadratic:  # the step changed the other occurrence too: evaluate it exactly
+                value = _objective(spec, sa, sb, {**perms, g: candidate}, chosen)
+            else:  # linear in P_g: the gain reads off the similarity
+                rows = torch.arange(n)
+                value = current + float(sim[rows, candidate].double().sum() - sim[rows, perms[g]].double().sum())
             if value > current + tol * max(abs(current), 1.0):
                 perms[g], current, improved = candidate, value, True
         objective.append(current)

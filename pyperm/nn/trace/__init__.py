@@ -46,8 +46,9 @@ a ``C x H x W`` feature map a ``Tiled`` one, a split of an axis of units (attent
 of a fused qkv projection, a channel shuffle) a new group tiled over the outer axes, a
 layer applied to its own output names its group on both axes of its weight, a one-layer
 ``nn.RNN``/``nn.GRU``/``nn.LSTM`` has its hidden units as a group with the gates as
-segments, and ``nn.MultiheadAttention`` its head dims as tiled groups. Grouped
-convolutions (a group of groups) are still fixed.
+segments, ``nn.MultiheadAttention`` its head dims as tiled groups, and a grouped
+convolution the same permutation within every channel group (the groups themselves stay
+in place: the full group of groups is not described yet).
 
 Operations that cannot be handled at all (a reshape that splits a channel axis, an
 order-dependent operation such as ``sort``/``cumsum``/``flip`` along channels, an unknown
