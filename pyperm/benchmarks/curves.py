@@ -20,11 +20,11 @@ the 8x8 digits (``digits-cnn``) and ``ResNet20(width_multiplier=4)`` on 32x32 im
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from pyperm.benchmarks._report import time_calls
 
 TARGET_RATIO = 1.3
 MODELS = ("digits-cnn", "resnet20x4")
@@ -75,7 +75,6 @@ def measure(name: str, device: str = "cpu", batch: int | None = None, repeats: i
     """
     if clock not in ("wall", "cpu"):
         raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
-    timer = time.perf_counter if clock == "wall" else time.thread_time
     import torch
     import torch.nn.functional as F
 
@@ -111,15 +110,10 @@ def measure(name: str, device: str = "cpu", batch: int | None = None, repeats: i
         trainer.step((x,), y)
         _sync(dev)
 
-    plain_step()  # warm-up: allocators, optimizer state, kernels
-    curve_step()
-    plain, curve_times = [], []
-    for _ in range(max(1, repeats)):
-        for fn, out in ((plain_step, plain), (curve_step, curve_times)):
-            start = timer()
-            fn()
-            out.append(timer() - start)
-    p, c = statistics.median(plain), statistics.median(curve_times)
+    # Alternated, after a warm-up call of each (allocators, optimizer state, kernels).
+    t = time_calls({"plain": plain_step, "curve": curve_step}, repeats, clock=clock)
+    plain, curve_times = t["plain"].samples, t["curve"].samples
+    p, c = t["plain"].median, t["curve"].median
     return {
         "model": name, "device": dev.type, "batch": batch,
         "parameters": sum(q.numel() for q in model.parameters()),

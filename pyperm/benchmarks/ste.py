@@ -28,11 +28,9 @@ trained for two epochs), and ResNet20 x4 on random 32x32 images at batch 64
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
-from pyperm.benchmarks._report import format_table
+from pyperm.benchmarks._report import format_table, time_call
 
 MODELS = ("digits-mlp512", "resnet20x4")
 TARGET_FLOOR_RATIO = 1.5
@@ -47,12 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _median_time(fn: Callable[[], object], repeat: int) -> float:
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return time_call(fn, repeat, warmup=False).median
 
 
 def _setup(name: str, batch_size: int, steps: int):

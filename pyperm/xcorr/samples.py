@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from pyperm._arrays import is_cuda_input, is_torch_tensor, to_numpy
+from pyperm._arrays import is_torch_tensor, to_numpy
 
 __all__ = ["as_pair", "as_samples", "as_vector", "conv_to_samples"]
 
@@ -68,9 +68,8 @@ def _half_to_float(x: Any) -> Any:
 
 
 def as_samples(x: Any, name: str, dim: int | None, dim_name: str) -> np.ndarray:
-    """A C-contiguous float32/float64 (samples, dim) view or copy of ``x``."""
-    if is_cuda_input(x):
-        raise ValueError(f"{name} is a CUDA array, but this accumulator holds CPU statistics: pass {name}.cpu()")
+    """A C-contiguous float32/float64 (samples, dim) view or copy of host array ``x``
+    (the accumulator sends CUDA arrays to its device state before this)."""
     arr = to_numpy(_half_to_float(x), name)
     kind = arr.dtype.kind
     if kind not in "biuf":
