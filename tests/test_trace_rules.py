@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyperm.nn import PermutationSpec, TraceError, apply_permutation, register_trace_rule, trace_model
+from pyperm.nn.spec import Segments
 from pyperm.nn.trace import Label, Role, TraceCall, TraceWarning, registry, rules
 
 
@@ -346,3 +347,37 @@ def test_subclass_of_a_registered_module_is_traced_into(clean_registry):
     register_trace_rule(ScaledLinear, rules.linear)
     gm = trace_model(nn.Sequential(Doubled(3, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(2, 3)).graph_module
     assert not any(n.op == "call_module" and n.target == "0" for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize(
+    ("kind", "bidirectional", "layers"),
+    [(nn.LSTM, True, 2), (nn.GRU, True, 1), (nn.RNN, False, 3)],
+    ids=["lstm-bi-2", "gru-bi", "rnn-3"],
+)
+def test_structured_recurrent_layers(kind, bidirectional, layers):
+    torch.manual_seed(0)
+    model = RecurrentClassifier(kind, bidirectional, layers)
+    spec = trace_model(model, torch.randint(0, 13, (2, 4)), composite="raise", structured=True).spec
+    directions = ["", "_reverse"] if bidirectional else [""]
+    assert set(spec.sizes) == {"P_embed", "P_proj"} | {f"P_rnn.l{i}{d}" for i in range(layers) for d in directions}
+    top = [f"P_rnn.l{layers - 1}{d}" for d in directions]
+    assert spec.axes["head.weight"][1] == (Segments(*top) if bidirectional else top[0])
+    assert spec.axes[f"rnn.weight_hh_l0{directions[-1]}"][1] == f"P_rnn.l0{directions[-1]}"
+    assert_same_function(model, spec, torch.randint(0, 13, (3, 6)))
+
+
+def test_structured_recurrent_final_state_of_several_layers_falls_back():
+    class LastState(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.rnn, self.head = nn.Linear(3, 4), nn.GRU(4, 5, num_layers=2), nn.Linear(5, 2)
+
+        def forward(self, x):
+            return self.head(self.rnn(torch.tanh(self.proj(x)))[1][-1])  # h_n of the top layer
+
+    torch.manual_seed(0)
+    model = LastState()
+    with pytest.warns(TraceWarning, match="GRU .*keeps its hidden units"):
+        spec = trace_model(model, torch.randn(4, 2, 3), structured=True).spec
+    assert spec.sizes == {"P_proj": 4}
+    assert_same_function(model, spec, torch.randn(5, 3, 3))

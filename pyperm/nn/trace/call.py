@@ -196,6 +196,11 @@ class TraceCall:
         self.role = Role.PRODUCER
         self._labeler.add_producer(self.node, atom, name or self.path or self.node.name)
 
+    def activate(self, *atoms: int | None) -> None:
+        """Marks classes as units of activations the operation computes inside (a recurrent layer's
+        lower layers): they become groups although no labelled tensor shows them."""
+        self._labeler.units.activate(Label(atoms))
+
     def new_units(self, size: int, name: str) -> int:
         """A new class of ``size`` units named ``name`` (for units no ``state_dict`` axis holds alone)."""
         atom = self._labeler.units.new_class(size)

@@ -46,14 +46,18 @@ def multihead_attention(call: TraceCall) -> Any:
         if any(a is not None for a in lab[:-1]):
             call.composite("attends over an axis that carries permuted units", lab[:-1])
     out_w, out_b = call.param("out_proj.weight"), call.param("out_proj.bias")
-    if call.structured and m._qkv_same_embed_dim and m.bias_k is None:  # type: ignore[union-attr]
+    if call.structured and m.bias_k is None:  # type: ignore[union-attr]
         # Within every head, query and key units are permuted alike (their dot product stays), and
         # value units with the output projection's columns; the same permutation in every head.
         heads, head_dim = m.num_heads, m.head_dim  # type: ignore[union-attr]
         qk = TileAxis(call.new_units(head_dim, f"{call.path}.qk"), heads, 1)
         vo = TileAxis(call.new_units(head_dim, f"{call.path}.vo"), heads, 1)
         qkv = CatAxis(((qk, m.embed_dim), (qk, m.embed_dim), (vo, m.embed_dim)))  # type: ignore[union-attr]
-        call.join(inner[0], qkv)
+        if m._qkv_same_embed_dim:  # type: ignore[union-attr]
+            call.join(inner[0], qkv)
+        else:  # q_proj_weight, k_proj_weight, v_proj_weight
+            for atom, tiled in zip(inner, (qk, qk, vo)):
+                call.join(atom, tiled)
         if call.param("in_proj_bias") is not None:
             call.join(call.param("in_proj_bias")[0], qkv)  # type: ignore[index]
         call.join(out_w[1], vo)  # type: ignore[index]

@@ -9,6 +9,7 @@ flat spec cannot name. They are left unpermuted and listed in ``TraceResult.comp
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from torch import nn
@@ -23,36 +24,58 @@ __all__ = ["recurrent"]
 GATES = {nn.RNN: 1, nn.GRU: 3, nn.LSTM: 4}
 
 
+def _uses_state(call: TraceCall) -> bool:
+    """Whether the graph reads the final state (``h_n``, ``c_n``), not only the output sequence."""
+    return any(not (u.target is operator.getitem and u.args[1] == 0) for u in call.node.users)
+
+
 def _structured(call: TraceCall, lx: Label) -> Any:
-    """One layer, one direction: the hidden units are a group, the gates its segments."""
+    """Hidden units of every layer and direction are a group, the gates its segments."""
     m = call.module
-    h = call.param("weight_hh_l0")[1]  # type: ignore[index]
     gates = next(n for cls, n in GATES.items() if isinstance(m, cls))
-    stacked = CatAxis(((h, m.hidden_size),) * gates) if gates > 1 else h  # type: ignore[union-attr]
-    call.join(lx[-1], call.param("weight_ih_l0")[1])  # type: ignore[index]
-    for name in ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0"):
-        lab = call.param(name)
-        if lab is not None:
-            call.join(lab[0], stacked)
+    size = m.hidden_size  # type: ignore[union-attr]
+    suffixes = ["", "_reverse"] if m.bidirectional else [""]  # type: ignore[union-attr]
+    below: Any = lx[-1]  # what each layer reads: the input, then the layer below (both directions)
+    hidden = []
+    for layer in range(m.num_layers):  # type: ignore[union-attr]
+        outs = []
+        for sfx in suffixes:
+            h = call.param(f"weight_hh_l{layer}{sfx}")[1]  # type: ignore[index]
+            stacked = CatAxis(((h, size),) * gates) if gates > 1 else h
+            call.join(below, call.param(f"weight_ih_l{layer}{sfx}")[1])  # type: ignore[index]
+            for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                lab = call.param(f"{name}_l{layer}{sfx}")
+                if lab is not None:
+                    call.join(lab[0], stacked)
+            call.opened(h, False, f"{call.path or call.node.name}.l{layer}{sfx}")
+            call.activate(h)
+            outs.append(h)
+            hidden.append(h)
+        below = CatAxis(tuple((h, size) for h in outs)) if len(outs) > 1 else outs[0]
     for lab in label_leaves(call.largs[1:]) + label_leaves(list(call.lkwargs.values())):
-        call.join(lab[-1], h)  # an initial state holds hidden units
-        call.fix(*lab[:-1])
-    call.opened(h, False, call.path or call.node.name)
+        if len(hidden) == 1:  # an initial state holds hidden units
+            call.join(lab[-1], hidden[0])
+        call.fix(*(lab[:-1] if len(hidden) == 1 else lab))
     output, state = call.result
     states = state if isinstance(state, tuple) else (state,)
-    labels = tuple(Label((None,) * (t.ndim - 1) + (h,)) for t in states)
-    return (Label((None,) * (output.ndim - 1) + (h,)), labels if isinstance(state, tuple) else labels[0])
+    # The final state stacks every layer and direction along its first axis: one class per row,
+    # which a label cannot say unless there is one row (_uses_state falls back otherwise).
+    last = hidden[0] if len(hidden) == 1 else None
+    labels = tuple(Label((None,) * (t.ndim - 1) + (last,)) for t in states)
+    return (Label((None,) * (output.ndim - 1) + (below,)), labels if isinstance(state, tuple) else labels[0])
 
 
 def recurrent(call: TraceCall) -> Any:
     """Rule of ``nn.RNNBase``: the input units join the first layer's input weights; hidden units stay fixed.
 
-    With ``structured=True``, a one-layer, one-direction layer's hidden units are a group
-    acting on both axes of ``weight_hh_l0``, with the gates as segments.
+    With ``structured=True``, the hidden units of every layer and direction are a group
+    acting on both axes of its ``weight_hh``, with the gates as segments (unless the graph
+    reads the final state of several layers or directions, or the layer has projections).
     """
     m = call.module
     _, lx = call.first()
-    simple = m.num_layers == 1 and not m.bidirectional and not getattr(m, "proj_size", 0)  # type: ignore[union-attr]
+    one = m.num_layers == 1 and not m.bidirectional  # type: ignore[union-attr]
+    simple = not getattr(m, "proj_size", 0) and (one or not _uses_state(call))
     if call.structured and simple and type(m) in GATES and not any(a is not None for a in lx[:-1]):
         return _structured(call, lx)
     firsts = ["weight_ih_l0"] + (["weight_ih_l0_reverse"] if m.bidirectional else [])  # type: ignore[union-attr]
