@@ -25,7 +25,7 @@ __all__ = ["OUTPUTS", "TITLE", "cnn", "run"]
 # Per scale: CNN width, endpoint training epochs, curve epochs, PAM permutation steps, points, pairs of endpoints.
 SETTINGS = {
     "smoke": {"width": 4, "epochs": 4, "curve_epochs": 1, "perm_steps": 4, "points": 5, "pairs": 1},
-    "quick": {"width": 8, "epochs": 20, "curve_epochs": 20, "perm_steps": 40, "points": 11, "pairs": 2},
+    "quick": {"width": 8, "epochs": 20, "curve_epochs": 30, "perm_steps": 40, "points": 11, "pairs": 3},
     "full": {"width": 16, "epochs": 40, "curve_epochs": 60, "perm_steps": 100, "points": 21, "pairs": 3},
 }
 BATCH = 64
