@@ -1,4 +1,4 @@
-"""Small MLPs trained on scikit-learn's digits, shared by the evaluation tests.
+"""Small MLPs and CNNs trained on scikit-learn's digits, shared by the nn tests.
 
 The digits data ships with scikit-learn (no download). Training is seeded and runs on
 the CPU in about a second per model; the tests cache the trained states per session.
@@ -68,6 +68,27 @@ def mlp(width: int = 128, depth: int = 2, batchnorm: bool = False) -> nn.Sequent
     return nn.Sequential(*layers)
 
 
+def cnn(channels: int = 8) -> nn.Sequential:
+    """A small CNN on 1x8x8 images with BatchNorm: conv-BN-ReLU x2, global average pooling, Linear."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
+        nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.BatchNorm2d(2 * channels), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * channels, 10),
+    )
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Eval-mode accuracy (the model's flag is put back)."""
+    flag = model.training
+    model.eval()
+    try:
+        return float((model(x).argmax(1) == y).float().mean())
+    finally:
+        model.train(flag)
+
+
 def train(
     model: nn.Module, seed: int, epochs: int = 20, batch_size: int = 64, lr: float = 0.05
 ) -> dict[str, torch.Tensor]:
@@ -76,8 +97,8 @@ def train(
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, nn.Linear):
-                bound = 1.0 / m.in_features**0.5
+            if isinstance(m, (nn.Linear, nn.Conv2d)):
+                bound = 1.0 / m.weight[0].numel() ** 0.5  # 1 / sqrt(fan_in), torch's default range
                 m.weight.uniform_(-bound, bound, generator=gen)
                 m.bias.uniform_(-bound, bound, generator=gen)
     # Plain SGD with heavy-ball momentum written out: torch.optim's first use imports torch._dynamo,

@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from _digits import digits, train
 
 from pyperm.nn import (
     Permutations,
@@ -16,38 +17,23 @@ from pyperm.nn import (
 )
 from pyperm.nn.models import MLP
 
-sklearn_datasets = pytest.importorskip("sklearn.datasets")
-
 WIDTHS = [64, 96, 96, 10]
 
 
 @pytest.fixture(scope="module")
-def digits():
-    x, y = sklearn_datasets.load_digits(return_X_y=True)
-    x = torch.tensor(x / 16.0, dtype=torch.float32)
-    y = torch.tensor(y, dtype=torch.int64)
+def digits_train():
+    x, y, _, _ = digits()
     return x, y
 
 
-def _train(x, y, seed, epochs=15):
-    torch.manual_seed(seed)
-    model = MLP(WIDTHS)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        order = torch.randperm(len(x), generator=g)
-        for i in range(0, len(x), 128):
-            idx = order[i : i + 128]
-            opt.zero_grad()
-            F.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
-    return model
-
-
 @pytest.fixture(scope="module")
-def trained(digits):
-    x, y = digits
-    return [_train(x, y, seed) for seed in range(3)]
+def trained():
+    models = []
+    for seed in range(3):
+        model = MLP(WIDTHS)
+        train(model, seed, epochs=15)
+        models.append(model)
+    return models
 
 
 def _loss(model, state, x, y):
@@ -85,8 +71,8 @@ def test_merging_permuted_copies_gives_back_the_model():
         assert all(torch.allclose(aligned[k], model.state_dict()[k]) for k in aligned)
 
 
-def test_merging_trained_models_beats_the_naive_average(digits, trained):
-    x, y = digits
+def test_merging_trained_models_beats_the_naive_average(digits_train, trained):
+    x, y = digits_train
     spec = trained[0].permutation_spec()
     states = [m.state_dict() for m in trained]
     result = merge_many(spec, states, seed=0)
@@ -116,8 +102,8 @@ def test_merge_many_bad_input():
 # --------------------------------------------------------------------------- ste_matching
 
 
-def test_ste_midpoint_loss_is_no_worse_than_weight_matching(digits, trained):
-    x, y = digits
+def test_ste_midpoint_loss_is_no_worse_than_weight_matching(digits_train, trained):
+    x, y = digits_train
     a, b = trained[0], trained[1]
     spec = a.permutation_spec()
     sa, sb = a.state_dict(), b.state_dict()
@@ -134,8 +120,8 @@ def test_ste_midpoint_loss_is_no_worse_than_weight_matching(digits, trained):
     assert all(torch.equal(sa[k], a.state_dict()[k]) for k in sa)  # the model is unchanged
 
 
-def test_ste_bad_input(digits):
-    x, y = digits
+def test_ste_bad_input(digits_train):
+    x, y = digits_train
     model = MLP([64, 8, 10])
     spec = model.permutation_spec()
     sd = model.state_dict()

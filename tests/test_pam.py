@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from _pam_digits import batches, cnn, digits, mlp, train
+from _digits import batches, cnn, digits, mlp, train
 from pyperm.nn import PermutationSpec, Permutations, apply_permutation, weight_matching
 from pyperm.nn.curves import _relaxation as relax
 from pyperm.nn.curves.bezier import BezierCurve
@@ -24,7 +24,7 @@ CURVE_NOISE = 0.02
 def mlp_pair():
     x, _, _, _ = digits()
     model_a, model_b = mlp(32), mlp(32)
-    sa, sb = train(model_a, 1), train(model_b, 2)
+    sa, sb = train(model_a, 1, epochs=10), train(model_b, 2, epochs=10)
     spec = PermutationSpec.from_model(model_a, x[:2])
     return model_a, spec, sa, sb
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from _pam_digits import accuracy, batches, digits, mlp, train
+from _digits import accuracy, batches, digits, mlp, train
 from pyperm.nn.curves.robust import check_attack, pgd_attack, robust_accuracy
 
 EPS = 0.1  # on [0, 1] pixels: moderate (a digit's strokes are near 1, the background 0)
@@ -17,7 +17,7 @@ ATTACK = {"eps": EPS, "steps": 10, "step_size": 0.025}
 @pytest.fixture(scope="module")
 def trained():
     model = mlp(32)
-    train(model, 1)
+    train(model, 1, epochs=10)
     return model
 
 
@@ -138,7 +138,7 @@ def test_pgd_input_errors(trained, test_data):
 @pytest.fixture(scope="module")
 def endpoints():
     model_a, model_b = mlp(32), mlp(32)
-    return model_a, train(model_a, 1), train(model_b, 2)
+    return model_a, train(model_a, 1, epochs=10), train(model_b, 2, epochs=10)
 
 
 def _robust_at(curve, t, data, attack):
