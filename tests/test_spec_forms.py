@@ -58,14 +58,18 @@ class TwoBranches(nn.Module):
         return self.head(self.ln(h))
 
 
-def test_segments_concatenation():
-    torch.manual_seed(0)
-    model = TwoBranches()
+def segments_spec(model: TwoBranches) -> PermutationSpec:
     cat = Segments("a", "b", 3)
-    spec = full_spec(
+    return full_spec(
         model, {"a": 5, "b": 4}, a__weight=("a", None), a__bias=("a",), b__weight=("b", None), b__bias=("b",),
         ln__weight=(cat,), ln__bias=(cat,), head__weight=(None, cat),
     )  # fmt: skip
+
+
+def test_segments_concatenation():
+    torch.manual_seed(0)
+    model = TwoBranches()
+    spec = segments_spec(model)
     assert spec.structured and spec.axis_length("head.weight", 1) == 12
     assert spec.group_axes["a"] == (("a.weight", 0), ("a.bias", 0), ("ln.weight", 0), ("ln.bias", 0),
                                     ("head.weight", 1))  # fmt: skip
@@ -90,6 +94,17 @@ class DenseBlock(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(F.relu(self.bn3(h)), 1).flatten(1))
 
 
+def dense_block_spec(model: DenseBlock) -> PermutationSpec:
+    two, three = Segments("s", "g1"), Segments("s", "g1", "g2")
+    bn = {f"bn{i}__{p}": (seg,) for i, seg in ((1, "s"), (2, two), (3, three))
+          for p in ("weight", "bias", "running_mean", "running_var")}  # fmt: skip
+    return full_spec(
+        model, {"s": 4, "g1": 3, "g2": 3}, stem__weight=("s", None, None, None), stem__bias=("s",),
+        conv1__weight=("g1", "s", None, None), conv1__bias=("g1",),
+        conv2__weight=("g2", two, None, None), conv2__bias=("g2",), fc__weight=(None, three), **bn,
+    )  # fmt: skip
+
+
 def test_segments_dense_block():
     torch.manual_seed(0)
     model = DenseBlock()
@@ -98,15 +113,7 @@ def test_segments_dense_block():
             if isinstance(m, nn.BatchNorm2d):
                 m.running_mean.normal_(0, 0.1)
                 m.running_var.uniform_(0.5, 1.5)
-    two, three = Segments("s", "g1"), Segments("s", "g1", "g2")
-    bn = {f"bn{i}__{p}": (seg,) for i, seg in ((1, "s"), (2, two), (3, three))
-          for p in ("weight", "bias", "running_mean", "running_var")}  # fmt: skip
-    spec = full_spec(
-        model, {"s": 4, "g1": 3, "g2": 3}, stem__weight=("s", None, None, None), stem__bias=("s",),
-        conv1__weight=("g1", "s", None, None), conv1__bias=("g1",),
-        conv2__weight=("g2", two, None, None), conv2__bias=("g2",), fc__weight=(None, three), **bn,
-    )  # fmt: skip
-    assert_same_function(model, spec, torch.randn(2, 2, 5, 5))
+    assert_same_function(model, dense_block_spec(model), torch.randn(2, 2, 5, 5))
 
 
 # --------------------------------------------------------------------------- Tiled
@@ -126,18 +133,21 @@ class FlattenVGG(nn.Module):
         return self.fc2(F.relu(self.fc1(torch.flatten(h, 1))))
 
 
-def test_tiled_flatten_of_a_feature_map():
-    torch.manual_seed(0)
-    model = FlattenVGG()
-    spec = full_spec(
+def flatten_spec(model: FlattenVGG) -> PermutationSpec:
+    return full_spec(
         model, {"c1": 4, "c2": 5, "h": 6}, conv1__weight=("c1", None, None, None), conv1__bias=("c1",),
         conv2__weight=("c2", "c1", None, None), conv2__bias=("c2",), fc1__weight=("h", Tiled("c2", inner=9)),
         fc1__bias=("h",), fc2__weight=(None, "h"),
     )  # fmt: skip
-    assert_same_function(model, spec, torch.randn(2, 3, 6, 6))
 
 
-def attention_spec(model: nn.Module, heads: int) -> PermutationSpec:
+def test_tiled_flatten_of_a_feature_map():
+    torch.manual_seed(0)
+    model = FlattenVGG()
+    assert_same_function(model, flatten_spec(model), torch.randn(2, 3, 6, 6))
+
+
+def attention_spec(model: nn.Module, heads: int = 2) -> PermutationSpec:
     """nn.MultiheadAttention: the stream, and head_dim units permuted alike in every head (q with k, v with out)."""
     qk, vo = Tiled("qk", outer=heads), Tiled("vo", outer=heads)
     qkv = Segments(qk, qk, vo)
@@ -187,36 +197,45 @@ class OneLayerResidual(nn.Module):
         return self.out(h)
 
 
+def two_axes_spec(model: OneLayerResidual) -> PermutationSpec:
+    blocks = {f"blocks__{i}__weight": ("h", "h") for i in range(2)} | {f"blocks__{i}__bias": ("h",) for i in range(2)}
+    return full_spec(model, {"h": 6}, inp__weight=("h", None), inp__bias=("h",), out__weight=(None, "h"), **blocks)
+
+
 def test_same_group_on_two_axes():
     torch.manual_seed(0)
     model = OneLayerResidual()
-    blocks = {f"blocks__{i}__weight": ("h", "h") for i in range(2)} | {f"blocks__{i}__bias": ("h",) for i in range(2)}
-    spec = full_spec(model, {"h": 6}, inp__weight=("h", None), inp__bias=("h",), out__weight=(None, "h"), **blocks)
+    spec = two_axes_spec(model)
     assert spec.structured
     assert spec.group_axes["h"][:3] == (("inp.weight", 0), ("inp.bias", 0), ("blocks.0.weight", 0))
     assert ("blocks.0.weight", 1) in spec.group_axes["h"]
     assert_same_function(model, spec, torch.randn(4, 3))
 
 
-@pytest.mark.parametrize(("kind", "gates"), [(nn.RNN, 1), (nn.GRU, 3), (nn.LSTM, 4)], ids=["rnn", "gru", "lstm"])
-def test_recurrent_layer_gates_as_segments(kind, gates):
-    class Classifier(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj, self.rnn, self.head = nn.Linear(3, 4), kind(4, 5, batch_first=True), nn.Linear(5, 2)
+class RecurrentClassifier(nn.Module):
+    def __init__(self, kind: type = nn.LSTM) -> None:
+        super().__init__()
+        self.proj, self.rnn, self.head = nn.Linear(3, 4), kind(4, 5, batch_first=True), nn.Linear(5, 2)
 
-        def forward(self, x):
-            return self.head(self.rnn(torch.tanh(self.proj(x)))[0][:, -1])
+    def forward(self, x):
+        return self.head(self.rnn(torch.tanh(self.proj(x)))[0][:, -1])
 
-    torch.manual_seed(0)
-    model = Classifier()
+
+def recurrent_spec(model: RecurrentClassifier) -> PermutationSpec:
+    gates = {nn.RNN: 1, nn.GRU: 3, nn.LSTM: 4}[type(model.rnn)]
     stacked = Segments(*["h"] * gates) if gates > 1 else "h"
-    spec = full_spec(
+    return full_spec(
         model, {"p": 4, "h": 5}, proj__weight=("p", None), proj__bias=("p",), rnn__weight_ih_l0=(stacked, "p"),
         rnn__weight_hh_l0=(stacked, "h"), rnn__bias_ih_l0=(stacked,), rnn__bias_hh_l0=(stacked,),
         head__weight=(None, "h"),
     )  # fmt: skip
-    assert_same_function(model, spec, torch.randn(2, 6, 3))
+
+
+@pytest.mark.parametrize("kind", [nn.RNN, nn.GRU, nn.LSTM], ids=["rnn", "gru", "lstm"])
+def test_recurrent_layer_gates_as_segments(kind):
+    torch.manual_seed(0)
+    model = RecurrentClassifier(kind)
+    assert_same_function(model, recurrent_spec(model), torch.randn(2, 6, 3))
 
 
 # --------------------------------------------------------------------------- errors and equivalence
@@ -286,45 +305,19 @@ def planted_recovery(model: nn.Module, spec: PermutationSpec, seed: int = 3) -> 
     assert result.objective[-1] == pytest.approx(matching_objective(spec, sa, sa), rel=1e-5)
 
 
-@pytest.mark.parametrize("form", ["segments", "dense-block", "tiled-flatten", "tiled-heads", "two-axes", "lstm"])
+FORMS = {
+    "segments": (TwoBranches, segments_spec),
+    "dense-block": (DenseBlock, dense_block_spec),
+    "tiled-flatten": (FlattenVGG, flatten_spec),
+    "tiled-heads": (Attention, attention_spec),
+    "two-axes": (OneLayerResidual, two_axes_spec),
+    "lstm": (RecurrentClassifier, recurrent_spec),
+}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
 def test_weight_matching_recovers_a_planted_permutation(form):
     torch.manual_seed(0)
-    if form == "segments":
-        model = TwoBranches()
-        cat = Segments("a", "b", 3)
-        spec = full_spec(
-            model, {"a": 5, "b": 4}, a__weight=("a", None), a__bias=("a",), b__weight=("b", None),
-            b__bias=("b",), ln__weight=(cat,), ln__bias=(cat,), head__weight=(None, cat),
-        )  # fmt: skip
-    elif form == "dense-block":
-        model = DenseBlock()
-        two, three = Segments("s", "g1"), Segments("s", "g1", "g2")
-        bn = {f"bn{i}__{p}": (seg,) for i, seg in ((1, "s"), (2, two), (3, three))
-              for p in ("weight", "bias", "running_mean", "running_var")}  # fmt: skip
-        spec = full_spec(
-            model, {"s": 4, "g1": 3, "g2": 3}, stem__weight=("s", None, None, None), stem__bias=("s",),
-            conv1__weight=("g1", "s", None, None), conv1__bias=("g1",),
-            conv2__weight=("g2", two, None, None), conv2__bias=("g2",), fc__weight=(None, three), **bn,
-        )  # fmt: skip
-    elif form == "tiled-flatten":
-        model = FlattenVGG()
-        spec = full_spec(
-            model, {"c1": 4, "c2": 5, "h": 6}, conv1__weight=("c1", None, None, None), conv1__bias=("c1",),
-            conv2__weight=("c2", "c1", None, None), conv2__bias=("c2",), fc1__weight=("h", Tiled("c2", inner=9)),
-            fc1__bias=("h",), fc2__weight=(None, "h"),
-        )  # fmt: skip
-    elif form == "tiled-heads":
-        model = Attention()
-        spec = attention_spec(model, 2)
-    elif form == "two-axes":
-        model = OneLayerResidual()
-        blocks = {f"blocks__{i}__weight": ("h", "h") for i in range(2)} | {f"blocks__{i}__bias": ("h",) for i in (0, 1)}
-        spec = full_spec(model, {"h": 6}, inp__weight=("h", None), inp__bias=("h",), out__weight=(None, "h"), **blocks)
-    else:
-        model = nn.Sequential()
-        model.proj, model.rnn = nn.Linear(3, 4), nn.LSTM(4, 5)
-        stacked = Segments(*["h"] * 4)
-        spec = full_spec(model, {"p": 4, "h": 5}, proj__weight=("p", None), proj__bias=("p",),
-                         rnn__weight_ih_l0=(stacked, "p"), rnn__weight_hh_l0=(stacked, "h"),
-                         rnn__bias_ih_l0=(stacked,), rnn__bias_hh_l0=(stacked,))  # fmt: skip
-    planted_recovery(model, spec)
+    factory, make_spec = FORMS[form]
+    model = factory()
+    planted_recovery(model, make_spec(model))

@@ -742,27 +742,22 @@ def test_error_unknown_function_on_channels():
         trace_model(model, torch.randn(2, 4))
 
 
-def test_grouped_convolution_fixes_its_channels():
+@pytest.mark.parametrize(
+    ("layer", "what"),
+    [
+        (nn.Conv2d(8, 8, 3, padding=1, groups=2), r"Conv2d .*module '1'\) is a grouped convolution \(groups=2\)"),
+        (nn.GroupNorm(2, 8), r"GroupNorm .*module '1'\) normalises 2 groups of 4 permuted channels"),
+    ],
+    ids=["grouped-conv", "groupnorm"],
+)
+def test_channel_groups_fix_their_channels(layer, what):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 3, groups=2), nn.ReLU(), nn.Conv2d(8, 6, 1),
-                          nn.ReLU(), nn.Conv2d(6, 2, 1))  # fmt: skip
-    with pytest.warns(TraceWarning, match=r"Conv2d .*module '1'\) is a grouped convolution \(groups=2\) of permuted"):
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), layer, nn.ReLU(), nn.Conv2d(8, 6, 1), nn.ReLU(), nn.Conv2d(6, 2, 1))
+    with pytest.warns(TraceWarning, match=what):
         spec = PermutationSpec.from_model(model, torch.randn(1, 3, 5, 5))
     assert spec.sizes == {"P_3": 6}
     assert_same_function(model, spec, torch.randn(2, 3, 5, 5))
-    with pytest.raises(TraceError, match=r"Conv2d .*module '1'\) is a grouped convolution \(groups=2\)"):
-        trace_model(model, torch.randn(1, 3, 5, 5), composite="raise")
-
-
-def test_groupnorm_with_groups_fixes_its_channels():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.GroupNorm(2, 8), nn.ReLU(), nn.Conv2d(8, 6, 1), nn.ReLU(),
-                          nn.Conv2d(6, 2, 1))  # fmt: skip
-    with pytest.warns(TraceWarning, match=r"GroupNorm .*module '1'\) normalises 2 groups of 4 permuted channels"):
-        spec = PermutationSpec.from_model(model, torch.randn(1, 3, 5, 5))
-    assert spec.sizes == {"P_3": 6}
-    assert_same_function(model, spec, torch.randn(2, 3, 5, 5))
-    with pytest.raises(TraceError, match=r"GroupNorm .*module '1'\) normalises 2 groups"):
+    with pytest.raises(TraceError, match=what):
         trace_model(model, torch.randn(1, 3, 5, 5), composite="raise")
 
 

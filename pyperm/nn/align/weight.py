@@ -358,6 +358,16 @@ def _signature_init(
     return perms
 
 
+def _check_sweeps(max_iter: Any, tol: Any) -> None:
+    """The checks of ``max_iter`` and ``tol`` shared by both matchers."""
+    if isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer)):
+        raise TypeError(f"max_iter must be an int, got {type(max_iter).__name__}")
+    if max_iter < 0:
+        raise ValueError(f"max_iter must be non-negative, got {max_iter}")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0:
+        raise ValueError(f"tol must be a non-negative finite number, got {tol!r}")
+
+
 def _match_structured(
     spec: PermutationSpec,
     state_a: Mapping[str, torch.Tensor],
@@ -379,12 +389,7 @@ def _match_structured(
     occurrence held at its current value (coordinate descent), and a step is kept only
     if the exact objective rises, so the objective never decreases.
     """
-    if isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer)):
-        raise TypeError(f"max_iter must be an int, got {type(max_iter).__name__}")
-    if max_iter < 0:
-        raise ValueError(f"max_iter must be non-negative, got {max_iter}")
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0:
-        raise ValueError(f"tol must be a non-negative finite number, got {tol!r}")
+    _check_sweeps(max_iter, tol)
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     gen = torch_generator(seed)
@@ -530,12 +535,7 @@ class WeightMatcher:
     ) -> WeightMatchingResult:
         """Permutations of B maximising its match with ``state_a`` (see :func:`weight_matching`)."""
         spec = self.spec
-        if isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer)):
-            raise TypeError(f"max_iter must be an int, got {type(max_iter).__name__}")
-        if max_iter < 0:
-            raise ValueError(f"max_iter must be non-negative, got {max_iter}")
-        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0:
-            raise ValueError(f"tol must be a non-negative finite number, got {tol!r}")
+        _check_sweeps(max_iter, tol)
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
         gen = torch_generator(seed)
