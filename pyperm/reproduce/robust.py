@@ -3,13 +3,12 @@
 Two CNNs are trained adversarially (PGD, L-inf) from different seeds; quadratic Bezier curves
 between them are trained adversarially too (each step attacks the network at the drawn point
 ``t``), once between the models as they are (unaligned) and once after neuron alignment
-(aligned). Along each curve: clean and robust test accuracy (Figure 4, left/right) and the
-robust training loss.
+(aligned). Along each curve: clean and robust test accuracy (Figure 4, left/right); the robust
+training loss of each curve epoch is in report.json.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from pathlib import Path
 from typing import Any
@@ -61,69 +60,21 @@ def _attack(eps: float, steps: int, seed: int) -> dict[str, Any]:
     return {"eps": eps, "steps": steps, "step_size": 2.5 * eps / steps, "norm": "inf", "seed": seed}
 
 
-def _train_curve_adversarially(curve: Any, batches: list, epochs: int, attack: dict, seed: int) -> list[float]:
-    """Adversarial curve training: ``train_curve``'s own option when it has one, else Algorithm 2 on PGD inputs here."""
-    import torch
+def _along(curve: Any, data: dict, points: int, attack: dict) -> dict[str, list[float]]:
+    """Clean and robust test accuracy and clean test loss at evenly spaced points of the curve.
 
-    from pyperm.nn.curves import train_curve
-    from pyperm.nn.curves.robust import pgd_attack
+    BatchNorm statistics are recomputed at every point on the clean training data
+    (Tatro et al. appendix B), as :func:`~pyperm.nn.curves.evaluate_curve` does.
+    """
+    from pyperm.nn.curves import evaluate_curve
 
-    if "adversarial" in inspect.signature(train_curve).parameters:
-        return train_curve(curve, batches, epochs=epochs, lr=CURVE_LR, seed=seed, adversarial=attack)
-    # The same step as train_curve (t ~ U[0, 1] per batch, SGD with momentum on the bends),
-    # with each batch replaced by a PGD attack on the network at that t.
-    gen = torch.Generator().manual_seed(seed)
-    params = [p for p in curve.parameters() if p.requires_grad]
-    velocity = [torch.zeros_like(p) for p in params]
-    history = []
-    curve.train()
-    step = 0
-    for _ in range(epochs):
-        total = count = 0.0
-        for x, y in batches:
-            t = float(torch.rand((), generator=gen, dtype=torch.float64))
-            x_adv = pgd_attack(lambda z, t=t: curve(z, t), x, y, **dict(attack, seed=attack["seed"] + step))
-            loss = torch.nn.functional.cross_entropy(curve(x_adv, t), y)
-            grads = torch.autograd.grad(loss, params)
-            with torch.no_grad():
-                for p, v, g in zip(params, velocity, grads):
-                    v.mul_(0.9).add_(g)
-                    p.sub_(v, alpha=CURVE_LR)
-            total += float(loss) * len(y)
-            count += len(y)
-            step += 1
-        history.append(total / count)
-    curve.eval()
-    return history
-
-
-def _along(curve: Any, model: Any, data: dict, points: int, attack: dict) -> dict[str, list[float]]:
-    """Clean and robust test accuracy, and robust training loss, at evenly spaced points of the curve."""
-    import copy
-
-    import torch
-
-    from pyperm.nn import reset_bn_stats
-    from pyperm.nn.curves.robust import pgd_attack, robust_accuracy
-    from pyperm.reproduce._train import evaluate
-
-    net = copy.deepcopy(model)
-    out: dict[str, list[float]] = {"ts": [], "clean": [], "robust": [], "robust_train_loss": []}
-    for t in np.linspace(0.0, 1.0, points):
-        net.load_state_dict({k: v.detach() for k, v in curve.state_at(float(t)).items()})
-        reset_bn_stats(net, data["train_eval"])
-        net.eval()
-        out["ts"].append(float(t))
-        out["clean"].append(evaluate(net, data["test"])[1])
-        out["robust"].append(robust_accuracy(net, data["test"], **attack))
-        loss = count = 0.0
-        for i, (x, y) in enumerate(data["train_eval"][:1]):  # one batch: the robust loss is an estimate
-            x_adv = pgd_attack(net, x, y, **dict(attack, seed=attack["seed"] + i))
-            with torch.no_grad():
-                loss += float(torch.nn.functional.cross_entropy(net(x_adv), y, reduction="sum"))
-            count += len(y)
-        out["robust_train_loss"].append(loss / count)
-    return out
+    result = evaluate_curve(curve, data["test"], num_points=points, bn_data=data["train_eval"], adversarial=attack)
+    return {
+        "ts": [float(t) for t in result.ts],
+        "clean": [float(a) for a in result.accuracy],
+        "robust": [float(a) for a in result.robust_accuracy],
+        "clean_loss": [float(v) for v in result.loss],
+    }
 
 
 def _findings(paths: dict[str, dict]) -> list:
@@ -204,7 +155,7 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     from pyperm._progress import progress_bar
     from pyperm.commands._common import markdown_table, write_json
     from pyperm.commands._plots import plot_lines
-    from pyperm.nn.curves import BezierCurve
+    from pyperm.nn.curves import BezierCurve, train_curve
     from pyperm.nn.curves.robust import pgd_attack
     from pyperm.reproduce._report import findings_section, settings_section
     from pyperm.reproduce._train import evaluate, train_classifier
@@ -241,8 +192,11 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     for kind, end in ends.items():
         t0 = time.perf_counter()
         curve = BezierCurve(model, sa, end).to(device)
-        history[kind] = _train_curve_adversarially(curve, data["train"], cfg["curve_epochs"], train_attack, seed)
-        paths[kind] = _along(curve, model, data, cfg["points"], eval_attack)
+        # Algorithm 2 on the robust loss: every batch attacked at its point t (Tatro et al. section 5).
+        history[kind] = train_curve(
+            curve, data["train"], epochs=cfg["curve_epochs"], lr=CURVE_LR, seed=seed, adversarial=train_attack
+        )
+        paths[kind] = _along(curve, data, cfg["points"], eval_attack)
         seconds[kind] = time.perf_counter() - t0
         if bar is not None:
             bar.update(1)
