@@ -138,3 +138,18 @@ def test_ste_bad_input(digits_train):
         ste_matching(model, spec, sd, sd, [])
     with pytest.raises(TypeError, match="targets"):
         ste_matching(model, spec, sd, sd, [x[:8]])
+
+
+def test_structured_specs_are_refused_by_name():
+    from pyperm.nn import PermutationSpec, pam
+    from pyperm.nn.spec import Tiled
+
+    spec = PermutationSpec({"w1": ("h", None), "w2": (None, Tiled("h", inner=2))}, {"h": 3})
+    sd = {"w1": torch.zeros(3, 2), "w2": torch.zeros(1, 6)}
+    model = torch.nn.Linear(2, 3)
+    with pytest.raises(ValueError, match="merge_many supports one group per axis"):
+        merge_many(spec, [sd, sd])
+    with pytest.raises(ValueError, match="ste_matching supports one group per axis"):
+        ste_matching(model, spec, sd, sd, [])
+    with pytest.raises(ValueError, match="pam supports one group per axis"):
+        pam(model, sd, sd, [], spec)

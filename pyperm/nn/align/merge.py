@@ -121,6 +121,7 @@ def merge_many(
     """
     if not isinstance(spec, PermutationSpec):
         raise TypeError(f"spec must be a PermutationSpec, got {type(spec).__name__}")
+    spec.require_flat("merge_many")
     if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
         raise TypeError(f"states must be a sequence of state dicts, got {type(states).__name__}")
     if len(states) < 2:

@@ -156,6 +156,7 @@ def ste_matching(
     check_module(model)
     if not isinstance(spec, PermutationSpec):
         raise TypeError(f"spec must be a PermutationSpec, got {type(spec).__name__}")
+    spec.require_flat("ste_matching")
     check_pair(state_a, state_b)
     spec.check_state_dict(state_a, "state_a")
     if isinstance(epochs, bool) or not isinstance(epochs, int):

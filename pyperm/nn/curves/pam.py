@@ -536,6 +536,7 @@ def pam(
     check_module(model, "model")
     if not isinstance(spec, PermutationSpec):
         raise TypeError(f"spec must be a PermutationSpec, got {type(spec).__name__}")
+    spec.require_flat("pam")
     check_model_states(model, state_a, state_b)
     spec.check_state_dict(state_a, "state_a")
     data = check_reiterable(data, "data")
