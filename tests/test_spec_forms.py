@@ -244,7 +244,7 @@ def test_recurrent_layer_gates_as_segments(kind):
 def test_bad_forms_are_refused():
     with pytest.raises(ValueError, match="Segments needs at least one part"):
         Segments()
-    with pytest.raises(TypeError, match="Segments parts must be group names, ints or Tiled, got float"):
+    with pytest.raises(TypeError, match="Segments parts must be group names, ints, Tiled or Blocks, got float"):
         Segments("a", 2.0)
     with pytest.raises(ValueError, match="a fixed Segments part must be positive, got 0"):
         Segments("a", 0)

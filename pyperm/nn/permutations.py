@@ -37,7 +37,30 @@ def as_permutations(spec: PermutationSpec, perms: Mapping[str, Any], name: str =
         if not torch.equal(torch.sort(p).values, torch.arange(n)):
             raise ValueError(f"{name}[{g!r}] is not a permutation of 0..{n - 1}")
         out[g] = p
+    for inner, outer in spec.blocks.items():
+        # A Blocks inner permutation reorders units within each block only: entry
+        # j * block_size + k must stay in block j.
+        nb = spec.sizes[outer]
+        block = out[inner].view(nb, -1) // spec.block_size(inner)
+        if not bool((block == torch.arange(nb).view(-1, 1)).all()):
+            first = int((block != torch.arange(nb).view(-1, 1)).any(1).nonzero()[0])
+            raise ValueError(
+                f"{name}[{inner!r}] moves units between blocks (block {first} takes units of another block): "
+                f"group {inner!r} is the inner group of Blocks({outer!r}, {inner!r}) and permutes the "
+                f"{spec.block_size(inner)} units within each of its {nb} blocks"
+            )
     return out
+
+
+def _blocks_full(outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
+    """The permutation of the whole axis that a Blocks pair makes (see :class:`pyperm.nn.spec.Blocks`)."""
+    return inner.view(outer.numel(), -1)[outer].reshape(-1)
+
+
+def _blocks_inner(outer: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The inner permutation of a Blocks pair, given its outer one and the whole axis's permutation."""
+    # full's row i is block outer[i] of the inner permutation: undo that reordering.
+    return full.view(outer.numel(), -1)[torch.argsort(outer)].reshape(-1)
 
 
 def apply_permutation(
@@ -84,7 +107,7 @@ def apply_permutation(
     for key, groups in spec.axes.items():
         t = state_dict[key]
         for axis in range(len(groups)):
-            index = spec.axis_index(key, axis, checked)  # structured axes too (Segments, Tiled)
+            index = spec.axis_index(key, axis, checked)  # structured axes too (Segments, Tiled, Blocks)
             if index is not None:
                 t = t.index_select(axis, index.to(t.device))
         out[key] = t if t is not state_dict[key] else t.clone()
@@ -120,6 +143,16 @@ class Permutations(Mapping):
     (tensor([1, 2, 0]), True)
     >>> p.to_dict()
     {'h': [2, 0, 1]}
+
+    For a :class:`~pyperm.nn.Blocks` pair, :meth:`inverse` and :meth:`compose` act on the
+    permutation of the whole axis the pair makes, since the inner permutation of a block
+    travels with the block:
+
+    >>> from pyperm.nn.spec import Blocks
+    >>> spec = PermutationSpec({"w": (Blocks("h", "d"),)}, {"h": 2, "d": 4})
+    >>> p = Permutations(spec, {"h": [1, 0], "d": [1, 0, 2, 3]})
+    >>> p.inverse().to_dict(), p.compose(p.inverse()).is_identity()
+    ({'h': [1, 0], 'd': [0, 1, 3, 2]}, True)
     """
 
     def __init__(self, spec: PermutationSpec, perms: Mapping[str, Any]) -> None:
@@ -167,12 +200,19 @@ class Permutations(Mapping):
 
     def inverse(self) -> Permutations:
         """The permutations that undo these: ``apply(p.inverse(), apply(p, sd)) == sd``."""
-        return Permutations(self.spec, {g: torch.argsort(p) for g, p in self.items()})
+        out = {g: torch.argsort(p) for g, p in self.items()}
+        for inner, outer in self.spec.blocks.items():
+            out[inner] = _blocks_inner(out[outer], torch.argsort(_blocks_full(self[outer], self[inner])))
+        return Permutations(self.spec, out)
 
     def compose(self, other: Mapping[str, Any]) -> Permutations:
         """``self`` after ``other``: ``apply(p.compose(q), sd) == apply(p, apply(q, sd))``."""
         q = as_permutations(self.spec, other, "other")
-        return Permutations(self.spec, {g: q[g][p] for g, p in self.items()})
+        out = {g: q[g][p] for g, p in self.items()}
+        for inner, outer in self.spec.blocks.items():
+            full = _blocks_full(q[outer], q[inner])[_blocks_full(self[outer], self[inner])]
+            out[inner] = _blocks_inner(out[outer], full)
+        return Permutations(self.spec, out)
 
     def is_identity(self) -> bool:
         """Whether every group keeps its units in place."""

@@ -25,6 +25,9 @@ bundled models) is *flat*, and stays as it was.
   flatten of a ``C x H x W`` feature map (unit ``c`` owns ``H*W`` consecutive features);
   ``Tiled(g, outer=heads)`` is the same permutation of ``head_dim`` units within every
   attention head.
+- :class:`Blocks`: a group of groups. ``Blocks(h, d)`` permutes whole blocks (attention
+  heads, the groups of a grouped convolution) by ``h`` and the units within each block by
+  ``d``, a different permutation in every block.
 - The same group on two axes of one tensor (a layer applied to its own output, an RNN's
   hidden-to-hidden weight: ``P W P^T``): name the group on both axes.
 
@@ -88,15 +91,66 @@ class Tiled:
         _check_count(self.inner, "Tiled inner")
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """A group of groups: whole blocks permuted by ``outer``, the units of every block by ``inner``.
+
+    The axis is ``(num_blocks, block_size)`` flattened, ``num_blocks = sizes[outer]``. The
+    ``inner`` group has ``sizes[inner] = num_blocks * block_size`` units, one per entry of the
+    axis, and its permutation is *block-diagonal*: it reorders the units of every block
+    among themselves (``perm[j * block_size + k]`` lies in block ``j``), independently in
+    each block. Unit ``(i, k)`` of the permuted axis is unit ``perms[inner][j * block_size +
+    k]`` of the original, with ``j = perms[outer][i]``: the index is the inner permutation
+    with its blocks reordered by the outer one, so each block carries its own inner
+    permutation wherever it moves. Keeping the inner permutation an ordinary ``(n,)``
+    vector keeps :class:`pyperm.nn.Permutations`, its JSON form and the identity as for
+    every other group; its validation checks the block-diagonal structure.
+
+    The outer group may act on other axes too (a per-head parameter); an inner group
+    appears only in ``Blocks`` entries with the same outer group. Several inner groups
+    may share one outer group: in attention, the heads of q, k, v and the output
+    projection move together, while q and k share one within-head permutation and v (with
+    the output projection's columns) has its own.
+
+    Parameters
+    ----------
+    outer : str
+        The group permuting the blocks.
+    inner : str
+        The group permuting the units within each block.
+
+    Examples
+    --------
+    Two heads of 3 dimensions: new head 0 is old head 1 unchanged, new head 1 is old
+    head 0 with its dimensions reordered ``[2, 0, 1]``:
+
+    >>> spec = PermutationSpec({"q.weight": (Blocks("h", "d"), None), "out.weight": (None, Blocks("h", "d"))},
+    ...                        {"h": 2, "d": 6})
+    >>> spec.axis_index("q.weight", 0, {"h": [1, 0], "d": [2, 0, 1, 3, 4, 5]}).tolist()
+    [3, 4, 5, 2, 0, 1]
+    """
+
+    outer: str
+    inner: str
+
+    def __post_init__(self) -> None:
+        for name in ("outer", "inner"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"Blocks {name} must be a group name, got {type(getattr(self, name)).__name__}")
+        if self.outer == self.inner:
+            raise ValueError(f"Blocks outer and inner must be different groups, got {self.outer!r} for both")
+
+
 @dataclass(frozen=True, init=False)
 class Segments:
     """A concatenation along one axis: consecutive parts, each permuted on its own.
 
     Parameters
     ----------
-    *parts : str, int or Tiled
+    *parts : str, int, Tiled or Blocks
         In axis order: a group name (its units), a number of units that are never
-        permuted (a model input concatenated to features, say), or a :class:`Tiled` part.
+        permuted (a model input concatenated to features, say), a :class:`Tiled` or a
+        :class:`Blocks` part (the q, k and v thirds of a fused projection).
         A group may appear in several parts (its permutation then acts on each).
 
     Examples
@@ -112,23 +166,23 @@ class Segments:
 
     parts: tuple
 
-    def __init__(self, *parts: str | int | Tiled) -> None:
+    def __init__(self, *parts: str | int | Tiled | Blocks) -> None:
         if not parts:
             raise ValueError("Segments needs at least one part")
         for part in parts:
-            if isinstance(part, (str, Tiled)):
+            if isinstance(part, (str, Tiled, Blocks)):
                 continue
             if isinstance(part, int) and not isinstance(part, bool):
                 _check_count(part, "a fixed Segments part")
                 continue
-            raise TypeError(f"Segments parts must be group names, ints or Tiled, got {type(part).__name__}")
+            raise TypeError(f"Segments parts must be group names, ints, Tiled or Blocks, got {type(part).__name__}")
         object.__setattr__(self, "parts", tuple(parts))
 
     def __repr__(self) -> str:
         return f"Segments({', '.join(map(repr, self.parts))})"
 
 
-AxisEntry = str | Tiled | Segments | None
+AxisEntry = str | Tiled | Blocks | Segments | None
 
 
 def _entry_groups(entry: Any) -> list[str]:
@@ -139,7 +193,18 @@ def _entry_groups(entry: Any) -> list[str]:
         return [entry]
     if isinstance(entry, Tiled):
         return [entry.group]
+    if isinstance(entry, Blocks):
+        return [entry.outer, entry.inner]
     return list(dict.fromkeys(g for part in entry.parts if not isinstance(part, int) for g in _entry_groups(part)))
+
+
+def _entry_blocks(entry: Any) -> list[Blocks]:
+    """The Blocks parts of an axis entry."""
+    if isinstance(entry, Blocks):
+        return [entry]
+    if isinstance(entry, Segments):
+        return [part for part in entry.parts if isinstance(part, Blocks)]
+    return []
 
 
 def _rename(entry: Any, mapping: Mapping[str, str]) -> Any:
@@ -149,6 +214,8 @@ def _rename(entry: Any, mapping: Mapping[str, str]) -> Any:
         return mapping[entry]
     if isinstance(entry, Tiled):
         return Tiled(mapping[entry.group], entry.outer, entry.inner)
+    if isinstance(entry, Blocks):
+        return Blocks(mapping[entry.outer], mapping[entry.inner])
     return Segments(*[part if isinstance(part, int) else _rename(part, mapping) for part in entry.parts])
 
 
@@ -158,10 +225,10 @@ class PermutationSpec:
 
     Parameters
     ----------
-    axes : mapping of str to tuple of (str, Segments, Tiled or None)
+    axes : mapping of str to tuple of (str, Segments, Tiled, Blocks or None)
         For every ``state_dict`` key of the model, one entry per axis of that tensor:
         the name of the permutation group acting on the axis, a structured form
-        (:class:`Segments`, :class:`Tiled`; see the module notes), or ``None``. Keys
+        (:class:`Segments`, :class:`Tiled`, :class:`Blocks`; see the module notes), or ``None``. Keys
         whose tensors are never permuted (``num_batches_tracked``, the last layer's
         bias) are listed with all-``None`` axes, so a spec covers the whole state dict.
         A group may act on two axes of one tensor (``P W P^T``).
@@ -171,7 +238,9 @@ class PermutationSpec:
     Raises
     ------
     ValueError
-        A group is used by no axis, or an axis names an unknown group.
+        A group is used by no axis, an axis names an unknown group, or a :class:`Blocks`
+        inner group is used elsewhere than as the inner group of one outer group, or has
+        a size that is not a multiple of its outer group's.
     TypeError
         An axis entry is none of the forms above.
 
@@ -202,12 +271,12 @@ class PermutationSpec:
             named = [g for g in groups if isinstance(g, str)]
             structured = structured or len(named) != len(set(named))
             for axis, entry in enumerate(groups):
-                if entry is not None and not isinstance(entry, (str, Tiled, Segments)):
+                if entry is not None and not isinstance(entry, (str, Tiled, Blocks, Segments)):
                     raise TypeError(
-                        f"tensor {key!r} axis {axis}: an axis entry must be a group name, Segments, Tiled or None, "
-                        f"got {type(entry).__name__}"
+                        f"tensor {key!r} axis {axis}: an axis entry must be a group name, Segments, Tiled, Blocks or "
+                        f"None, got {type(entry).__name__}"
                     )
-                structured = structured or isinstance(entry, (Tiled, Segments))
+                structured = structured or isinstance(entry, (Tiled, Blocks, Segments))
                 for g in _entry_groups(entry):
                     if g not in sizes:
                         raise ValueError(f"tensor {key!r} axis {axis} names unknown group {g!r}")
@@ -215,10 +284,57 @@ class PermutationSpec:
         unused = [g for g, where in used.items() if not where]
         if unused:
             raise ValueError(f"groups {unused} act on no tensor axis")
+        blocks = self._check_blocks(axes, sizes)
         object.__setattr__(self, "axes", axes)
         object.__setattr__(self, "sizes", sizes)
         object.__setattr__(self, "group_axes", {g: tuple(w) for g, w in used.items()})
         object.__setattr__(self, "_structured", structured)
+        object.__setattr__(self, "_blocks", blocks)
+
+    @staticmethod
+    def _check_blocks(axes: Mapping[str, AxisGroups], sizes: Mapping[str, int]) -> dict[str, str]:
+        """Map every Blocks inner group to its outer group, checking it is used only there."""
+        outer_of: dict[str, str] = {}
+        for key, groups in axes.items():
+            for axis, entry in enumerate(groups):
+                for b in _entry_blocks(entry):
+                    if outer_of.setdefault(b.inner, b.outer) != b.outer:
+                        raise ValueError(
+                            f"tensor {key!r} axis {axis}: Blocks inner group {b.inner!r} has outer group {b.outer!r} "
+                            f"here and {outer_of[b.inner]!r} elsewhere; an inner group belongs to one outer group"
+                        )
+        for key, groups in axes.items():
+            for axis, entry in enumerate(groups):
+                # Every use of an inner group other than as a Blocks inner (a plain entry, a
+                # Tiled or Segments part, an outer group) would permute across its blocks.
+                parts = entry.parts if isinstance(entry, Segments) else (entry,)
+                for part in parts:
+                    named = [part] if isinstance(part, str) else [part.group] if isinstance(part, Tiled) else []
+                    named += [part.outer] if isinstance(part, Blocks) else []
+                    for g in named:
+                        if g in outer_of:
+                            raise ValueError(
+                                f"tensor {key!r} axis {axis}: group {g!r} is a Blocks inner group and may only appear "
+                                f"as Blocks({outer_of[g]!r}, {g!r})"
+                            )
+        for inner, outer in outer_of.items():
+            if sizes[inner] % sizes[outer]:
+                raise ValueError(
+                    f"Blocks inner group {inner!r} has size {sizes[inner]}, not a multiple of outer group {outer!r} "
+                    f"size {sizes[outer]} (the inner group has one unit per entry of the axis)"
+                )
+        return outer_of
+
+    @property
+    def blocks(self) -> dict[str, str]:
+        """Every :class:`Blocks` inner group mapped to its outer group (empty for other specs)."""
+        return dict(self._blocks)  # type: ignore[attr-defined]
+
+    def block_size(self, inner: str) -> int:
+        """The number of units in each block of the :class:`Blocks` inner group ``inner``."""
+        if inner not in self._blocks:  # type: ignore[attr-defined]
+            raise ValueError(f"group {inner!r} is not a Blocks inner group")
+        return self.sizes[inner] // self.sizes[self._blocks[inner]]  # type: ignore[attr-defined]
 
     @property
     def structured(self) -> bool:
@@ -235,7 +351,7 @@ class PermutationSpec:
         for key, groups in self.axes.items():
             named = [g for g in groups if isinstance(g, str)]
             for axis, entry in enumerate(groups):
-                if isinstance(entry, (Tiled, Segments)) or (isinstance(entry, str) and named.count(entry) > 1):
+                if isinstance(entry, (Tiled, Blocks, Segments)) or (isinstance(entry, str) and named.count(entry) > 1):
                     raise ValueError(
                         f"{method} supports one group per axis and one axis per group in a tensor; the spec has "
                         f"{entry!r} on {key!r} axis {axis}"
@@ -252,6 +368,8 @@ class PermutationSpec:
             return self.sizes[entry]
         if isinstance(entry, Tiled):
             return entry.outer * self.sizes[entry.group] * entry.inner
+        if isinstance(entry, Blocks):
+            return self.sizes[entry.inner]
         return sum(part if isinstance(part, int) else self._length(part) for part in entry.parts)  # type: ignore[misc]
 
     def axis_index(self, key: str, axis: int, perms: Mapping[str, Any]) -> Any:
@@ -283,6 +401,11 @@ class PermutationSpec:
                 outer = torch.arange(entry.outer, device=p.device).view(-1, 1, 1) * (n * entry.inner)
                 inner = torch.arange(entry.inner, device=p.device).view(1, 1, -1)
                 return (outer + p.view(1, -1, 1) * entry.inner + inner).reshape(-1)
+            if isinstance(entry, Blocks):
+                # The inner permutation, block-diagonal, with its blocks reordered by the outer one.
+                p = torch.as_tensor(perms[entry.outer], dtype=torch.int64)
+                d = torch.as_tensor(perms[entry.inner], dtype=torch.int64)
+                return d.view(p.numel(), -1)[p.to(d.device)].reshape(-1)
             pieces, offset = [], 0
             for part in entry.parts:
                 piece = torch.arange(part) if isinstance(part, int) else index(part)
@@ -293,13 +416,16 @@ class PermutationSpec:
         entry = self.axes[key][axis]
         return None if entry is None else index(entry)
 
-    def unit_positions(self, key: str, axis: int, group: str) -> Any:
+    def unit_positions(self, key: str, axis: int, group: str, *, outer_blocks: bool = True) -> Any:
         """Where each unit of ``group`` sits along ``axes[key][axis]``: an (n, k) int64 tensor.
 
         Row ``u`` lists the ``k`` entries of the axis that unit ``u`` owns (one for a
-        plain group; ``outer * inner`` per :class:`Tiled` part; more when the group is in
+        plain group or a :class:`Blocks` inner group; ``outer * inner`` per :class:`Tiled`
+        part; a whole block for a :class:`Blocks` outer group; more when the group is in
         several :class:`Segments` parts). Permuting the group by ``perm`` moves row
-        ``perm[i]`` to row ``i``. Weight matching reads a group's similarity from these.
+        ``perm[i]`` to row ``i``. Weight matching reads a group's similarity from these;
+        with ``outer_blocks=False`` it leaves out the :class:`Blocks` parts the group
+        permutes as an outer group (those it reads through the inner group).
 
         Examples
         --------
@@ -320,6 +446,10 @@ class PermutationSpec:
                 inner = torch.arange(entry.inner).view(1, 1, -1)
                 outer = torch.arange(entry.outer).view(1, -1, 1) * (n * entry.inner)
                 return [(torch.arange(n).view(-1, 1, 1) * entry.inner + outer + inner).reshape(n, -1) + offset]
+            if isinstance(entry, Blocks) and entry.inner == group:
+                return [torch.arange(n).view(n, 1) + offset]
+            if isinstance(entry, Blocks) and entry.outer == group and outer_blocks:
+                return [torch.arange(self.sizes[entry.inner]).view(n, -1) + offset]
             if isinstance(entry, Segments):
                 found = []
                 for part in entry.parts:
@@ -331,6 +461,8 @@ class PermutationSpec:
 
         found = positions(self.axes[key][axis], 0)
         if not found:
+            if not outer_blocks and (key, axis) in self.group_axes[group]:
+                return torch.zeros(n, 0, dtype=torch.int64)  # only Blocks parts here
             raise ValueError(f"group {group!r} does not act on {key!r} axis {axis}")
         return torch.cat(found, dim=1)
 
@@ -441,11 +573,19 @@ class PermutationSpec:
             raise ValueError(
                 f"{name} does not match the models' state_dict: missing keys {missing[:5]}, unexpected {extra[:5]}"
             )
-        theirs = {frozenset(where): g for g, where in other.group_axes.items()}
+        # A Blocks outer group and its inner groups act on the same axes: size and role tell them apart.
+        theirs: dict[frozenset, list[str]] = {}
+        for h, where in other.group_axes.items():
+            theirs.setdefault(frozenset(where), []).append(h)
         mapping: dict[str, str] = {}
         for g, where in self.group_axes.items():
-            h = theirs.get(frozenset(where))
-            if h is None or other.sizes[h] != self.sizes[g]:
+            candidates = [
+                h for h in theirs.get(frozenset(where), [])
+                if other.sizes[h] == self.sizes[g] and (h in other.blocks) == (g in self.blocks)
+                and h not in mapping.values()
+            ]  # fmt: skip
+            h = candidates[0] if candidates else None
+            if h is None:
                 raise ValueError(
                     f"{name} group {g!r} (acting on {list(where)[:3]}...) matches no group of the traced model: "
                     "each group must be one of the groups PermutationSpec.from_model finds (it may leave some out)"

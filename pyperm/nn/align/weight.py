@@ -340,6 +340,7 @@ def _signature_init(
     sb = _check_state(spec, state_b, "state_b", flat=False)
     chosen = set(_objective_keys(spec, sa, keys))
     perms: dict[str, torch.Tensor] = {}
+    costs: dict[str, torch.Tensor] = {}
     for g, n in spec.sizes.items():
         sig_a, sig_b = [], []
         for key, axis in spec.group_axes[g]:
@@ -353,9 +354,103 @@ def _signature_init(
             perms[g] = torch.arange(n)
             continue
         cost = torch.cdist(torch.cat(sig_a, 1), torch.cat(sig_b, 1)) ** 2
+        if g in spec.blocks:  # solved below, within the blocks its outer group pairs
+            costs[g] = cost
+            continue
         _, cols = pyperm.linear_sum_assignment(cost.numpy())
         perms[g] = torch.as_tensor(cols, dtype=torch.int64)
+    for inner, outer in spec.blocks.items():
+        # An outer unit's signature covers its whole block, whatever the order within it,
+        # so the blocks are paired first; then each pair of blocks pairs its units.
+        nb, bs = spec.sizes[outer], spec.block_size(inner)
+        if inner not in costs:
+            perms[inner] = torch.arange(spec.sizes[inner])
+            continue
+        pairs = costs[inner].view(nb, bs, nb, bs)[torch.arange(nb), :, perms[outer]]  # (nb, bs, bs)
+        _, cols = pyperm.batch_linear_sum_assignment(pairs.contiguous().numpy())
+        perms[inner] = _inner_of_pairs(perms[outer], torch.as_tensor(cols, dtype=torch.int64))
     return perms
+
+
+def _inner_of_pairs(outer: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The block-diagonal inner permutation that pairs unit ``l`` of A's block ``i`` with unit
+    ``cols[i, l]`` of B's block ``outer[i]`` (``cols``: (nb, bs), local indices)."""
+    nb, bs = cols.shape
+    inner = torch.empty(nb * bs, dtype=torch.int64)
+    # The inner permutation belongs to B's block: block outer[i] of it is that block's order.
+    inner.view(nb, bs)[outer] = outer.view(-1, 1) * bs + cols
+    return inner
+
+
+def _row_similarity(
+    spec: PermutationSpec,
+    sa: Mapping[str, torch.Tensor],
+    sb: Mapping[str, torch.Tensor],
+    perms: Mapping[str, torch.Tensor],
+    key: str,
+    axis: int,
+    held: Mapping[str, torch.Tensor],
+    pos: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The products of A's rows at ``pos`` (n, k) along ``axis`` with B's, B permuted by
+    ``perms`` along every axis and by ``{**perms, **held}`` along this one: (n, n)."""
+    b = sb[key]
+    for ax in range(b.ndim):
+        index = spec.axis_index(key, ax, perms if ax != axis else {**perms, **held})
+        if index is not None:
+            b = b.index_select(ax, index.to(b.device))
+    n = pos.shape[0]
+    rows_a = sa[key].index_select(axis, pos.reshape(-1).to(sa[key].device)).movedim(axis, 0)
+    rows_b = b.index_select(axis, pos.reshape(-1).to(b.device)).movedim(axis, 0)
+    return (rows_a.reshape(n, -1).to(dtype) @ rows_b.reshape(n, -1).to(dtype).T).cpu()
+
+
+def _blocks_step(
+    spec: PermutationSpec,
+    sa: Mapping[str, torch.Tensor],
+    sb: Mapping[str, torch.Tensor],
+    perms: Mapping[str, torch.Tensor],
+    outer: str,
+    chosen: set[str],
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """The best outer permutation of ``outer`` and inner permutations of its Blocks groups, the
+    other groups held: an assignment of assignments.
+
+    For every inner group and every pair (block ``i`` of A, block ``j`` of B) the units of
+    the two blocks are paired by one assignment problem (all ``nb * nb`` of them in one
+    batched solve); the best values, summed over the inner groups and added to the
+    outer group's own similarity on its other axes, are the outer assignment's
+    similarity; each block then keeps the inner assignment of the pair it is matched in.
+    """
+    nb = spec.sizes[outer]
+    inners = [d for d, o in spec.blocks.items() if o == outer]
+    held = {outer: torch.arange(nb), **{d: torch.arange(spec.sizes[d]) for d in inners}}
+    outer_sim = torch.zeros(nb, nb, dtype=torch.float64)
+    for key, axis in spec.group_axes[outer]:
+        pos = spec.unit_positions(key, axis, outer, outer_blocks=False)
+        if key in chosen and pos.shape[1]:
+            outer_sim += _row_similarity(spec, sa, sb, perms, key, axis, held, pos, dtype).double()
+    pairs = {}
+    for d in inners:
+        n, bs = spec.sizes[d], spec.block_size(d)
+        sim = torch.zeros(n, n, dtype=dtype)
+        for key, axis in spec.group_axes[d]:
+            if key in chosen:
+                sim += _row_similarity(spec, sa, sb, perms, key, axis, held, spec.unit_positions(key, axis, d), dtype)
+        # (A block i, B block j) -> the (bs, bs) similarity of their units.
+        stack = sim.double().view(nb, bs, nb, bs).permute(0, 2, 1, 3).reshape(nb * nb, bs, bs).contiguous()
+        _, cols = pyperm.batch_linear_sum_assignment(stack.numpy(), maximize=True)
+        cols = torch.as_tensor(cols, dtype=torch.int64)
+        outer_sim += stack.gather(2, cols.unsqueeze(2)).sum((1, 2)).view(nb, nb)
+        pairs[d] = cols.view(nb, nb, bs)
+    _, best = pyperm.linear_sum_assignment(outer_sim.numpy(), maximize=True)
+    best = torch.as_tensor(best, dtype=torch.int64)
+    step = {outer: best}
+    for d, cols in pairs.items():
+        step[d] = _inner_of_pairs(best, cols[torch.arange(nb), best])
+    return step
 
 
 def _check_sweeps(max_iter: Any, tol: Any) -> None:
@@ -387,7 +482,9 @@ def _match_structured(
     other axis. A group acting on two axes of one tensor makes the objective quadratic
     in its permutation; each step then solves the linearisation with the other
     occurrence held at its current value (coordinate descent), and a step is kept only
-    if the exact objective rises, so the objective never decreases.
+    if the exact objective rises, so the objective never decreases. A :class:`~pyperm.nn.spec.Blocks` outer
+    group and its inner groups move in one step (:func:`_blocks_step`), kept likewise only
+    if the exact objective rises.
     """
     _check_sweeps(max_iter, tol)
     if dtype not in (torch.float32, torch.float64):
@@ -402,27 +499,31 @@ def _match_structured(
     chosen_set = set(chosen)
     # Groups acting on two axes of one tensor make the objective quadratic in their permutation.
     quadratic = {g for g, where in spec.group_axes.items() if len({k for k, _ in where}) < len(where)}
+    block_outers = set(spec.blocks.values())
     sweeps, converged = 0, max_iter == 0
     for sweeps in range(1, max_iter + 1):
         improved = False
         for gi in torch.randperm(len(spec.groups), generator=gen).tolist():
             g = spec.groups[gi]
             n = spec.sizes[g]
+            if g in spec.blocks:  # moved with its outer group (a step of its own would cross blocks)
+                continue
+            if g in block_outers:
+                step = _blocks_step(spec, sa, sb, perms, g, chosen_set, dtype)
+                if all(torch.equal(p, perms[h]) for h, p in step.items()):
+                    continue
+                value = _objective(spec, sa, sb, {**perms, **step}, chosen)
+                if value > current + tol * max(abs(current), 1.0):
+                    perms.update(step)
+                    current, improved = value, True
+                continue
             sim = torch.zeros(n, n, dtype=dtype)
             for key, axis in spec.group_axes[g]:
-                if key not in chosen_set:
-                    continue
-                # B permuted everywhere except where g sits on this axis (the other groups of
-                # the axis are not read: only g's rows enter).
-                b = sb[key]
-                for ax in range(b.ndim):
-                    index = spec.axis_index(key, ax, perms if ax != axis else {**perms, g: torch.arange(n)})
-                    if index is not None:
-                        b = b.index_select(ax, index.to(b.device))
-                pos = spec.unit_positions(key, axis, g)
-                rows_a = sa[key].index_select(axis, pos.reshape(-1).to(sa[key].device)).movedim(axis, 0)
-                rows_b = b.index_select(axis, pos.reshape(-1).to(b.device)).movedim(axis, 0)
-                sim += (rows_a.reshape(n, -1).to(dtype) @ rows_b.reshape(n, -1).to(dtype).T).cpu()
+                if key in chosen_set:
+                    # B permuted everywhere except where g sits on this axis (the other groups
+                    # of the axis are not read: only g's rows enter).
+                    pos = spec.unit_positions(key, axis, g)
+                    sim += _row_similarity(spec, sa, sb, perms, key, axis, {g: torch.arange(n)}, pos, dtype)
             _, cols = pyperm.linear_sum_assignment(sim.double().numpy(), maximize=True)
             candidate = torch.as_tensor(cols, dtype=torch.int64)
             if torch.equal(candidate, perms[g]):

@@ -1,0 +1,243 @@
+"""The group-of-groups axis form (Blocks): attention heads and grouped convolutions permuted as whole
+blocks and within every block, each block with its own inner permutation. A planted permutation keeps
+the function, weight matching finds it back, and permutations that cross blocks are refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyperm.nn import Permutations, PermutationSpec, apply_permutation, matching_objective, weight_matching
+from pyperm.nn.spec import Blocks, Segments, Tiled
+
+
+def planted(spec: PermutationSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random permutation of every group; a Blocks inner group's is random within each block."""
+    gen = torch.Generator().manual_seed(seed)
+    perms = {}
+    for g, n in spec.sizes.items():
+        if g in spec.blocks:
+            bs = spec.block_size(g)
+            nb = n // bs
+            local = torch.stack([torch.randperm(bs, generator=gen) for _ in range(nb)])
+            perms[g] = (local + torch.arange(nb).view(-1, 1) * bs).reshape(-1)
+        else:
+            perms[g] = torch.randperm(n, generator=gen)
+    return perms
+
+
+class HandAttention(nn.Module):
+    """Self-attention written out: q, k, v and output projections, 4 heads of 3 dims, a per-head scale."""
+
+    def __init__(self, d_in: int = 5, heads: int = 4, head_dim: int = 3) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        e = heads * head_dim
+        self.q, self.k, self.v = nn.Linear(d_in, e), nn.Linear(d_in, e), nn.Linear(d_in, e)
+        self.out = nn.Linear(e, d_in)
+        self.scale = nn.Parameter(torch.rand(heads) + 0.5)
+
+    def split(self, t: torch.Tensor) -> torch.Tensor:
+        b, n, _ = t.shape
+        return t.view(b, n, self.heads, self.head_dim).transpose(1, 2)  # (b, heads, n, head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(self.q(x)), self.split(self.k(x)), self.split(self.v(x))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim) * self.scale.view(1, -1, 1, 1)
+        o = torch.softmax(scores, dim=-1) @ v
+        return x + self.out(o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+def attention_spec(model: HandAttention) -> PermutationSpec:
+    # Heads move together in q, k, v and the output projection; q and k share the within-head
+    # permutation (their dot product), v and the output projection's columns have their own.
+    qk, v = Blocks("heads", "qk"), Blocks("heads", "v")
+    e = model.heads * model.head_dim
+    return PermutationSpec(
+        {"scale": ("heads",), "q.weight": (qk, None), "q.bias": (qk,), "k.weight": (qk, None), "k.bias": (qk,),
+         "v.weight": (v, None), "v.bias": (v,), "out.weight": (None, v), "out.bias": (None,)},
+        {"heads": model.heads, "qk": e, "v": e},
+    )  # fmt: skip
+
+
+class FusedAttention(HandAttention):
+    """The same attention with one fused qkv projection (rows: q, then k, then v)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        e = self.heads * self.head_dim
+        self.qkv = nn.Linear(self.q.in_features, 3 * e)
+        del self.q, self.k, self.v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (self.split(t) for t in self.qkv(x).chunk(3, dim=-1))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim) * self.scale.view(1, -1, 1, 1)
+        o = torch.softmax(scores, dim=-1) @ v
+        return x + self.out(o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+def fused_spec(model: FusedAttention) -> PermutationSpec:
+    qkv = Segments(Blocks("heads", "qk"), Blocks("heads", "qk"), Blocks("heads", "v"))
+    e = model.heads * model.head_dim
+    return PermutationSpec(
+        {"scale": ("heads",), "out.weight": (None, Blocks("heads", "v")), "out.bias": (None,),
+         "qkv.weight": (qkv, None), "qkv.bias": (qkv,)},
+        {"heads": model.heads, "qk": e, "v": e},
+    )  # fmt: skip
+
+
+class GroupedConvBlock(nn.Module):
+    """ResNeXt style: a 1x1 convolution, a grouped 3x3 convolution (4 groups, 2 -> 3 channels each), a 1x1 head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 1)
+        self.conv2 = nn.Conv2d(8, 12, 3, padding=1, groups=4)
+        self.conv3 = nn.Conv2d(12, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv3(F.relu(self.conv2(F.relu(self.conv1(x)))))
+
+
+def grouped_conv_spec(model: GroupedConvBlock) -> PermutationSpec:
+    # The groups move as blocks everywhere; the grouped convolution's output channels are also
+    # permuted within each group. Its input channels keep their order within a group: every
+    # output channel of a group reads them in one order (axis 1 of conv2.weight).
+    out = Blocks("groups", "channels")
+    return PermutationSpec(
+        {"conv1.weight": (Tiled("groups", inner=2), None, None, None), "conv1.bias": (Tiled("groups", inner=2),),
+         "conv2.weight": (out, None, None, None), "conv2.bias": (out,),
+         "conv3.weight": (None, out, None, None), "conv3.bias": (None,)},
+        {"groups": 4, "channels": 12},
+    )  # fmt: skip
+
+
+MODELS = {
+    "attention": (HandAttention, attention_spec, (2, 6, 5)),
+    "fused-qkv": (FusedAttention, fused_spec, (2, 6, 5)),
+    "grouped-conv": (GroupedConvBlock, grouped_conv_spec, (2, 3, 5, 5)),
+}
+
+
+def build(name: str) -> tuple[nn.Module, PermutationSpec, torch.Tensor]:
+    torch.manual_seed(0)
+    factory, make_spec, shape = MODELS[name]
+    model = factory().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)  # spread the weights: no ties between units
+    return model, make_spec(model), torch.randn(*shape, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_planted_blocks_permutation_keeps_the_function(name):
+    model, spec, x = build(name)
+    assert spec.structured and set(spec.blocks.values()) == {"heads" if name != "grouped-conv" else "groups"}
+    perms = Permutations(spec, planted(spec))
+    permuted = apply_permutation(spec, perms, model.state_dict())
+    assert all(not torch.equal(permuted[k], v) for k, v in model.state_dict().items() if k != "out.bias"
+               and k != "conv3.bias")  # fmt: skip
+    other = copy.deepcopy(model)
+    other.load_state_dict(permuted)
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-12)
+    back = apply_permutation(spec, perms.inverse(), permuted)
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+    twice = apply_permutation(spec, perms.compose(perms), model.state_dict())
+    assert all(torch.equal(twice[k], v) for k, v in apply_permutation(spec, perms, permuted).items())
+
+
+def test_blocks_moves_each_block_with_its_own_inner_permutation():
+    model, spec, _ = build("attention")
+    perms = {"heads": [1, 0, 3, 2], "qk": [2, 0, 1] + list(range(3, 12)), "v": list(range(12))}
+    q = apply_permutation(spec, perms, model.state_dict())["q.weight"]
+    w = model.state_dict()["q.weight"]
+    # New head 0 is old head 1 as it was; new head 1 is old head 0 with its dims reordered [2, 0, 1].
+    torch.testing.assert_close(q[0:3], w[3:6], rtol=0, atol=0)
+    torch.testing.assert_close(q[3:6], w[[2, 0, 1]], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_weight_matching_recovers_a_planted_blocks_permutation(name):
+    model, spec, _ = build(name)
+    sa = model.state_dict()
+    perms = Permutations(spec, planted(spec, seed=3))
+    sb = apply_permutation(spec, perms, sa)
+    for init in (None, "signatures"):
+        result = weight_matching(spec, sa, sb, seed=0, init=init, dtype=torch.float64)
+        assert result.objective == sorted(result.objective)  # never decreases
+        assert Permutations(spec, result.perms) == perms.inverse()
+        aligned = apply_permutation(spec, result.perms, sb)
+        for key, t in sa.items():
+            torch.testing.assert_close(aligned[key], t, rtol=0, atol=0, msg=key)
+        assert result.objective[-1] == pytest.approx(matching_objective(spec, sa, sa), rel=1e-12)
+
+
+def test_weight_matching_of_blocks_never_decreases_from_any_start():
+    model, spec, _ = build("fused-qkv")
+    other = FusedAttention().double()
+    sa, sb = model.state_dict(), other.state_dict()
+    for seed in range(3):
+        start = planted(spec, seed)
+        result = weight_matching(spec, sa, sb, seed=seed, init=start, dtype=torch.float64)
+        assert result.objective == sorted(result.objective)
+        assert result.objective[0] == pytest.approx(matching_objective(spec, sa, sb, start), rel=1e-12)
+        Permutations(spec, result.perms)  # block-diagonal inner permutations
+
+
+def test_inner_permutation_that_crosses_blocks_is_refused():
+    model, spec, _ = build("attention")
+    perms = planted(spec)
+    perms["v"] = perms["v"].clone()
+    perms["v"][[2, 3]] = perms["v"][[3, 2]]  # units 2 and 3 belong to heads 0 and 1
+    with pytest.raises(ValueError, match=r"perms\['v'\] moves units between blocks .* Blocks\('heads', 'v'\)"):
+        Permutations(spec, perms)
+    with pytest.raises(ValueError, match=r"perms\['v'\] moves units between blocks"):
+        apply_permutation(spec, perms, model.state_dict())
+
+
+def test_bad_blocks_specs_are_refused():
+    with pytest.raises(TypeError, match="Blocks inner must be a group name, got int"):
+        Blocks("h", 3)
+    with pytest.raises(ValueError, match="Blocks outer and inner must be different groups"):
+        Blocks("h", "h")
+    with pytest.raises(ValueError, match=r"Blocks inner group 'd' has size 7, not a multiple of outer group 'h'"):
+        PermutationSpec({"w": (Blocks("h", "d"),)}, {"h": 2, "d": 7})
+    with pytest.raises(ValueError, match=r"tensor 'v' axis 0: group 'd' is a Blocks inner group .* Blocks\('h', 'd'\)"):
+        PermutationSpec({"w": (Blocks("h", "d"),), "v": ("d",)}, {"h": 2, "d": 6})
+    with pytest.raises(ValueError, match=r"Blocks inner group 'd' has outer group 'g' here and 'h' elsewhere"):
+        PermutationSpec({"w": (Blocks("h", "d"),), "v": (Blocks("g", "d"),)}, {"h": 2, "g": 3, "d": 6})
+    with pytest.raises(ValueError, match=r"group 'e' is not a Blocks inner group"):
+        PermutationSpec({"w": (Blocks("h", "d"), "e")}, {"h": 2, "d": 6, "e": 2}).block_size("e")
+    from pyperm.nn.align.weight import WeightMatcher
+
+    blocked = r"WeightMatcher supports one group per axis .* Blocks\(outer='h', inner='d'\)"
+    with pytest.raises(ValueError, match=blocked):
+        WeightMatcher(PermutationSpec({"w": (Blocks("h", "d"),)}, {"h": 2, "d": 6}), {"w": torch.zeros(6)})
+    spec = PermutationSpec({"w": (Segments(Blocks("h", "d"), 2),)}, {"h": 2, "d": 6})
+    with pytest.raises(ValueError, match=r"state_dict\['w'\] axis 0 has size 7; Segments\(Blocks"):
+        spec.check_state_dict({"w": torch.zeros(7)})
+    assert spec.unit_positions("w", 0, "h").tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert spec.unit_positions("w", 0, "d").view(-1).tolist() == list(range(6))
+
+
+def test_blocks_permutations_round_trip_through_json():
+    model, spec, _ = build("fused-qkv")
+    perms = Permutations(spec, planted(spec, seed=1))
+    data = json.loads(json.dumps(perms.to_dict()))
+    assert Permutations.from_dict(spec, data) == perms
+    assert Permutations.identity(spec).is_identity() and not perms.is_identity()
+    assert perms.compose(perms.inverse()).is_identity() and perms.inverse().compose(perms).is_identity()
+
+
+def test_blocks_specs_compare_by_structure():
+    a = PermutationSpec({"w": (Blocks("h", "d"), None), "o": (None, Blocks("h", "d"))}, {"h": 2, "d": 6})
+    renamed = PermutationSpec({"w": (Blocks("x", "y"), None), "o": (None, Blocks("x", "y"))}, {"x": 2, "y": 6})
+    assert a.equivalent(renamed) and a.group_correspondence(renamed) == {"h": "x", "d": "y"}
+    assert renamed.blocks == {"y": "x"} and renamed.block_size("y") == 3
