@@ -241,3 +241,46 @@ def test_blocks_specs_compare_by_structure():
     renamed = PermutationSpec({"w": (Blocks("x", "y"), None), "o": (None, Blocks("x", "y"))}, {"x": 2, "y": 6})
     assert a.equivalent(renamed) and a.group_correspondence(renamed) == {"h": "x", "d": "y"}
     assert renamed.blocks == {"y": "x"} and renamed.block_size("y") == 3
+
+
+class MHABlock(nn.Module):
+    """A residual nn.MultiheadAttention block (4 heads of 3 dims) between an embedding and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(5, 12)
+        self.attn = nn.MultiheadAttention(12, 4, batch_first=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.head(h.mean(1))
+
+
+def test_traced_multihead_attention_moves_heads_as_blocks():
+    from pyperm.nn import trace_model
+
+    torch.manual_seed(0)
+    model = MHABlock().double()
+    x = torch.randn(2, 6, 5, dtype=torch.float64)
+    spec = trace_model(model, x, composite="raise", structured=True).spec
+    qk, vo = Blocks("P_attn.heads", "P_attn.qk"), Blocks("P_attn.heads", "P_attn.vo")
+    assert spec.axes["attn.in_proj_weight"] == (Segments(qk, qk, vo), "P_embed")
+    assert spec.axes["attn.out_proj.weight"] == ("P_embed", vo)
+    assert spec.blocks == {"P_attn.qk": "P_attn.heads", "P_attn.vo": "P_attn.heads"}
+    perms = Permutations(spec, planted(spec, seed=2))
+    other = copy.deepcopy(model)
+    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    model.eval()
+    other.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)  # spread the weights: no ties between units
+    sa = model.state_dict()
+    sb = apply_permutation(spec, perms, sa)
+    result = weight_matching(spec, sa, sb, seed=0, init="best", dtype=torch.float64)
+    assert Permutations(spec, result.perms) == perms.inverse()
+    assert result.objective[-1] == pytest.approx(matching_objective(spec, sa, sa), rel=1e-12)

@@ -512,7 +512,8 @@ class PermutationSpec:
         structured : bool, default False
             Describe concatenations, flattened feature maps, head splits and layers
             applied to their own output with structured axes (:class:`Segments`,
-            :class:`Tiled`, one group on two axes) instead of fixing their units. The
+            :class:`Tiled`, :class:`Blocks` for the heads of ``nn.MultiheadAttention``,
+            one group on two axes) instead of fixing their units. The
             result is exact, and :func:`pyperm.nn.apply_permutation` handles it; the
             alignment methods that need a flat spec say so.
 

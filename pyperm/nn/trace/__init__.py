@@ -46,9 +46,12 @@ a ``C x H x W`` feature map a ``Tiled`` one, a split of an axis of units (attent
 of a fused qkv projection, a channel shuffle) a new group tiled over the outer axes, a
 layer applied to its own output names its group on both axes of its weight, a one-layer
 ``nn.RNN``/``nn.GRU``/``nn.LSTM`` has its hidden units as a group with the gates as
-segments, ``nn.MultiheadAttention`` its head dims as tiled groups, and a grouped
-convolution the same permutation within every channel group (the groups themselves stay
-in place: the full group of groups is not described yet).
+segments, ``nn.MultiheadAttention`` its heads and the units within each head as
+``Blocks`` axes (each head its own permutation), and a grouped convolution the same
+permutation within every channel group (the groups themselves stay in place; a
+hand-written spec can move them with ``Blocks``). The head split of a fused qkv
+projection gets the same permutation within every head (a ``Tiled`` group): a reshape
+labels each axis on its own, so the tracer cannot carry one permutation per head.
 
 Operations that cannot be handled at all (a reshape that splits a channel axis, an
 order-dependent operation such as ``sort``/``cumsum``/``flip`` along channels, an unknown

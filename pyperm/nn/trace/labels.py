@@ -10,12 +10,14 @@ Values that are not tensors (tuples returned by a layer, dicts, sizes) get label
 same structure: tuples of labels, dicts of labels, or ``None``.
 
 With ``structured=True`` an axis may also be labelled by a structure of classes: a
-:class:`CatAxis` (a concatenation, from ``torch.cat`` along units) or a :class:`TileAxis`
-(one class repeated over a fixed block, from flattening a feature map). Joining a plain
+:class:`CatAxis` (a concatenation, from ``torch.cat`` along units), a :class:`TileAxis`
+(one class repeated over a fixed block, from flattening a feature map) or a
+:class:`BlockAxis` (blocks moved by one class and units within each block by another,
+each block its own: attention heads). Joining a plain
 class with a structure *binds* the class to it (a BatchNorm's weight after a
 concatenation is permuted segment by segment); joining two structures joins them part
-by part. These become :class:`~pyperm.nn.spec.Segments` and :class:`~pyperm.nn.spec.Tiled`
-axes of the spec.
+by part. These become :class:`~pyperm.nn.spec.Segments`, :class:`~pyperm.nn.spec.Tiled`
+and :class:`~pyperm.nn.spec.Blocks` axes of the spec.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch.utils import _pytree as pytree
 from pyperm.nn.trace.errors import TraceError
 
 __all__ = [
+    "BlockAxis",
     "CatAxis",
     "Label",
     "TileAxis",
@@ -55,6 +58,15 @@ class TileAxis:
 
 
 @dataclass(frozen=True)
+class BlockAxis:
+    """An axis ``(blocks, block_size)`` flattened: class ``outer`` moves the blocks, class ``inner``
+    (one unit per entry of the axis) the units within each block."""
+
+    outer: int
+    inner: int
+
+
+@dataclass(frozen=True)
 class CatAxis:
     """Consecutive parts of one axis: ``(atom or structure or None, length)`` each."""
 
@@ -62,7 +74,7 @@ class CatAxis:
 
 
 def is_structure(x: Any) -> bool:
-    return isinstance(x, (TileAxis, CatAxis))
+    return isinstance(x, (TileAxis, CatAxis, BlockAxis))
 
 
 class Label(tuple):
@@ -245,6 +257,8 @@ class UnitClasses:
             return atom.outer * self.size(atom.atom) * atom.inner
         if isinstance(atom, CatAxis):
             return sum(n for _, n in atom.parts)
+        if isinstance(atom, BlockAxis):
+            return self.size(atom.inner)
         return self._uf.size[self._uf.find(atom)]
 
     def structure(self, atom: Any) -> Any:
@@ -275,6 +289,8 @@ class UnitClasses:
             return self._parts(entry.atom, seen)
         if isinstance(entry, CatAxis):
             return [a for part, _ in entry.parts for a in self._parts(part, seen)]
+        if isinstance(entry, BlockAxis):
+            return self._parts(entry.outer, seen) + self._parts(entry.inner, seen)
         r = self._uf.find(entry)
         if r in seen:  # a class bound to a structure that contains it
             return []
@@ -359,6 +375,13 @@ class UnitClasses:
                 return None
         if isinstance(first, TileAxis):
             return TileAxis(self.join(*[s.atom for s in structures]), first.outer, first.inner)
+        if isinstance(first, BlockAxis):
+            outer = self.join(*[s.outer for s in structures])
+            inner = self.join(*[s.inner for s in structures])
+            if outer is None or inner is None:  # one side fixed: a block's units cannot move alone
+                self.fix(*structures)
+                return None
+            return BlockAxis(outer, inner)
         parts = []
         for i, (_, length) in enumerate(first.parts):
             parts.append((self.join(*[s.parts[i][0] for s in structures]), length))
@@ -369,6 +392,8 @@ class UnitClasses:
             return ("tile", entry.outer, entry.inner)
         if isinstance(entry, CatAxis):
             return ("cat", tuple(n for _, n in entry.parts))
+        if isinstance(entry, BlockAxis):
+            return ("blocks", self.size(entry.outer), self.size(entry.inner))
         return None
 
     def atoms_of(self, key: str) -> Iterable[tuple[int, int | None]]:

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from pyperm.nn.spec import PermutationSpec, Segments, Tiled
+from pyperm.nn.spec import Blocks, PermutationSpec, Segments, Tiled
 from pyperm.nn.trace import registry
 from pyperm.nn.trace.errors import TraceError
 from pyperm.nn.trace.interpreter import COMPOSITE_POLICIES, Labeler
-from pyperm.nn.trace.labels import TileAxis
+from pyperm.nn.trace.labels import BlockAxis, TileAxis
 from pyperm.nn.trace.sites import ActivationSite, find_sites
 
 logger = logging.getLogger(__name__)
@@ -143,6 +143,12 @@ def _build_spec(labeler: Labeler) -> tuple[PermutationSpec, dict[str, int]]:
             return group(a, where) if units.is_group(a) and units.is_active(a) else None
         if units.is_fixed(a):
             return None
+        if isinstance(structure, BlockAxis):
+            outer, inner = entry(structure.outer, where), entry(structure.inner, where)
+            if isinstance(outer, str) and isinstance(inner, str):
+                return Blocks(outer, inner)
+            unnamed.append((current[0], a))  # the spec cannot name it: its units are fixed below
+            return None
         if isinstance(structure, TileAxis):
             inner = entry(structure.atom, where)
             if isinstance(inner, str):
@@ -239,8 +245,8 @@ def trace_model(
         Describe concatenations along units, flattened feature maps, splits of an axis
         of units (attention heads, channel shuffles) and layers applied to their own
         output with structured spec axes (:class:`~pyperm.nn.spec.Segments`,
-        :class:`~pyperm.nn.spec.Tiled`, one group on two axes) instead of fixing their
-        units.
+        :class:`~pyperm.nn.spec.Tiled`, :class:`~pyperm.nn.spec.Blocks` for the heads of
+        ``nn.MultiheadAttention``, one group on two axes) instead of fixing their units.
 
     Returns
     -------

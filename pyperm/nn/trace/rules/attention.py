@@ -3,9 +3,11 @@
 ``nn.MultiheadAttention`` contracts its query, key and value features with the columns
 of its input projections, so those units stay permutable (and the three inputs join one
 class when they share ``in_proj_weight``); its output projection produces fresh units.
-The units inside (query/key/value features split into heads) would need a permutation
-of heads and of units within each head, which a flat spec cannot name: they are left
-unpermuted and listed in ``TraceResult.composites``.
+The units inside (query/key/value features split into heads) need a permutation of
+heads and of units within each head, which a flat spec cannot name: they are left
+unpermuted and listed in ``TraceResult.composites``, unless the trace is structured;
+then they are :class:`~pyperm.nn.spec.Blocks` axes (the heads as blocks, and the units of
+every head permuted on their own).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch import nn
 
 from pyperm.nn.trace.call import TraceCall
 from pyperm.nn.trace.errors import TraceError
-from pyperm.nn.trace.labels import CatAxis, Label, TileAxis, label_leaves
+from pyperm.nn.trace.labels import BlockAxis, CatAxis, Label, label_leaves
 from pyperm.nn.trace.registry import register_all
 
 __all__ = ["multihead_attention"]
@@ -47,11 +49,12 @@ def multihead_attention(call: TraceCall) -> Any:
             call.composite("attends over an axis that carries permuted units", lab[:-1])
     out_w, out_b = call.param("out_proj.weight"), call.param("out_proj.bias")
     if call.structured and m.bias_k is None:  # type: ignore[union-attr]
-        # Within every head, query and key units are permuted alike (their dot product stays), and
-        # value units with the output projection's columns; the same permutation in every head.
-        heads, head_dim = m.num_heads, m.head_dim  # type: ignore[union-attr]
-        qk = TileAxis(call.new_units(head_dim, f"{call.path}.qk"), heads, 1)
-        vo = TileAxis(call.new_units(head_dim, f"{call.path}.vo"), heads, 1)
+        # The heads move as blocks in q, k, v and the output projection's columns; within every
+        # head, query and key units are permuted alike (their dot product stays) and value units
+        # with the output projection's columns, each head its own permutation.
+        heads = call.new_units(m.num_heads, f"{call.path}.heads")  # type: ignore[union-attr]
+        qk = BlockAxis(heads, call.new_units(m.embed_dim, f"{call.path}.qk"))  # type: ignore[union-attr]
+        vo = BlockAxis(heads, call.new_units(m.embed_dim, f"{call.path}.vo"))  # type: ignore[union-attr]
         qkv = CatAxis(((qk, m.embed_dim), (qk, m.embed_dim), (vo, m.embed_dim)))  # type: ignore[union-attr]
         if m._qkv_same_embed_dim:  # type: ignore[union-attr]
             call.join(inner[0], qkv)
