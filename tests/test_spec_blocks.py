@@ -107,14 +107,14 @@ class GroupedConvBlock(nn.Module):
 
 def grouped_conv_spec(model: GroupedConvBlock) -> PermutationSpec:
     # The groups move as blocks everywhere; the grouped convolution's output channels are also
-    # permuted within each group. Its input channels keep their order within a group: every
-    # output channel of a group reads them in one order (axis 1 of conv2.weight).
-    out = Blocks("groups", "channels")
+    # permuted within each group, each group its own. Its input channels move alike within
+    # every group: every output channel of a group reads them in one order (conv2.weight axis 1).
+    out, inside = Blocks("groups", "channels"), Tiled("in", outer="groups")
     return PermutationSpec(
-        {"conv1.weight": (Tiled("groups", inner=2), None, None, None), "conv1.bias": (Tiled("groups", inner=2),),
-         "conv2.weight": (out, None, None, None), "conv2.bias": (out,),
+        {"conv1.weight": (inside, None, None, None), "conv1.bias": (inside,),
+         "conv2.weight": (out, "in", None, None), "conv2.bias": (out,),
          "conv3.weight": (None, out, None, None), "conv3.bias": (None,)},
-        {"groups": 4, "channels": 12},
+        {"groups": 4, "in": 2, "channels": 12},
     )  # fmt: skip
 
 
@@ -211,6 +211,10 @@ def test_bad_blocks_specs_are_refused():
         PermutationSpec({"w": (Blocks("h", "d"),)}, {"h": 2, "d": 7})
     with pytest.raises(ValueError, match=r"tensor 'v' axis 0: group 'd' is a Blocks inner group .* Blocks\('h', 'd'\)"):
         PermutationSpec({"w": (Blocks("h", "d"),), "v": ("d",)}, {"h": 2, "d": 6})
+    with pytest.raises(ValueError, match=r"tensor 'v' axis 0: group 'd' is a Blocks inner group"):
+        PermutationSpec({"w": (Blocks("h", "d"),), "v": (Tiled("e", outer="d"),)}, {"h": 2, "d": 6, "e": 1})
+    with pytest.raises(ValueError, match=r"Tiled outer must be another group than 'a'"):
+        Tiled("a", outer="a")
     with pytest.raises(ValueError, match=r"Blocks inner group 'd' has outer group 'g' here and 'h' elsewhere"):
         PermutationSpec({"w": (Blocks("h", "d"),), "v": (Blocks("g", "d"),)}, {"h": 2, "g": 3, "d": 6})
     with pytest.raises(ValueError, match=r"group 'e' is not a Blocks inner group"):
@@ -282,5 +286,47 @@ def test_traced_multihead_attention_moves_heads_as_blocks():
     sa = model.state_dict()
     sb = apply_permutation(spec, perms, sa)
     result = weight_matching(spec, sa, sb, seed=0, init="best", dtype=torch.float64)
+    assert Permutations(spec, result.perms) == perms.inverse()
+    assert result.objective[-1] == pytest.approx(matching_objective(spec, sa, sa), rel=1e-12)
+
+
+class ResNeXtBlock(nn.Module):
+    """A 1x1 convolution, a grouped 3x3 one (2 groups of 4 -> 4 channels) with BatchNorm, a 1x1 one, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 1)
+        self.b, self.bn = nn.Conv2d(8, 8, 3, padding=1, groups=2), nn.BatchNorm2d(8)
+        self.c = nn.Conv2d(8, 6, 1)
+        self.fc = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.b(F.relu(self.a(x)))))
+        return self.fc(F.relu(self.c(h)).mean((2, 3)))
+
+
+def test_traced_grouped_convolution_moves_its_groups_as_blocks():
+    from pyperm.nn import trace_model
+
+    torch.manual_seed(0)
+    model = ResNeXtBlock().double().eval()
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    spec = trace_model(model, x, composite="raise", structured=True).spec
+    out = Blocks("P_b.groups", "P_b.out")
+    assert spec.axes["a.weight"][0] == Tiled("P_b.in", outer="P_b.groups")
+    assert spec.axes["b.weight"][:2] == (out, "P_b.in")
+    assert spec.axes["bn.running_mean"] == (out,) and spec.axes["c.weight"][1] == out
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)  # spread the weights: no ties between units
+        model.bn.running_mean.normal_()
+    perms = Permutations(spec, planted(spec, seed=4))
+    other = copy.deepcopy(model)
+    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-12)
+    sa = model.state_dict()
+    sb = apply_permutation(spec, perms, sa)
+    result = weight_matching(spec, sa, sb, seed=0, dtype=torch.float64)
     assert Permutations(spec, result.perms) == perms.inverse()
     assert result.objective[-1] == pytest.approx(matching_objective(spec, sa, sa), rel=1e-12)

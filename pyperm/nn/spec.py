@@ -59,13 +59,18 @@ class Tiled:
 
     The group permutes the middle index; the ``outer`` copies share the permutation, and
     each unit owns ``inner`` consecutive entries. The axis has ``outer * n * inner`` entries.
+    ``outer`` may also name a group: the copies are then permuted as whole blocks by it
+    (the input channels of a grouped convolution: its groups move, and the channels
+    within every group move alike, since every filter of a group reads them in one order).
 
     Parameters
     ----------
     group : str
         The group (of ``n`` units).
-    outer, inner : int, default 1
-        The number of copies, and of entries per unit.
+    outer : int or str, default 1
+        The number of copies, or the group permuting them (its size is the number).
+    inner : int, default 1
+        The number of entries per unit.
 
     Examples
     --------
@@ -78,16 +83,26 @@ class Tiled:
     [4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15]
     >>> spec.axis_index("qkv.weight", 0, {"c": [0, 1, 2, 3], "d": [2, 0, 1]}).tolist()
     [2, 0, 1, 5, 3, 4]
+
+    Two blocks of 2 units, moved by group ``b`` and permuted alike within by ``c``:
+
+    >>> spec = PermutationSpec({"w": (Tiled("c", outer="b"),)}, {"b": 2, "c": 2})
+    >>> spec.axis_index("w", 0, {"b": [1, 0], "c": [1, 0]}).tolist()
+    [3, 2, 1, 0]
     """
 
     group: str
-    outer: int = 1
+    outer: int | str = 1
     inner: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.group, str):
             raise TypeError(f"Tiled group must be a group name, got {type(self.group).__name__}")
-        _check_count(self.outer, "Tiled outer")
+        if isinstance(self.outer, str):
+            if self.outer == self.group:
+                raise ValueError(f"Tiled outer must be another group than {self.group!r}")
+        else:
+            _check_count(self.outer, "Tiled outer")
         _check_count(self.inner, "Tiled inner")
 
 
@@ -192,7 +207,7 @@ def _entry_groups(entry: Any) -> list[str]:
     if isinstance(entry, str):
         return [entry]
     if isinstance(entry, Tiled):
-        return [entry.group]
+        return [entry.group] + ([entry.outer] if isinstance(entry.outer, str) else [])
     if isinstance(entry, Blocks):
         return [entry.outer, entry.inner]
     return list(dict.fromkeys(g for part in entry.parts if not isinstance(part, int) for g in _entry_groups(part)))
@@ -213,7 +228,7 @@ def _rename(entry: Any, mapping: Mapping[str, str]) -> Any:
     if isinstance(entry, str):
         return mapping[entry]
     if isinstance(entry, Tiled):
-        return Tiled(mapping[entry.group], entry.outer, entry.inner)
+        return Tiled(mapping[entry.group], mapping.get(entry.outer, entry.outer), entry.inner)
     if isinstance(entry, Blocks):
         return Blocks(mapping[entry.outer], mapping[entry.inner])
     return Segments(*[part if isinstance(part, int) else _rename(part, mapping) for part in entry.parts])
@@ -309,7 +324,7 @@ class PermutationSpec:
                 # Tiled or Segments part, an outer group) would permute across its blocks.
                 parts = entry.parts if isinstance(entry, Segments) else (entry,)
                 for part in parts:
-                    named = [part] if isinstance(part, str) else [part.group] if isinstance(part, Tiled) else []
+                    named = [part] if isinstance(part, str) else _entry_groups(part) if isinstance(part, Tiled) else []
                     named += [part.outer] if isinstance(part, Blocks) else []
                     for g in named:
                         if g in outer_of:
@@ -367,10 +382,14 @@ class PermutationSpec:
         if isinstance(entry, str):
             return self.sizes[entry]
         if isinstance(entry, Tiled):
-            return entry.outer * self.sizes[entry.group] * entry.inner
+            return self._copies(entry) * self.sizes[entry.group] * entry.inner
         if isinstance(entry, Blocks):
             return self.sizes[entry.inner]
         return sum(part if isinstance(part, int) else self._length(part) for part in entry.parts)  # type: ignore[misc]
+
+    def _copies(self, entry: Tiled) -> int:
+        """The number of copies of a Tiled entry (its outer group's size when it names one)."""
+        return self.sizes[entry.outer] if isinstance(entry.outer, str) else entry.outer
 
     def axis_index(self, key: str, axis: int, perms: Mapping[str, Any]) -> Any:
         """The index that permutes ``axes[key][axis]``: ``t.index_select(axis, index)``; None if not permuted.
@@ -398,7 +417,12 @@ class PermutationSpec:
             if isinstance(entry, Tiled):
                 p = torch.as_tensor(perms[entry.group], dtype=torch.int64)
                 n = p.numel()
-                outer = torch.arange(entry.outer, device=p.device).view(-1, 1, 1) * (n * entry.inner)
+                copies = (
+                    torch.as_tensor(perms[entry.outer], dtype=torch.int64).to(p.device)
+                    if isinstance(entry.outer, str)
+                    else torch.arange(entry.outer, device=p.device)
+                )  # copies moved by the outer group, or in place
+                outer = copies.view(-1, 1, 1) * (n * entry.inner)
                 inner = torch.arange(entry.inner, device=p.device).view(1, 1, -1)
                 return (outer + p.view(1, -1, 1) * entry.inner + inner).reshape(-1)
             if isinstance(entry, Blocks):
@@ -444,8 +468,10 @@ class PermutationSpec:
                 return [torch.arange(n).view(n, 1) + offset]
             if isinstance(entry, Tiled) and entry.group == group:
                 inner = torch.arange(entry.inner).view(1, 1, -1)
-                outer = torch.arange(entry.outer).view(1, -1, 1) * (n * entry.inner)
+                outer = torch.arange(self._copies(entry)).view(1, -1, 1) * (n * entry.inner)
                 return [(torch.arange(n).view(-1, 1, 1) * entry.inner + outer + inner).reshape(n, -1) + offset]
+            if isinstance(entry, Tiled) and entry.outer == group:  # whole copies
+                return [torch.arange(self._length(entry)).view(n, -1) + offset]  # type: ignore[arg-type]
             if isinstance(entry, Blocks) and entry.inner == group:
                 return [torch.arange(n).view(n, 1) + offset]
             if isinstance(entry, Blocks) and entry.outer == group and outer_blocks:
@@ -512,8 +538,9 @@ class PermutationSpec:
         structured : bool, default False
             Describe concatenations, flattened feature maps, head splits and layers
             applied to their own output with structured axes (:class:`Segments`,
-            :class:`Tiled`, :class:`Blocks` for the heads of ``nn.MultiheadAttention``,
-            one group on two axes) instead of fixing their units. The
+            :class:`Tiled`, :class:`Blocks` for the heads of ``nn.MultiheadAttention`` and
+            the channel groups of grouped convolutions, one group on two axes) instead of
+            fixing their units. The
             result is exact, and :func:`pyperm.nn.apply_permutation` handles it; the
             alignment methods that need a flat spec say so.
 

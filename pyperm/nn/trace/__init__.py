@@ -47,9 +47,11 @@ of a fused qkv projection, a channel shuffle) a new group tiled over the outer a
 layer applied to its own output names its group on both axes of its weight, a one-layer
 ``nn.RNN``/``nn.GRU``/``nn.LSTM`` has its hidden units as a group with the gates as
 segments, ``nn.MultiheadAttention`` its heads and the units within each head as
-``Blocks`` axes (each head its own permutation), and a grouped convolution the same
-permutation within every channel group (the groups themselves stay in place; a
-hand-written spec can move them with ``Blocks``). The head split of a fused qkv
+``Blocks`` axes (each head its own permutation), and a grouped convolution its channel
+groups as a group moving whole blocks: its output channels are ``Blocks`` (each group
+its own permutation within), its input channels a ``Tiled`` group whose copies that
+group moves (one permutation within every group, since every filter of a group reads
+its input channels in one order). The head split of a fused qkv
 projection gets the same permutation within every head (a ``Tiled`` group): a reshape
 labels each axis on its own, so the tracer cannot carry one permutation per head.
 

@@ -11,9 +11,10 @@ same structure: tuples of labels, dicts of labels, or ``None``.
 
 With ``structured=True`` an axis may also be labelled by a structure of classes: a
 :class:`CatAxis` (a concatenation, from ``torch.cat`` along units), a :class:`TileAxis`
-(one class repeated over a fixed block, from flattening a feature map) or a
+(one class repeated over a fixed block, from flattening a feature map), a
 :class:`BlockAxis` (blocks moved by one class and units within each block by another,
-each block its own: attention heads). Joining a plain
+each block its own: attention heads) or a :class:`MovedTileAxis` (blocks moved by one
+class and units within every block alike by another: a grouped convolution's input). Joining a plain
 class with a structure *binds* the class to it (a BatchNorm's weight after a
 concatenation is permuted segment by segment); joining two structures joins them part
 by part. These become :class:`~pyperm.nn.spec.Segments`, :class:`~pyperm.nn.spec.Tiled`
@@ -35,6 +36,7 @@ __all__ = [
     "BlockAxis",
     "CatAxis",
     "Label",
+    "MovedTileAxis",
     "TileAxis",
     "UnitClasses",
     "has_atoms",
@@ -67,6 +69,15 @@ class BlockAxis:
 
 
 @dataclass(frozen=True)
+class MovedTileAxis:
+    """An axis ``(blocks, n)`` flattened: class ``outer`` moves the blocks, class ``atom`` (of ``n``
+    units) the units within every block alike."""
+
+    outer: int
+    atom: int
+
+
+@dataclass(frozen=True)
 class CatAxis:
     """Consecutive parts of one axis: ``(atom or structure or None, length)`` each."""
 
@@ -74,7 +85,7 @@ class CatAxis:
 
 
 def is_structure(x: Any) -> bool:
-    return isinstance(x, (TileAxis, CatAxis, BlockAxis))
+    return isinstance(x, (TileAxis, CatAxis, BlockAxis, MovedTileAxis))
 
 
 class Label(tuple):
@@ -259,6 +270,8 @@ class UnitClasses:
             return sum(n for _, n in atom.parts)
         if isinstance(atom, BlockAxis):
             return self.size(atom.inner)
+        if isinstance(atom, MovedTileAxis):
+            return self.size(atom.outer) * self.size(atom.atom)
         return self._uf.size[self._uf.find(atom)]
 
     def structure(self, atom: Any) -> Any:
@@ -291,6 +304,8 @@ class UnitClasses:
             return [a for part, _ in entry.parts for a in self._parts(part, seen)]
         if isinstance(entry, BlockAxis):
             return self._parts(entry.outer, seen) + self._parts(entry.inner, seen)
+        if isinstance(entry, MovedTileAxis):
+            return self._parts(entry.outer, seen) + self._parts(entry.atom, seen)
         r = self._uf.find(entry)
         if r in seen:  # a class bound to a structure that contains it
             return []
@@ -382,6 +397,13 @@ class UnitClasses:
                 self.fix(*structures)
                 return None
             return BlockAxis(outer, inner)
+        if isinstance(first, MovedTileAxis):
+            outer = self.join(*[s.outer for s in structures])
+            atom = self.join(*[s.atom for s in structures])
+            if outer is None or atom is None:  # one side fixed: fix both, as for BlockAxis
+                self.fix(*structures)
+                return None
+            return MovedTileAxis(outer, atom)
         parts = []
         for i, (_, length) in enumerate(first.parts):
             parts.append((self.join(*[s.parts[i][0] for s in structures]), length))
@@ -394,6 +416,8 @@ class UnitClasses:
             return ("cat", tuple(n for _, n in entry.parts))
         if isinstance(entry, BlockAxis):
             return ("blocks", self.size(entry.outer), self.size(entry.inner))
+        if isinstance(entry, MovedTileAxis):
+            return ("moved-tile", self.size(entry.outer), self.size(entry.atom))
         return None
 
     def atoms_of(self, key: str) -> Iterable[tuple[int, int | None]]:

@@ -21,7 +21,7 @@ from pyperm.nn.spec import Blocks, PermutationSpec, Segments, Tiled
 from pyperm.nn.trace import registry
 from pyperm.nn.trace.errors import TraceError
 from pyperm.nn.trace.interpreter import COMPOSITE_POLICIES, Labeler
-from pyperm.nn.trace.labels import BlockAxis, TileAxis
+from pyperm.nn.trace.labels import BlockAxis, MovedTileAxis, TileAxis
 from pyperm.nn.trace.sites import ActivationSite, find_sites
 
 logger = logging.getLogger(__name__)
@@ -143,10 +143,11 @@ def _build_spec(labeler: Labeler) -> tuple[PermutationSpec, dict[str, int]]:
             return group(a, where) if units.is_group(a) and units.is_active(a) else None
         if units.is_fixed(a):
             return None
-        if isinstance(structure, BlockAxis):
-            outer, inner = entry(structure.outer, where), entry(structure.inner, where)
+        if isinstance(structure, (BlockAxis, MovedTileAxis)):
+            outer = entry(structure.outer, where)
+            inner = entry(structure.inner if isinstance(structure, BlockAxis) else structure.atom, where)
             if isinstance(outer, str) and isinstance(inner, str):
-                return Blocks(outer, inner)
+                return Blocks(outer, inner) if isinstance(structure, BlockAxis) else Tiled(inner, outer)
             unnamed.append((current[0], a))  # the spec cannot name it: its units are fixed below
             return None
         if isinstance(structure, TileAxis):
@@ -246,7 +247,8 @@ def trace_model(
         of units (attention heads, channel shuffles) and layers applied to their own
         output with structured spec axes (:class:`~pyperm.nn.spec.Segments`,
         :class:`~pyperm.nn.spec.Tiled`, :class:`~pyperm.nn.spec.Blocks` for the heads of
-        ``nn.MultiheadAttention``, one group on two axes) instead of fixing their units.
+        ``nn.MultiheadAttention`` and the channel groups of grouped convolutions, one
+        group on two axes) instead of fixing their units.
 
     Returns
     -------

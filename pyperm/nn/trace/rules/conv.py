@@ -13,7 +13,7 @@ from torch import nn
 
 from pyperm.nn.trace.call import TraceCall
 from pyperm.nn.trace.errors import TraceError
-from pyperm.nn.trace.labels import Label, TileAxis
+from pyperm.nn.trace.labels import BlockAxis, Label, MovedTileAxis
 from pyperm.nn.trace.registry import register_all
 from pyperm.nn.trace.sites import Role
 
@@ -57,15 +57,17 @@ def convolution(call: TraceCall, x: torch.Tensor, lx: Label, w: Label | None, b:
     # Grouped convolution (depthwise with a channel multiplier too): output channel block b sees
     # input channel block b alone, so units may only be permuted within their channel group
     # (and blocks as a whole). A flat spec cannot say so: the channels on both sides stay fixed.
-    # A structured one names part of it: the same permutation within every group, on each side
-    # (Tiled over the groups); the weight's input axis then takes the input one.
+    # A structured one names it: the groups move as blocks on both sides; the input channels
+    # move alike within every group (every filter of a group reads them in one order: the
+    # weight's input axis), the output channels each group on its own (Blocks).
     if call.structured and not transposed and c_in // groups > 1:
         c_out = wt.shape[0]
+        blocks = call.new_units(groups, f"{call.weight_name()}.groups")
         inside = call.new_units(c_in // groups, f"{call.weight_name()}.in")
-        outside = call.new_units(c_out // groups, f"{call.weight_name()}.out")
-        call.join(lx[ch], TileAxis(inside, groups, 1))
+        outside = call.new_units(c_out, f"{call.weight_name()}.out")
+        call.join(lx[ch], MovedTileAxis(blocks, inside))
         call.join(w[1], inside)
-        out = call.join(w[0], TileAxis(outside, groups, 1))
+        out = call.join(w[0], BlockAxis(blocks, outside))
         if b is not None:
             call.join(b[0], out)
         call.opened(out, weight_dep, call.weight_name())
