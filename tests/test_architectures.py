@@ -313,7 +313,10 @@ def test_channel_shuffle_is_a_split_then_a_merge():
     spec = trace_model(model, torch.randn(2, 3, 4, 4), structured=True).spec
     assert permutable_share(model, spec) == 1.0
     a, b = spec.axes["a.weight"][0], spec.axes["b.weight"][1]
-    assert isinstance(a, Tiled) and a.outer == 2 and isinstance(b, Tiled) and b.inner == 2 and a.group == b.group
+    # The split's two halves move as wholes (one group) and the channels within them alike (another);
+    # after the transpose the roles swap: the within-half channel is the outer index.
+    assert isinstance(a, Tiled) and isinstance(b, Tiled) and a.inner == b.inner == 1
+    assert (b.group, b.outer) == (a.outer, a.group) and spec.sizes[a.outer] == 2
     assert_same_function(model, spec, torch.randn(2, 3, 4, 4))
 
 

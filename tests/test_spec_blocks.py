@@ -330,3 +330,45 @@ def test_traced_grouped_convolution_moves_its_groups_as_blocks():
     result = weight_matching(spec, sa, sb, seed=0, dtype=torch.float64)
     assert Permutations(spec, result.perms) == perms.inverse()
     assert result.objective[-1] == pytest.approx(matching_objective(spec, sa, sa), rel=1e-12)
+
+
+class SplitHeads(nn.Module):
+    """HF style attention: separate q, k, v projections, view(b, n, heads, head_dim), scaled dot-product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(5, 12)
+        self.q, self.k, self.v, self.o = (nn.Linear(12, 12) for _ in range(4))
+        self.head = nn.Linear(12, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        b, n, _ = h.shape
+        q, k, v = (f(h).view(b, n, 4, 3).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, 12)
+        return self.head((h + self.o(a)).mean(1))
+
+
+def test_traced_head_split_moves_whole_heads():
+    from pyperm.nn import trace_model
+
+    torch.manual_seed(0)
+    model = SplitHeads().double().eval()
+    x = torch.randn(2, 6, 5, dtype=torch.float64)
+    spec = trace_model(model, x, composite="raise", structured=True).spec
+    # A reshape labels each axis on its own: the heads move as wholes, the head dims alike in every head.
+    qk, vo = spec.axes["q.weight"][0], spec.axes["o.weight"][1]
+    assert isinstance(qk, Tiled) and isinstance(qk.outer, str) and spec.axes["k.weight"][0] == qk
+    assert vo == spec.axes["v.weight"][0] and vo.outer == qk.outer and vo.group != qk.group
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)  # spread the weights: no ties between units
+    perms = Permutations(spec, planted(spec, seed=5))
+    other = copy.deepcopy(model)
+    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-12)
+    sa = model.state_dict()
+    sb = apply_permutation(spec, perms, sa)
+    result = weight_matching(spec, sa, sb, seed=0, init="best", dtype=torch.float64)
+    assert Permutations(spec, result.perms) == perms.inverse()

@@ -42,8 +42,10 @@ composite: the features are the channels.
 With ``structured=True`` (:func:`trace_model`, :meth:`PermutationSpec.from_model`) the
 tracer names these axes instead of fixing their units, with the spec's axis forms
 (:mod:`pyperm.nn.spec`): a concatenation along units is a ``Segments`` axis, a flatten of
-a ``C x H x W`` feature map a ``Tiled`` one, a split of an axis of units (attention heads
-of a fused qkv projection, a channel shuffle) a new group tiled over the outer axes, a
+a ``C x H x W`` feature map a ``Tiled`` one, a split of an axis of units in two (heads x
+head_dim, a channel shuffle's halves) a group moving the blocks and a group moving the
+units within every block alike (``Tiled`` with a group as ``outer``), a split in more
+(q/k/v x heads x head_dim of a fused projection) a new group tiled over the outer axes, a
 layer applied to its own output names its group on both axes of its weight, a one-layer
 ``nn.RNN``/``nn.GRU``/``nn.LSTM`` has its hidden units as a group with the gates as
 segments, ``nn.MultiheadAttention`` its heads and the units within each head as
@@ -51,9 +53,9 @@ segments, ``nn.MultiheadAttention`` its heads and the units within each head as
 groups as a group moving whole blocks: its output channels are ``Blocks`` (each group
 its own permutation within), its input channels a ``Tiled`` group whose copies that
 group moves (one permutation within every group, since every filter of a group reads
-its input channels in one order). The head split of a fused qkv
-projection gets the same permutation within every head (a ``Tiled`` group): a reshape
-labels each axis on its own, so the tracer cannot carry one permutation per head.
+its input channels in one order). After a reshape the head dims get one permutation
+shared by every head: a reshape labels each axis on its own, so the tracer cannot carry
+one permutation per head (a hand-written spec can, with ``Blocks``).
 
 Operations that cannot be handled at all (a reshape that splits a channel axis, an
 order-dependent operation such as ``sort``/``cumsum``/``flip`` along channels, an unknown

@@ -18,7 +18,7 @@ from torch import nn
 
 from pyperm.nn.trace.call import TraceCall
 from pyperm.nn.trace.errors import TraceError
-from pyperm.nn.trace.labels import Label, TileAxis, has_atoms, invariant_label, is_label
+from pyperm.nn.trace.labels import Label, MovedTileAxis, TileAxis, has_atoms, invariant_label, is_label
 from pyperm.nn.trace.registry import register_all
 from pyperm.nn.trace.sites import Role
 
@@ -83,6 +83,11 @@ def reshape_labels(call: TraceCall, src: tuple, dst: tuple, lx: Label) -> Label:
             k = next(i for i, a in enumerate(atoms) if a is not None)
             outer, inner = math.prod(src[i] for i in bi[:k]), math.prod(src[i] for i in bi[k + 1 :])
             out[bj[0]] = TileAxis(atoms[k], outer, inner) if (outer, inner) != (1, 1) else atoms[k]
+        elif len(bj) == 1 and len(bi) == 2 and call.structured and all(a is not None for a in atoms):
+            # The merge of a split (heads x head_dim back to features, a channel shuffle's
+            # transposed groups): the first class moves whole blocks, the second the units
+            # within every block alike.
+            out[bj[0]] = MovedTileAxis(atoms[0], atoms[1])
         elif len(bj) == 1:
             others = [src[i] for i in bi if lx[i] is None]
             what = (f"merges an axis of permuted units with axes of sizes {others} into one axis (blocks of "
@@ -91,11 +96,18 @@ def reshape_labels(call: TraceCall, src: tuple, dst: tuple, lx: Label) -> Label:
             call.composite(what, atoms)
         elif len(bi) == 1 and call.structured:
             # A split (heads x head_dim, a channel shuffle's groups): the innermost new axis gets a
-            # class of its own, repeated over the outer ones, the same in every block.
+            # class of its own, the same in every block. Split in two, the blocks are a class too
+            # (heads move as wholes); split further (q, k, v x heads x head_dim), the outer axes
+            # stay in place.
             n = dst[bj[-1]]
-            inner = call.new_units(n, f"{call.path or call.node.name}.{call.node.name}")
-            if call.join(atoms[0], TileAxis(inner, src[bi[0]] // n, 1)) is not None:
+            name = f"{call.path or call.node.name}.{call.node.name}"
+            inner = call.new_units(n, name)
+            blocks = call.new_units(dst[bj[0]], f"{name}.blocks") if len(bj) == 2 else None
+            structure = MovedTileAxis(blocks, inner) if blocks is not None else TileAxis(inner, src[bi[0]] // n, 1)
+            if call.join(atoms[0], structure) is not None:
                 out[bj[-1]] = inner
+                if blocks is not None:
+                    out[bj[0]] = blocks
                 call.opened(inner)  # the split's output shows these units: their activation site
         else:
             raise TraceError(
