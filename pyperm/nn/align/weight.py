@@ -97,7 +97,7 @@ def _check_state(spec: PermutationSpec, state: Any, name: str, flat: bool = True
         if key in state and not isinstance(state[key], torch.Tensor):
             raise TypeError(f"{name}[{key!r}] must be a torch.Tensor, got {type(state[key]).__name__}")
     if flat:
-        spec.require_flat("WeightMatcher")  # structured axes (Segments, Tiled, P W P^T): _match_structured
+        spec.require_flat("WeightMatcher")  # structured axes (Segments, Tiled, Blocks, P W P^T): _match_structured
     spec.check_state_dict(state, name)
     return {key: state[key].detach() for key in spec.axes}
 
@@ -133,7 +133,7 @@ def _objective(
         if a.shape != b.shape:
             raise ValueError(f"state_a[{key!r}] has shape {tuple(a.shape)} but state_b has {tuple(b.shape)}")
         for ax, g in enumerate(spec.axes[key]):
-            if spec.structured:  # Segments, Tiled: the spec builds the index
+            if spec.structured:  # Segments, Tiled, Blocks: the spec builds the index
                 index = spec.axis_index(key, ax, perms) if set(spec.group_axes) & moved else None
                 b = b if index is None else b.index_select(ax, index.to(b.device))
             elif g in moved:
@@ -232,7 +232,11 @@ def weight_matching(
     ----------
     spec : PermutationSpec
         The models' permutation groups (e.g. ``model.permutation_spec()`` of a bundled
-        model, or :meth:`PermutationSpec.from_model`).
+        model, or :meth:`PermutationSpec.from_model`). A structured spec runs a plain
+        reference implementation of the same search; there a
+        :class:`~pyperm.nn.spec.Blocks` outer group (attention heads) moves with its inner
+        groups in one step: the units of every pair of blocks are matched, then the blocks
+        on the values of those matchings (an assignment of assignments).
     state_a, state_b : mapping of str to torch.Tensor
         The two models' state dicts, exactly the spec's keys, equal shapes, finite values,
         all on one device. B is the model to be permuted.
