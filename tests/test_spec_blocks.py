@@ -372,3 +372,42 @@ def test_traced_head_split_moves_whole_heads():
     sb = apply_permutation(spec, perms, sa)
     result = weight_matching(spec, sa, sb, seed=0, init="best", dtype=torch.float64)
     assert Permutations(spec, result.perms) == perms.inverse()
+
+
+class GroupedChain(nn.Module):
+    """Two grouped convolutions in a row (2 groups each): the second reads the first's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 1)
+        self.b = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.c = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.d = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(F.relu(self.c(F.relu(self.b(F.relu(self.a(x)))))))
+
+
+def test_traced_chain_of_grouped_convolutions_shares_one_group_of_blocks():
+    from pyperm.nn import trace_model
+
+    torch.manual_seed(0)
+    model = GroupedChain().double()
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    spec = trace_model(model, x, composite="raise", structured=True).spec
+    # b's output channels are c's input: moved as blocks with one permutation within every block
+    # (c reads them in one order); c's own output channels have one permutation per block.
+    assert spec.axes["b.weight"][0] == Tiled("P_c.in", outer="P_b.groups") and spec.axes["c.weight"][1] == "P_c.in"
+    assert spec.axes["c.weight"][0] == Blocks("P_b.groups", "P_c.out")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)  # spread the weights: no ties between units
+    perms = Permutations(spec, planted(spec, seed=6))
+    other = copy.deepcopy(model)
+    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-12)
+    sa = model.state_dict()
+    sb = apply_permutation(spec, perms, sa)
+    result = weight_matching(spec, sa, sb, seed=0, init="best", dtype=torch.float64)
+    assert Permutations(spec, result.perms) == perms.inverse()

@@ -383,6 +383,9 @@ class UnitClasses:
 
     def _join_structures(self, structures: list) -> Any:
         first = structures[0]
+        moved = [s for s in structures if isinstance(s, MovedTileAxis)]
+        if moved and len(moved) < len(structures) and all(isinstance(s, (BlockAxis, MovedTileAxis)) for s in structures):
+            return self._restrict_blocks(structures, moved)
         for other in structures[1:]:
             if type(other) is not type(first) or self._shape(other) != self._shape(first):
                 self.conflicts.append(f"structures {self._shape(first)} and {self._shape(other)} meet on one axis")
@@ -408,6 +411,26 @@ class UnitClasses:
         for i, (_, length) in enumerate(first.parts):
             parts.append((self.join(*[s.parts[i][0] for s in structures]), length))
         return CatAxis(tuple(parts))
+
+    def _restrict_blocks(self, structures: list, moved: list) -> Any:
+        """Blocks with their own inner permutation (BlockAxis) meeting blocks permuted alike
+        within (MovedTileAxis: a grouped convolution reading a grouped convolution's output):
+        the axis keeps what both allow, the blocks moved and one permutation within all."""
+        blocks = {self.size(s.outer) for s in structures}
+        if len(blocks) > 1 or len({self.size(s) for s in structures}) > 1:
+            self.conflicts.append(f"structures {[self._shape(s) for s in structures]} meet on one axis")
+            self.fix(*structures)
+            return None
+        joined = self._join_structures(moved)
+        if joined is None:
+            self.fix(*structures)
+            return None
+        (count,) = blocks
+        outer = self.join(joined.outer, *[s.outer for s in structures if isinstance(s, BlockAxis)])
+        for s in structures:
+            if isinstance(s, BlockAxis):  # its inner class: the same permutation in every block
+                self.join(s.inner, TileAxis(joined.atom, count, 1))
+        return MovedTileAxis(outer, joined.atom)
 
     def _shape(self, entry: Any) -> Any:
         if isinstance(entry, TileAxis):

@@ -148,6 +148,8 @@ def _build_spec(labeler: Labeler) -> tuple[PermutationSpec, dict[str, int]]:
             inner = entry(structure.inner if isinstance(structure, BlockAxis) else structure.atom, where)
             if isinstance(outer, str) and isinstance(inner, str):
                 return Blocks(outer, inner) if isinstance(structure, BlockAxis) else Tiled(inner, outer)
+            if isinstance(outer, str) and isinstance(inner, Tiled) and (inner.outer, inner.inner) == (sizes[outer], 1):
+                return Tiled(inner.group, outer)  # blocks whose inner permutation was made one for all
             unnamed.append((current[0], a))  # the spec cannot name it: its units are fixed below
             return None
         if isinstance(structure, TileAxis):
