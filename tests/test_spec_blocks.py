@@ -411,3 +411,66 @@ def test_traced_chain_of_grouped_convolutions_shares_one_group_of_blocks():
     sb = apply_permutation(spec, perms, sa)
     result = weight_matching(spec, sa, sb, seed=0, init="best", dtype=torch.float64)
     assert Permutations(spec, result.perms) == perms.inverse()
+
+
+def test_blocks_that_stay_in_place():
+    model, _, x = build("grouped-conv")
+    # The groups stay in place; the grouped convolution's output channels move within each group,
+    # each group its own permutation (conv1 and conv2's input channels are not permuted here).
+    out = Blocks(4, "channels")
+    axes = {k: (None,) * t.ndim for k, t in model.state_dict().items()}
+    axes |= {"conv2.weight": (out, None, None, None), "conv2.bias": (out,), "conv3.weight": (None, out, None, None)}
+    spec = PermutationSpec(axes, {"channels": 12})
+    assert spec.blocks == {"channels": 4} and spec.num_blocks("channels") == 4 and spec.block_size("channels") == 3
+    perms = Permutations(spec, planted(spec, seed=7))
+    other = copy.deepcopy(model)
+    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-12)
+    assert perms.compose(perms.inverse()).is_identity()
+    sa = model.state_dict()
+    sb = apply_permutation(spec, perms, sa)
+    for init in (None, "signatures"):
+        result = weight_matching(spec, sa, sb, seed=0, init=init, dtype=torch.float64)
+        assert result.objective == sorted(result.objective)
+        assert Permutations(spec, result.perms) == perms.inverse()
+    bad = perms["channels"].clone()
+    bad[[2, 3]] = bad[[3, 2]]
+    with pytest.raises(ValueError, match=r"perms\['channels'\] moves units between blocks .* Blocks\(4, 'channels'\)"):
+        Permutations(spec, {"channels": bad})
+    with pytest.raises(TypeError, match="Blocks outer must be a group name or an int, got float"):
+        Blocks(2.0, "d")
+    with pytest.raises(ValueError, match="Blocks outer must be positive"):
+        Blocks(0, "d")
+    with pytest.raises(ValueError, match=r"Blocks inner group 'd' has size 7, not a multiple of the number of blocks"):
+        PermutationSpec({"w": (Blocks(2, "d"),)}, {"d": 7})
+
+
+def test_traced_grouped_convolution_after_a_shuffle_keeps_its_units_within_groups():
+    from pyperm.nn import trace_model
+
+    class Shuffled(nn.Module):
+        """A channel shuffle (4 halves of 2 after the transpose) feeding a grouped convolution of 2 groups of 4:
+        the two block structures do not line up, so the groups stay in place."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 3, padding=1, groups=2)
+            self.c = nn.Conv2d(8, 2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.relu(self.a(x))
+            n, ch, hh, ww = h.shape
+            h = h.view(n, 2, ch // 2, hh, ww).transpose(1, 2).reshape(n, ch, hh, ww)
+            return self.c(F.relu(self.b(h)))
+
+    torch.manual_seed(0)
+    model = Shuffled().double()
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    spec = trace_model(model, x, composite="fix", structured=True).spec
+    assert spec.axes["b.weight"][0] == Blocks(2, "P_b.out") and spec.axes["c.weight"][1] == Blocks(2, "P_b.out")
+    perms = Permutations(spec, planted(spec, seed=8))
+    other = copy.deepcopy(model)
+    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-12)

@@ -40,7 +40,7 @@ def as_permutations(spec: PermutationSpec, perms: Mapping[str, Any], name: str =
     for inner, outer in spec.blocks.items():
         # A Blocks inner permutation reorders units within each block only: entry
         # j * block_size + k must stay in block j.
-        nb = spec.sizes[outer]
+        nb = spec.num_blocks(inner)
         block = out[inner].view(nb, -1) // spec.block_size(inner)
         if not bool((block == torch.arange(nb).view(-1, 1)).all()):
             first = int((block != torch.arange(nb).view(-1, 1)).any(1).nonzero()[0])
@@ -50,6 +50,11 @@ def as_permutations(spec: PermutationSpec, perms: Mapping[str, Any], name: str =
                 f"{spec.block_size(inner)} units within each of its {nb} blocks"
             )
     return out
+
+
+def _outer(perms: Mapping[str, torch.Tensor], outer: str | int) -> torch.Tensor:
+    """The permutation of a Blocks pair's blocks: its outer group's, or the identity of fixed blocks."""
+    return perms[outer] if isinstance(outer, str) else torch.arange(outer)
 
 
 def _blocks_full(outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
@@ -202,7 +207,8 @@ class Permutations(Mapping):
         """The permutations that undo these: ``apply(p.inverse(), apply(p, sd)) == sd``."""
         out = {g: torch.argsort(p) for g, p in self.items()}
         for inner, outer in self.spec.blocks.items():
-            out[inner] = _blocks_inner(out[outer], torch.argsort(_blocks_full(self[outer], self[inner])))
+            full = torch.argsort(_blocks_full(_outer(self, outer), self[inner]))
+            out[inner] = _blocks_inner(_outer(out, outer), full)
         return Permutations(self.spec, out)
 
     def compose(self, other: Mapping[str, Any]) -> Permutations:
@@ -210,8 +216,8 @@ class Permutations(Mapping):
         q = as_permutations(self.spec, other, "other")
         out = {g: q[g][p] for g, p in self.items()}
         for inner, outer in self.spec.blocks.items():
-            full = _blocks_full(q[outer], q[inner])[_blocks_full(self[outer], self[inner])]
-            out[inner] = _blocks_inner(out[outer], full)
+            full = _blocks_full(_outer(q, outer), q[inner])[_blocks_full(_outer(self, outer), self[inner])]
+            out[inner] = _blocks_inner(_outer(out, outer), full)
         return Permutations(self.spec, out)
 
     def is_identity(self) -> bool:

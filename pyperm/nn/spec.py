@@ -127,10 +127,14 @@ class Blocks:
     projection move together, while q and k share one within-head permutation and v (with
     the output projection's columns) has its own.
 
+    ``outer`` may also be a number of blocks that stay in place, each with its own inner
+    permutation (the output channels of a grouped convolution whose input groups cannot
+    move).
+
     Parameters
     ----------
-    outer : str
-        The group permuting the blocks.
+    outer : str or int
+        The group permuting the blocks, or the number of blocks when they stay in place.
     inner : str
         The group permuting the units within each block.
 
@@ -145,13 +149,16 @@ class Blocks:
     [3, 4, 5, 2, 0, 1]
     """
 
-    outer: str
+    outer: str | int
     inner: str
 
     def __post_init__(self) -> None:
-        for name in ("outer", "inner"):
-            if not isinstance(getattr(self, name), str):
-                raise TypeError(f"Blocks {name} must be a group name, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.inner, str):
+            raise TypeError(f"Blocks inner must be a group name, got {type(self.inner).__name__}")
+        if not isinstance(self.outer, str):
+            if isinstance(self.outer, bool) or not isinstance(self.outer, int):
+                raise TypeError(f"Blocks outer must be a group name or an int, got {type(self.outer).__name__}")
+            _check_count(self.outer, "Blocks outer")
         if self.outer == self.inner:
             raise ValueError(f"Blocks outer and inner must be different groups, got {self.outer!r} for both")
 
@@ -209,7 +216,7 @@ def _entry_groups(entry: Any) -> list[str]:
     if isinstance(entry, Tiled):
         return [entry.group] + ([entry.outer] if isinstance(entry.outer, str) else [])
     if isinstance(entry, Blocks):
-        return [entry.outer, entry.inner]
+        return [entry.outer, entry.inner] if isinstance(entry.outer, str) else [entry.inner]
     return list(dict.fromkeys(g for part in entry.parts if not isinstance(part, int) for g in _entry_groups(part)))
 
 
@@ -230,7 +237,7 @@ def _rename(entry: Any, mapping: Mapping[str, str]) -> Any:
     if isinstance(entry, Tiled):
         return Tiled(mapping[entry.group], mapping.get(entry.outer, entry.outer), entry.inner)
     if isinstance(entry, Blocks):
-        return Blocks(mapping[entry.outer], mapping[entry.inner])
+        return Blocks(mapping.get(entry.outer, entry.outer), mapping[entry.inner])
     return Segments(*[part if isinstance(part, int) else _rename(part, mapping) for part in entry.parts])
 
 
@@ -307,9 +314,9 @@ class PermutationSpec:
         object.__setattr__(self, "_blocks", blocks)
 
     @staticmethod
-    def _check_blocks(axes: Mapping[str, AxisGroups], sizes: Mapping[str, int]) -> dict[str, str]:
+    def _check_blocks(axes: Mapping[str, AxisGroups], sizes: Mapping[str, int]) -> dict[str, str | int]:
         """Map every Blocks inner group to its outer group, checking it is used only there."""
-        outer_of: dict[str, str] = {}
+        outer_of: dict[str, str | int] = {}
         for key, groups in axes.items():
             for axis, entry in enumerate(groups):
                 for b in _entry_blocks(entry):
@@ -325,7 +332,7 @@ class PermutationSpec:
                 parts = entry.parts if isinstance(entry, Segments) else (entry,)
                 for part in parts:
                     named = [part] if isinstance(part, str) else _entry_groups(part) if isinstance(part, Tiled) else []
-                    named += [part.outer] if isinstance(part, Blocks) else []
+                    named += [part.outer] if isinstance(part, Blocks) and isinstance(part.outer, str) else []
                     for g in named:
                         if g in outer_of:
                             raise ValueError(
@@ -333,23 +340,31 @@ class PermutationSpec:
                                 f"as Blocks({outer_of[g]!r}, {g!r})"
                             )
         for inner, outer in outer_of.items():
-            if sizes[inner] % sizes[outer]:
+            count = sizes[outer] if isinstance(outer, str) else outer
+            if sizes[inner] % count:
+                what = f"outer group {outer!r} size" if isinstance(outer, str) else "the number of blocks,"
                 raise ValueError(
-                    f"Blocks inner group {inner!r} has size {sizes[inner]}, not a multiple of outer group {outer!r} "
-                    f"size {sizes[outer]} (the inner group has one unit per entry of the axis)"
+                    f"Blocks inner group {inner!r} has size {sizes[inner]}, not a multiple of {what} {count} "
+                    "(the inner group has one unit per entry of the axis)"
                 )
         return outer_of
 
     @property
-    def blocks(self) -> dict[str, str]:
-        """Every :class:`Blocks` inner group mapped to its outer group (empty for other specs)."""
+    def blocks(self) -> dict[str, str | int]:
+        """Every :class:`Blocks` inner group mapped to its outer group, or to its number of
+        blocks when they stay in place (empty for other specs)."""
         return dict(self._blocks)  # type: ignore[attr-defined]
+
+    def num_blocks(self, inner: str) -> int:
+        """The number of blocks of the :class:`Blocks` inner group ``inner``."""
+        if inner not in self._blocks:  # type: ignore[attr-defined]
+            raise ValueError(f"group {inner!r} is not a Blocks inner group")
+        outer = self._blocks[inner]  # type: ignore[attr-defined]
+        return self.sizes[outer] if isinstance(outer, str) else outer
 
     def block_size(self, inner: str) -> int:
         """The number of units in each block of the :class:`Blocks` inner group ``inner``."""
-        if inner not in self._blocks:  # type: ignore[attr-defined]
-            raise ValueError(f"group {inner!r} is not a Blocks inner group")
-        return self.sizes[inner] // self.sizes[self._blocks[inner]]  # type: ignore[attr-defined]
+        return self.sizes[inner] // self.num_blocks(inner)
 
     @property
     def structured(self) -> bool:
@@ -427,8 +442,9 @@ class PermutationSpec:
                 return (outer + p.view(1, -1, 1) * entry.inner + inner).reshape(-1)
             if isinstance(entry, Blocks):
                 # The inner permutation, block-diagonal, with its blocks reordered by the outer one.
-                p = torch.as_tensor(perms[entry.outer], dtype=torch.int64)
                 d = torch.as_tensor(perms[entry.inner], dtype=torch.int64)
+                fixed = not isinstance(entry.outer, str)
+                p = torch.arange(entry.outer) if fixed else torch.as_tensor(perms[entry.outer], dtype=torch.int64)
                 return d.view(p.numel(), -1)[p.to(d.device)].reshape(-1)
             pieces, offset = [], 0
             for part in entry.parts:

@@ -366,13 +366,14 @@ def _signature_init(
     for inner, outer in spec.blocks.items():
         # An outer unit's signature covers its whole block, whatever the order within it,
         # so the blocks are paired first; then each pair of blocks pairs its units.
-        nb, bs = spec.sizes[outer], spec.block_size(inner)
+        nb, bs = spec.num_blocks(inner), spec.block_size(inner)
         if inner not in costs:
             perms[inner] = torch.arange(spec.sizes[inner])
             continue
-        pairs = costs[inner].view(nb, bs, nb, bs)[torch.arange(nb), :, perms[outer]]  # (nb, bs, bs)
+        paired = perms[outer] if isinstance(outer, str) else torch.arange(nb)  # fixed blocks pair with themselves
+        pairs = costs[inner].view(nb, bs, nb, bs)[torch.arange(nb), :, paired]  # (nb, bs, bs)
         _, cols = pyperm.batch_linear_sum_assignment(pairs.contiguous().numpy())
-        perms[inner] = _inner_of_pairs(perms[outer], torch.as_tensor(cols, dtype=torch.int64))
+        perms[inner] = _inner_of_pairs(paired, torch.as_tensor(cols, dtype=torch.int64))
     return perms
 
 
@@ -415,12 +416,16 @@ def _blocks_step(
     sa: Mapping[str, torch.Tensor],
     sb: Mapping[str, torch.Tensor],
     perms: Mapping[str, torch.Tensor],
-    outer: str,
+    outer: str | int,
     chosen: set[str],
     dtype: torch.dtype,
+    fixed_inner: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """The best outer permutation of ``outer`` and inner permutations of its Blocks groups, the
     other groups held: an assignment of assignments.
+
+    With ``fixed_inner`` (a Blocks group whose ``outer`` blocks stay in place) only that
+    group's blocks are matched, each with itself.
 
     For every inner group and every pair (block ``i`` of A, block ``j`` of B) the units of
     the two blocks are paired by one assignment problem (all ``nb * nb`` of them in one
@@ -428,14 +433,16 @@ def _blocks_step(
     outer group's own similarity on its other axes, are the outer assignment's
     similarity; each block then keeps the inner assignment of the pair it is matched in.
     """
-    nb = spec.sizes[outer]
-    inners = [d for d, o in spec.blocks.items() if o == outer]
-    held = {outer: torch.arange(nb), **{d: torch.arange(spec.sizes[d]) for d in inners}}
+    inners = [fixed_inner] if fixed_inner is not None else [d for d, o in spec.blocks.items() if o == outer]
+    nb = spec.num_blocks(inners[0])
+    held = {d: torch.arange(spec.sizes[d]) for d in inners}
     outer_sim = torch.zeros(nb, nb, dtype=torch.float64)
-    for key, axis in spec.group_axes[outer]:
-        pos = spec.unit_positions(key, axis, outer, outer_blocks=False)
-        if key in chosen and pos.shape[1]:
-            outer_sim += _row_similarity(spec, sa, sb, perms, key, axis, held, pos, dtype).double()
+    if fixed_inner is None:
+        held[outer] = torch.arange(nb)  # type: ignore[index]
+        for key, axis in spec.group_axes[outer]:  # type: ignore[index]
+            pos = spec.unit_positions(key, axis, outer, outer_blocks=False)  # type: ignore[arg-type]
+            if key in chosen and pos.shape[1]:
+                outer_sim += _row_similarity(spec, sa, sb, perms, key, axis, held, pos, dtype).double()
     pairs = {}
     for d in inners:
         n, bs = spec.sizes[d], spec.block_size(d)
@@ -449,9 +456,13 @@ def _blocks_step(
         cols = torch.as_tensor(cols, dtype=torch.int64)
         outer_sim += stack.gather(2, cols.unsqueeze(2)).sum((1, 2)).view(nb, nb)
         pairs[d] = cols.view(nb, nb, bs)
-    _, best = pyperm.linear_sum_assignment(outer_sim.numpy(), maximize=True)
-    best = torch.as_tensor(best, dtype=torch.int64)
-    step = {outer: best}
+    if fixed_inner is not None:  # the blocks stay: each keeps the matching with itself
+        best = torch.arange(nb)
+        step = {}
+    else:
+        _, cols_outer = pyperm.linear_sum_assignment(outer_sim.numpy(), maximize=True)
+        best = torch.as_tensor(cols_outer, dtype=torch.int64)
+        step = {outer: best}
     for d, cols in pairs.items():
         step[d] = _inner_of_pairs(best, cols[torch.arange(nb), best])
     return step
@@ -503,17 +514,19 @@ def _match_structured(
     chosen_set = set(chosen)
     # Groups acting on two axes of one tensor make the objective quadratic in their permutation.
     quadratic = {g for g, where in spec.group_axes.items() if len({k for k, _ in where}) < len(where)}
-    block_outers = set(spec.blocks.values())
+    block_outers = {o for o in spec.blocks.values() if isinstance(o, str)}
     sweeps, converged = 0, max_iter == 0
     for sweeps in range(1, max_iter + 1):
         improved = False
         for gi in torch.randperm(len(spec.groups), generator=gen).tolist():
             g = spec.groups[gi]
             n = spec.sizes[g]
-            if g in spec.blocks:  # moved with its outer group (a step of its own would cross blocks)
+            fixed_blocks = g in spec.blocks and not isinstance(spec.blocks[g], str)
+            if g in spec.blocks and not fixed_blocks:  # moved with its outer group (alone it would cross blocks)
                 continue
-            if g in block_outers:
-                step = _blocks_step(spec, sa, sb, perms, g, chosen_set, dtype)
+            if g in block_outers or fixed_blocks:
+                step = _blocks_step(spec, sa, sb, perms, spec.blocks[g] if fixed_blocks else g, chosen_set, dtype,
+                                    fixed_inner=g if fixed_blocks else None)  # fmt: skip
                 if all(torch.equal(p, perms[h]) for h, p in step.items()):
                     continue
                 value = _objective(spec, sa, sb, {**perms, **step}, chosen)

@@ -53,7 +53,8 @@ segments, ``nn.MultiheadAttention`` its heads and the units within each head as
 groups as a group moving whole blocks: its output channels are ``Blocks`` (each group
 its own permutation within), its input channels a ``Tiled`` group whose copies that
 group moves (one permutation within every group, since every filter of a group reads
-its input channels in one order). After a reshape the head dims get one permutation
+its input channels in one order; where another structure keeps the groups in place,
+``Blocks`` with a number of blocks). After a reshape the head dims get one permutation
 shared by every head: a reshape labels each axis on its own, so the tracer cannot carry
 one permutation per head (a hand-written spec can, with ``Blocks``).
 

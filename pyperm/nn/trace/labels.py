@@ -384,7 +384,8 @@ class UnitClasses:
     def _join_structures(self, structures: list) -> Any:
         first = structures[0]
         moved = [s for s in structures if isinstance(s, MovedTileAxis)]
-        if moved and len(moved) < len(structures) and all(isinstance(s, (BlockAxis, MovedTileAxis)) for s in structures):
+        blockwise = all(isinstance(s, (BlockAxis, MovedTileAxis)) for s in structures)
+        if moved and len(moved) < len(structures) and blockwise:
             return self._restrict_blocks(structures, moved)
         for other in structures[1:]:
             if type(other) is not type(first) or self._shape(other) != self._shape(first):

@@ -150,6 +150,10 @@ def _build_spec(labeler: Labeler) -> tuple[PermutationSpec, dict[str, int]]:
                 return Blocks(outer, inner) if isinstance(structure, BlockAxis) else Tiled(inner, outer)
             if isinstance(outer, str) and isinstance(inner, Tiled) and (inner.outer, inner.inner) == (sizes[outer], 1):
                 return Tiled(inner.group, outer)  # blocks whose inner permutation was made one for all
+            if outer is None and isinstance(inner, str) and units.is_fixed(structure.outer):
+                # The blocks cannot move; their units still can.
+                count = units.size(structure.outer)
+                return Blocks(count, inner) if isinstance(structure, BlockAxis) else Tiled(inner, count)
             unnamed.append((current[0], a))  # the spec cannot name it: its units are fixed below
             return None
         if isinstance(structure, TileAxis):
