@@ -1,0 +1,104 @@
+"""The weight-matching objective, its argument checks and its result type.
+
+Shared by the two implementations of Git Re-Basin's Algorithm 1: the fast one for flat
+specs (:class:`pyperm.nn.align.weight.WeightMatcher`) and the plain one for structured
+specs (:mod:`pyperm.nn.align._structured`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pyperm.nn.align._similarity import accurate_dot
+from pyperm.nn.spec import PermutationSpec
+
+
+@dataclass
+class WeightMatchingResult:
+    """What :func:`weight_matching` found.
+
+    Attributes
+    ----------
+    perms : dict of str to (n,) int64 torch.Tensor
+        One permutation per group (on the CPU), to be used with
+        :func:`~pyperm.nn.apply_permutation` on model B: unit ``i`` of the permuted model
+        is unit ``perms[g][i]`` of B.
+    objective : list of float
+        ``vec(A) . vec(pi(B))`` over the matched tensors: ``objective[0]`` at the initial
+        permutations (computed from the weights), ``objective[s]`` after sweep ``s``
+        (``objective[0]`` plus the gains of the accepted steps, read off the similarity
+        matrices, so exact up to their float32 rounding). Non-decreasing.
+    sweeps : int
+        Sweeps over the groups that were run.
+    converged : bool
+        Whether the last sweep improved nothing (otherwise ``max_iter`` stopped the search).
+    """
+
+    perms: dict[str, torch.Tensor]
+    objective: list[float] = field(default_factory=list)
+    sweeps: int = 0
+    converged: bool = False
+
+
+def _check_state(spec: PermutationSpec, state: Any, name: str, flat: bool = True) -> dict[str, torch.Tensor]:
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{name} must be a mapping of names to tensors, got {type(state).__name__}")
+    for key in spec.axes:
+        if key in state and not isinstance(state[key], torch.Tensor):
+            raise TypeError(f"{name}[{key!r}] must be a torch.Tensor, got {type(state[key]).__name__}")
+    if flat:
+        spec.require_flat("WeightMatcher")  # structured axes (Segments, Tiled, Blocks, P W P^T): _match_structured
+    spec.check_state_dict(state, name)
+    return {key: state[key].detach() for key in spec.axes}
+
+
+def _objective_keys(spec: PermutationSpec, sa: Mapping[str, torch.Tensor], keys: Iterable[str] | None) -> list[str]:
+    if keys is None:
+        return [k for k in spec.axes if sa[k].is_floating_point()]
+    if isinstance(keys, str):
+        raise TypeError("keys must be an iterable of state_dict keys, not a single string")
+    chosen = list(keys)
+    for k in chosen:
+        if k not in spec.axes:
+            raise ValueError(f"keys names {k!r}, which is not in the spec")
+        if not sa[k].is_floating_point():
+            raise ValueError(f"keys names {k!r}, whose dtype {sa[k].dtype} is not floating point")
+    return list(dict.fromkeys(chosen))
+
+
+def _objective(
+    spec: PermutationSpec,
+    sa: Mapping[str, torch.Tensor],
+    sb: Mapping[str, torch.Tensor],
+    perms: Mapping[str, torch.Tensor],
+    keys: Iterable[str],
+) -> float:
+    """The objective on validated state dicts; also the finiteness check of every entry it reads."""
+    total = 0.0
+    # Identity permutations (the usual start) need no gather of B.
+    moved = {g for g, p in perms.items() if not torch.equal(p, torch.arange(p.numel(), device=p.device))}
+    for key in keys:
+        a = sa[key]
+        b = sb[key]
+        if a.shape != b.shape:
+            raise ValueError(f"state_a[{key!r}] has shape {tuple(a.shape)} but state_b has {tuple(b.shape)}")
+        for ax, g in enumerate(spec.axes[key]):
+            if spec.structured:  # Segments, Tiled, Blocks: the spec builds the index
+                index = spec.axis_index(key, ax, perms) if set(spec.group_axes) & moved else None
+                b = b if index is None else b.index_select(ax, index.to(b.device))
+            elif g in moved:
+                b = b.index_select(ax, perms[g].to(b.device))
+        term = accurate_dot(a, b.to(a.device))
+        if not math.isfinite(term):
+            # A NaN or infinity anywhere in either tensor makes its product non-finite.
+            for name, t in (("state_a", sa[key]), ("state_b", sb[key])):
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"{name}[{key!r}] contains NaN or infinite values")
+            raise ValueError(f"the product of state_a[{key!r}] and state_b[{key!r}] overflows")
+        total += term
+    return total
