@@ -17,6 +17,7 @@ __all__ = [
     "check_bool",
     "check_int",
     "check_nonnegative_real",
+    "check_positive_real",
     "check_positive_int",
     "check_threads",
     "numpy_generator",
@@ -68,6 +69,17 @@ def check_nonnegative_real(value: Any, name: str) -> float:
     value = float(value)
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be finite and non-negative, got {value}")
+    return value
+
+
+def check_positive_real(value: Any, name: str, *, upper: float | None = None) -> float:
+    """A finite real number > 0 (a learning rate, a step size, a proximal weight), at most ``upper`` if given."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0 or (upper is not None and value > upper):
+        bound = f" at most {upper}" if upper is not None else ""
+        raise ValueError(f"{name} must be a finite positive number{bound}, got {value}")
     return value
 
 

@@ -60,3 +60,19 @@ def test_numpy_generator():
         numpy_generator(-1)
     with pytest.raises(TypeError, match="seed must be a numpy Generator, an int seed or None, got float"):
         numpy_generator(1.0, "seed")
+
+
+def test_check_positive_real():
+    from pyperm._checks import check_positive_real
+
+    assert check_positive_real(2, "lr") == 2.0 and isinstance(check_positive_real(2, "lr"), float)
+    assert check_positive_real(1.0, "anneal", upper=1.0) == 1.0
+    with pytest.raises(TypeError, match="lr must be a real number, got str"):
+        check_positive_real("0.1", "lr")
+    with pytest.raises(TypeError, match="lr must be a real number, got bool"):
+        check_positive_real(True, "lr")
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="lr must be a finite positive number"):
+            check_positive_real(bad, "lr")
+    with pytest.raises(ValueError, match="anneal must be a finite positive number at most 1.0, got 1.5"):
+        check_positive_real(1.5, "anneal", upper=1.0)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from pyperm._checks import torch_generator
+from pyperm._checks import check_positive_real, torch_generator
 from pyperm._progress import progress_bar
 from pyperm.nn._runtime import (
     check_module,
@@ -77,14 +77,6 @@ class STEMatchingResult:
     best_step: int = 0
     initial_perms: Permutations | None = None
     sweeps: list[int] = field(default_factory=list)
-
-
-def _check_lr(lr: Any) -> float:
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
-        raise TypeError(f"lr must be a positive number, got {type(lr).__name__}")
-    if not math.isfinite(lr) or lr <= 0:
-        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
-    return float(lr)
 
 
 def ste_matching(
@@ -163,7 +155,7 @@ def ste_matching(
         raise TypeError(f"epochs must be an int, got {type(epochs).__name__}")
     if epochs < 1:
         raise ValueError(f"epochs must be at least 1, got {epochs}")
-    lr = _check_lr(lr)
+    lr = check_positive_real(lr, "lr")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     loss_fn = loss_fn or nn.functional.cross_entropy

@@ -110,6 +110,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyperm._checks import check_positive_real
 from pyperm._progress import progress_bar
 from pyperm.nn._runtime import (
     check_module,
@@ -224,16 +225,6 @@ def _int(value: Any, name: str, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}")
     return int(value)
-
-
-def _positive(value: Any, name: str, *, upper: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0 or (upper is not None and value > upper):
-        bound = f" at most {upper}" if upper is not None else ""
-        raise ValueError(f"{name} must be a finite positive number{bound}, got {value}")
-    return value
 
 
 def _initial_perms(init: Any, model: nn.Module, spec: PermutationSpec, sa: Mapping[str, torch.Tensor],
@@ -551,12 +542,12 @@ def pam(
         judge_batches = _int(judge_batches, "judge_batches", 1)
     projection_iters = _int(projection_iters, "projection_iters", 1)
     if projection_tol is not None:
-        projection_tol = _positive(projection_tol, "projection_tol")
-    lr_perm = _positive(lr_perm, "lr_perm")
-    lr_curve = _positive(lr_curve, "lr_curve")
-    nu_perm = _positive(nu_perm, "nu_perm")
-    nu_curve = _positive(nu_curve, "nu_curve")
-    anneal = _positive(anneal, "anneal", upper=1.0)
+        projection_tol = check_positive_real(projection_tol, "projection_tol")
+    lr_perm = check_positive_real(lr_perm, "lr_perm")
+    lr_curve = check_positive_real(lr_curve, "lr_curve")
+    nu_perm = check_positive_real(nu_perm, "nu_perm")
+    nu_curve = check_positive_real(nu_curve, "nu_curve")
+    anneal = check_positive_real(anneal, "anneal", upper=1.0)
     # The proximal terms enter as gradients (x - x^k) / nu of explicit steps, which overshoot
     # x^k (and, for the curve with momentum, oscillate) once lr / nu reaches 1.
     for lr, nu, names in ((lr_perm, nu_perm, "lr_perm / nu_perm"), (lr_curve, nu_curve, "lr_curve / nu_curve")):

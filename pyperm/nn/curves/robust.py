@@ -36,20 +36,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyperm.nn._runtime import eval_mode, inputs_and_targets, iterate_batches, module_device
+from pyperm._checks import check_nonnegative_real
+from pyperm.nn._runtime import (
+    eval_mode,
+    inputs_and_targets,
+    iterate_batches,
+    module_device,
+)
 
 __all__ = ["check_attack", "pgd_attack", "robust_accuracy"]
 
 _NORMS = ("inf", "2")
-
-
-def _real(value: Any, name: str, *, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, got {value}")
-    return value
 
 
 def check_attack(attack: Any, name: str = "adversarial") -> dict[str, Any]:
@@ -83,8 +80,8 @@ def check_attack(attack: Any, name: str = "adversarial") -> dict[str, Any]:
 
 def _check_options(eps: Any, steps: Any, step_size: Any, norm: Any, clamp: Any, prefix: str = "") -> tuple:
     try:
-        eps = _real(eps, "eps", positive=False)
-        step_size = _real(step_size, "step_size", positive=False)
+        eps = check_nonnegative_real(eps, "eps")
+        step_size = check_nonnegative_real(step_size, "step_size")
     except (TypeError, ValueError) as exc:
         raise type(exc)(prefix + str(exc)) from None
     if isinstance(steps, bool) or not isinstance(steps, int):

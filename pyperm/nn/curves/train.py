@@ -16,16 +16,21 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 from collections.abc import Callable, Iterable
-from numbers import Real
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from pyperm._checks import check_nonnegative_real, check_positive_real
 from pyperm._progress import progress_bar
-from pyperm.nn._runtime import inputs_and_targets, iterate_batches, num_batches, to_device, training_flags
+from pyperm.nn._runtime import (
+    inputs_and_targets,
+    iterate_batches,
+    num_batches,
+    to_device,
+    training_flags,
+)
 from pyperm.nn.curves._base import Curve
 from pyperm.nn.curves.robust import check_attack, pgd_attack
 
@@ -41,15 +46,6 @@ def check_curve(curve: Any, name: str = "curve") -> Curve:
     if not isinstance(curve, Curve):
         raise TypeError(f"{name} must be a BezierCurve or PolyChain (a pyperm curve), got {type(curve).__name__}")
     return curve
-
-
-def _real(value: Any, name: str, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, got {value}")
-    return value
 
 
 def _make_optimizer(optimizer: Any, params: list[torch.nn.Parameter], lr: float, momentum: float,
@@ -129,9 +125,9 @@ class CurveTrainer:
             attack_seed = self.adversarial.pop("seed", 0)
             self.attack_generator = (attack_seed if isinstance(attack_seed, torch.Generator)
                                      else torch.Generator().manual_seed(attack_seed))
-        lr = _real(lr, "lr", positive=True)
-        momentum = _real(momentum, "momentum")
-        weight_decay = _real(weight_decay, "weight_decay")
+        lr = check_positive_real(lr, "lr")
+        momentum = check_nonnegative_real(momentum, "momentum")
+        weight_decay = check_nonnegative_real(weight_decay, "weight_decay")
         if isinstance(seed, torch.Generator):
             self.generator = seed
         elif isinstance(seed, bool) or not isinstance(seed, int):
