@@ -43,19 +43,16 @@ def _evaluate(loaded: Any, state: dict, data: Any, device: Any) -> dict[str, flo
 
     from pyperm.commands._common import has_batchnorm
     from pyperm.nn import reset_bn_stats
+    from pyperm.nn._runtime import mean_loss_and_accuracy
 
     model = copy.deepcopy(loaded.module).to(device)
     model.load_state_dict(state)
     if has_batchnorm(model):
         reset_bn_stats(model, data.train)
     model.eval()
-    loss = correct = 0.0
     with torch.no_grad():
-        for x, y in data.test:
-            logits = model(x)
-            loss += float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
-            correct += float((logits.argmax(1) == y).sum())
-    return {"loss": loss / data.num_test, "accuracy": correct / data.num_test}
+        loss, accuracy, _ = mean_loss_and_accuracy(model, data.test, torch.nn.functional.cross_entropy, device)
+    return {"loss": loss, "accuracy": accuracy}
 
 
 @cli_errors("merge")

@@ -9,7 +9,7 @@ and find the device a model lives on. They live here once.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -119,3 +119,50 @@ def num_batches(data: Any, max_batches: int | None = None) -> int | None:
     except TypeError:
         return max_batches
     return total if max_batches is None else min(total, max_batches)
+
+
+def mean_loss_and_accuracy(
+    model: nn.Module, data: Iterable[Any], loss_fn: Callable[..., torch.Tensor], device: torch.device
+) -> tuple[float, float | None, int]:
+    """Mean loss over samples, accuracy (None when the targets are not class indices), and the sample count.
+
+    The model runs as it is: callers choose its mode and wrap the call in ``torch.no_grad()``.
+    ``data`` yields ``(inputs, targets)`` batches, moved to ``device``; ``loss_fn`` returns
+    the batch's mean loss, weighted here by the batch size so the result averages over samples.
+    """
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    samples = 0
+    labelled = 0
+    classify = True
+    for i, batch in iterate_batches(data, name="data"):
+        inputs, targets = inputs_and_targets(batch, i)
+        inputs, targets = to_device(inputs, device), targets.to(device)
+        outputs = model(*inputs)
+        loss = loss_fn(outputs, targets)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
+        if loss.numel() != 1:
+            raise ValueError(
+                f"loss_fn must return the batch's mean loss (one value), got shape {tuple(loss.shape)}; "
+                "use reduction='mean'"
+            )
+        n = targets.shape[0] if targets.ndim else 1
+        # The loss is a mean over the batch: weighting it by the batch size averages over samples.
+        loss_sum += loss.detach().reshape(()).to(torch.float64) * n
+        samples += n
+        if classify:
+            classify = (
+                isinstance(outputs, torch.Tensor)
+                and outputs.ndim >= 2
+                and not targets.is_floating_point()
+                and not targets.is_complex()
+                and targets.dtype != torch.bool
+                and tuple(targets.shape) == tuple(outputs.shape[:1]) + tuple(outputs.shape[2:])
+            )
+            if classify:
+                correct += (outputs.argmax(dim=1) == targets).sum()
+                labelled += targets.numel()
+    loss_value = float(loss_sum) / samples
+    accuracy = float(correct) / labelled if classify and labelled else None
+    return loss_value, accuracy, samples

@@ -86,12 +86,9 @@ def train_classifier(
 
 def evaluate(model: nn.Module, batches: Any) -> tuple[float, float]:
     """Mean cross-entropy and accuracy of ``model`` (eval mode) over ``(inputs, targets)`` batches."""
+    from pyperm.nn._runtime import mean_loss_and_accuracy, module_device
+
     model.eval()
-    loss = correct = count = 0.0
     with torch.no_grad():
-        for x, y in batches:
-            logits = model(x)
-            loss += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
-            correct += float((logits.argmax(1) == y).sum())
-            count += len(y)
-    return loss / count, correct / count
+        loss, accuracy, _ = mean_loss_and_accuracy(model, batches, nn.functional.cross_entropy, module_device(model))
+    return loss, accuracy

@@ -18,9 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyperm.nn._runtime import check_module, eval_mode, module_device
+from pyperm.nn._runtime import check_module, eval_mode, mean_loss_and_accuracy, module_device
 from pyperm.nn.eval._common import check_reiterable
-from pyperm.nn.eval.barrier import _evaluate
 from pyperm.nn.eval.batchnorm import batchnorm_modules, reset_bn_stats
 
 __all__ = ["PointEvaluator"]
@@ -67,5 +66,5 @@ class PointEvaluator:
         if self.has_bn:
             reset_bn_stats(self.model, self.bn_data)
         with torch.no_grad(), eval_mode(self.model):
-            loss, accuracy, _ = _evaluate(self.model, self.data, self.loss_fn, module_device(self.model))
+            loss, accuracy, _ = mean_loss_and_accuracy(self.model, self.data, self.loss_fn, module_device(self.model))
         return loss, (math.nan if accuracy is None else accuracy)

@@ -20,10 +20,8 @@ from pyperm._progress import progress_bar
 from pyperm.nn._runtime import (
     check_module,
     eval_mode,
-    inputs_and_targets,
-    iterate_batches,
+    mean_loss_and_accuracy,
     module_device,
-    to_device,
 )
 from pyperm.nn.eval._common import check_model_states, check_reiterable
 from pyperm.nn.eval.batchnorm import batchnorm_modules, reset_bn_stats
@@ -247,48 +245,6 @@ def _check_ts(ts: Any, num_points: Any) -> np.ndarray:
     return out
 
 
-def _evaluate(
-    model: nn.Module, data: Iterable[Any], loss_fn: Callable[..., torch.Tensor], device: torch.device
-) -> tuple[float, float | None, int]:
-    """Mean loss over samples, accuracy (None when the targets are not class indices), and the sample count."""
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    samples = 0
-    labelled = 0
-    classify = True
-    for i, batch in iterate_batches(data, name="data"):
-        inputs, targets = inputs_and_targets(batch, i)
-        inputs, targets = to_device(inputs, device), targets.to(device)
-        outputs = model(*inputs)
-        loss = loss_fn(outputs, targets)
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
-        if loss.numel() != 1:
-            raise ValueError(
-                f"loss_fn must return the batch's mean loss (one value), got shape {tuple(loss.shape)}; "
-                "use reduction='mean'"
-            )
-        n = targets.shape[0] if targets.ndim else 1
-        # The loss is a mean over the batch: weighting it by the batch size averages over samples.
-        loss_sum += loss.detach().reshape(()).to(torch.float64) * n
-        samples += n
-        if classify:
-            classify = (
-                isinstance(outputs, torch.Tensor)
-                and outputs.ndim >= 2
-                and not targets.is_floating_point()
-                and not targets.is_complex()
-                and targets.dtype != torch.bool
-                and tuple(targets.shape) == tuple(outputs.shape[:1]) + tuple(outputs.shape[2:])
-            )
-            if classify:
-                correct += (outputs.argmax(dim=1) == targets).sum()
-                labelled += targets.numel()
-    loss_value = float(loss_sum) / samples
-    accuracy = float(correct) / labelled if classify and labelled else None
-    return loss_value, accuracy, samples
-
-
 def barrier(
     model: nn.Module,
     state_a: Mapping[str, torch.Tensor],
@@ -442,7 +398,7 @@ def barrier(
             if do_reset:
                 reset_bn_stats(runner, reset_bn)
             with torch.no_grad(), eval_mode(runner):
-                loss, acc, samples = _evaluate(runner, data, loss_fn, target)
+                loss, acc, samples = mean_loss_and_accuracy(runner, data, loss_fn, target)
             losses.append(loss)
             accuracies.append(acc)
             logger.debug("barrier: t=%.4f loss=%.6g accuracy=%s", t, loss, acc)
