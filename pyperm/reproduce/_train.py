@@ -92,3 +92,25 @@ def evaluate(model: nn.Module, batches: Any) -> tuple[float, float]:
     with torch.no_grad():
         loss, accuracy, _ = mean_loss_and_accuracy(model, batches, nn.functional.cross_entropy, module_device(model))
     return loss, accuracy
+
+
+def digits_data(device: Any, eval_batch: int, **train_batches: int) -> dict[str, Any]:
+    """The digits split (``pyperm.datasets.load_digits(0)``) on ``device``.
+
+    Returns the whole training tensors (``x_train``, ``y_train``), the test split in batches of
+    ``eval_batch`` (``test``), the split sizes (``num_train``, ``num_test``), and the training
+    split in batches of each named size of ``train_batches`` (``train=64`` gives ``"train"``).
+    """
+    from pyperm.datasets import load_digits, to_batches
+
+    ds = load_digits(0)
+    data = {
+        "x_train": torch.from_numpy(ds.x_train).to(device),
+        "y_train": torch.from_numpy(ds.y_train).to(device),
+        "test": to_batches(ds.x_test, ds.y_test, eval_batch, device=device),
+        "num_train": len(ds.y_train),
+        "num_test": len(ds.y_test),
+    }
+    for name, size in train_batches.items():
+        data[name] = to_batches(ds.x_train, ds.y_train, size, device=device)
+    return data

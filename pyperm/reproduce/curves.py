@@ -52,20 +52,9 @@ def cnn(width: int) -> Any:
 
 def digits_batches(device: Any) -> dict[str, Any]:
     """Digits as training batches of 64, evaluation batches of 512, and whole training tensors."""
-    import torch
+    from pyperm.reproduce._train import digits_data
 
-    from pyperm.datasets import load_digits, to_batches
-
-    ds = load_digits(0)
-    return {
-        "x_train": torch.from_numpy(ds.x_train).to(device),
-        "y_train": torch.from_numpy(ds.y_train).to(device),
-        "train": to_batches(ds.x_train, ds.y_train, BATCH, device=device),
-        "train_eval": to_batches(ds.x_train, ds.y_train, EVAL_BATCH, device=device),
-        "test": to_batches(ds.x_test, ds.y_test, EVAL_BATCH, device=device),
-        "num_train": len(ds.y_train),
-        "num_test": len(ds.y_test),
-    }
+    return digits_data(device, EVAL_BATCH, train=BATCH, train_eval=EVAL_BATCH)
 
 
 def _loaded(model: Any, state: dict) -> Any:

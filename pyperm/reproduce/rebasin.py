@@ -234,23 +234,6 @@ def _findings(fig2: dict, fig4: dict) -> list:
     return findings
 
 
-def _digits(device: Any) -> dict[str, Any]:
-    import torch
-
-    from pyperm.datasets import load_digits, to_batches
-
-    ds = load_digits(0)
-    return {
-        "x_train": torch.from_numpy(ds.x_train).to(device),
-        "y_train": torch.from_numpy(ds.y_train).to(device),
-        "train": to_batches(ds.x_train, ds.y_train, EVAL_BATCH, device=device),
-        "ste": to_batches(ds.x_train, ds.y_train, STE_BATCH, device=device),
-        "test": to_batches(ds.x_test, ds.y_test, EVAL_BATCH, device=device),
-        "num_train": len(ds.y_train),
-        "num_test": len(ds.y_test),
-    }
-
-
 def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: bool = False) -> Path:
     """Train the MLPs, evaluate the paths and the width sweep, write the report.
 
@@ -277,11 +260,12 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     from pyperm.commands._common import markdown_table, write_json
     from pyperm.commands._plots import plot_lines, plot_paths
     from pyperm.reproduce._report import findings_section, settings_section
+    from pyperm.reproduce._train import digits_data
 
     cfg = SETTINGS[scale]
     start = time.perf_counter()
     torch.manual_seed(seed)  # nothing here draws from the global RNG; this pins anything a dependency might
-    data = _digits(device)
+    data = digits_data(device, EVAL_BATCH, train=EVAL_BATCH, ste=STE_BATCH)
     fig2 = _figure2(cfg, data, device, seed, progress)
     fig4 = _figure4(cfg, data, device, seed, progress)
     findings = _findings(fig2, fig4)
