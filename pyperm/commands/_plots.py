@@ -6,18 +6,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pyperm._plotting import agg_figure
+
 __all__ = ["plot_lines", "plot_paths"]
 
 
 def _figure(panels: int, width: float = 4.6, height: float = 3.6) -> Any:
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ImportError("plots need matplotlib: pip install matplotlib") from exc
-    fig = Figure(figsize=(width * panels, height), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
+    return agg_figure(width * panels, height, layout="constrained")
 
 
 def plot_paths(path: Path, results: Mapping[str, Any], title: str) -> Path:

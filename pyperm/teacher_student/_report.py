@@ -34,16 +34,3 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join(lines)
 
 
-def agg_figure(width: float, height: float):
-    """A matplotlib Figure drawn by the Agg canvas, imported only when a plot is asked for.
-
-    No pyplot: the caller's backend and pyplot's figure registry are left alone.
-    """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:  # plots are optional; everything else works without matplotlib
-        raise ImportError("plotting needs matplotlib (pip install matplotlib)") from exc
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)
-    return fig

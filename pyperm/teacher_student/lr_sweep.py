@@ -22,8 +22,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pyperm.teacher_student._checks import DTYPE, positive_float, positive_int, seed_list
-from pyperm.teacher_student._report import agg_figure, markdown_table, mean_and_sem
+from pyperm._plotting import agg_figure
+from pyperm.teacher_student._checks import (
+    DTYPE,
+    positive_float,
+    positive_int,
+    seed_list,
+)
+from pyperm.teacher_student._report import markdown_table, mean_and_sem
 from pyperm.teacher_student.curvature import hessian_unchecked
 from pyperm.teacher_student.gd import descend, initial_weights
 from pyperm.teacher_student.minima import sample_minimum, teacher_weights

@@ -17,9 +17,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pyperm._plotting import agg_figure
 from pyperm._progress import progress_bar
-from pyperm.teacher_student._checks import DTYPE, positive_float, positive_int, seed_list
-from pyperm.teacher_student._report import agg_figure, markdown_table, mean_and_sem
+from pyperm.teacher_student._checks import (
+    DTYPE,
+    positive_float,
+    positive_int,
+    seed_list,
+)
+from pyperm.teacher_student._report import markdown_table, mean_and_sem
 from pyperm.teacher_student.barrier import barrier_from_losses, segment_losses
 from pyperm.teacher_student.gd import descend, initial_weights
 from pyperm.teacher_student.matching import lap_matching, type_matching

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pyperm._plotting import agg_figure
 from pyperm._progress import progress_bar
 from pyperm.nn.curves._points import PointEvaluator
 from pyperm.nn.curves.robust import check_attack, robust_accuracy
@@ -138,12 +139,7 @@ def plot_curve_results(results: Mapping[str, CurveResult], path: str | Path, *, 
     for name, r in results.items():
         if not isinstance(r, CurveResult):
             raise TypeError(f"results[{name!r}] must be a CurveResult, got {type(r).__name__}")
-    # The object-oriented API with the Agg canvas: no pyplot, no global backend switch.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(9, 3.6))
-    FigureCanvasAgg(fig)
+    fig = agg_figure(9, 3.6)
     ax_loss, ax_acc = fig.subplots(1, 2)
     dashed = set(dashed)
     for k, (name, r) in enumerate(results.items()):

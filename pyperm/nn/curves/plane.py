@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pyperm._plotting import agg_figure
 from pyperm._progress import progress_bar
 from pyperm.nn._runtime import check_module
 from pyperm.nn.curves._points import PointEvaluator
@@ -67,12 +68,8 @@ class PlaneResult:
         """Contours of ``metric`` ("loss" or "accuracy") with the three networks marked; a PNG."""
         if metric not in ("loss", "accuracy"):
             raise ValueError(f"metric must be 'loss' or 'accuracy', got {metric!r}")
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
         values = self.loss if metric == "loss" else 100 * self.accuracy
-        fig = Figure(figsize=(5.5, 4.5))
-        FigureCanvasAgg(fig)
+        fig = agg_figure(5.5, 4.5)
         ax = fig.subplots()
         filled = ax.contourf(self.xs, self.ys, values, levels=levels, cmap="viridis" if metric == "loss" else "magma")
         ax.contour(self.xs, self.ys, values, levels=levels, colors="k", linewidths=0.3, alpha=0.5)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pyperm._plotting import agg_figure
 from pyperm.nn._runtime import check_module
 
 __all__ = ["CorrelationSignature", "correlation_signature"]
@@ -41,11 +42,7 @@ class CorrelationSignature:
 
     def plot(self, path: str | Path, *, title: str | None = None) -> Path:
         """The signature before and after alignment against the layer, as a PNG."""
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(max(5.0, 0.5 * len(self.groups) + 2), 3.8))
-        FigureCanvasAgg(fig)
+        fig = agg_figure(max(5.0, 0.5 * len(self.groups) + 2), 3.8)
         ax = fig.subplots()
         layers = np.arange(1, len(self.groups) + 1)
         ax.plot(layers, self.before, marker="o", label="before alignment")

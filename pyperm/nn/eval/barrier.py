@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyperm._plotting import agg_figure
 from pyperm._progress import progress_bar
 from pyperm.nn._runtime import (
     check_module,
@@ -174,17 +175,11 @@ def plot_paths(path: str | Path, results: Mapping[str, BarrierResult], *, title:
         raise TypeError("results must be a mapping of labels to BarrierResult")
     if not results:
         raise ValueError("results must hold at least one BarrierResult")
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ImportError("plotting a barrier needs matplotlib: pip install matplotlib") from exc
     path = Path(path)
     panels = [("loss", 1.0, lambda r: r.loss)]
     if all(r.accuracy is not None for r in results.values()):
         panels.append(("accuracy (%)", 100.0, lambda r: r.accuracy))
-    fig = Figure(figsize=(4.5 * len(panels), 3.6), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = agg_figure(4.5 * len(panels), 3.6, layout="constrained")
     for k, (name, scale, values_of) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), k + 1)
         for i, (label, r) in enumerate(results.items()):
