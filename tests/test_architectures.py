@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from _vision import import_timm, import_torchvision
 from torch import nn
 
 from pyperm.nn import (
@@ -338,7 +339,7 @@ def check_library_model(model: nn.Module, x: torch.Tensor) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TORCHVISION)
 def test_torchvision_models(name):
-    tv = pytest.importorskip("torchvision")
+    tv = import_torchvision()
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = getattr(tv.models, name)(weights=None)
@@ -347,7 +348,7 @@ def test_torchvision_models(name):
 
 @pytest.mark.slow
 def test_timm_vit():
-    timm = pytest.importorskip("timm")
+    timm = import_timm()
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = timm.create_model("vit_tiny_patch16_224", pretrained=False)

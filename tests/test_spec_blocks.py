@@ -474,3 +474,49 @@ def test_traced_grouped_convolution_after_a_shuffle_keeps_its_units_within_group
     other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
     with torch.no_grad():
         torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+class ShuffledGroups(nn.Module):
+    """A channel shuffle before a grouped convolution: its groups stay in place (Blocks(2, ...))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.c = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.a(x))
+        n, ch, hh, ww = h.shape
+        h = h.view(n, 2, ch // 2, hh, ww).transpose(1, 2).reshape(n, ch, hh, ww)
+        return self.c(F.relu(self.b(h)))
+
+
+@pytest.mark.parametrize("model_type", [ResNeXtBlock, GroupedChain, SplitHeads, ShuffledGroups])
+def test_activation_matching_recovers_structured_groups(model_type):
+    """Blocks (grouped convolution outputs, fixed blocks) and Tiled copies moved by a group (grouped
+    convolution inputs, split heads) are read from the axis they shape and solved together: a planted
+    permutation of every group is undone exactly."""
+    from pyperm.nn import activation_matching, trace_model
+
+    torch.manual_seed(0)
+    model = model_type().double().eval()
+    x = torch.randn(2, 6, 5, dtype=torch.float64) if model_type is SplitHeads else torch.randn(2, 3, 5, 5).double()
+    spec = trace_model(model, x, composite="fix", structured=True).spec
+    assert spec.structured
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)  # spread the weights: no ties between units
+    perms = Permutations(spec, planted(spec, seed=9))
+    other = copy.deepcopy(model)
+    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randn((16, *x.shape[1:]), generator=gen, dtype=torch.float64) for _ in range(4)]
+    result = activation_matching(model, other, data, spec=spec)
+    assert all(result.sites[g] for g in spec.groups)  # every group was seen
+    assert Permutations(spec, result.perms) == perms.inverse()
+    for g in spec.groups:
+        assert result.similarity[g] == pytest.approx(1.0)  # identical activations once aligned
+        assert result.similarity[g] >= result.identity_similarity[g]
+    aligned = apply_permutation(spec, result.perms, other.state_dict())
+    for key, t in model.state_dict().items():
+        torch.testing.assert_close(aligned[key], t, msg=key)

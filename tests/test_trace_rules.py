@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.fx
 import torch.nn.functional as F
+from _vision import import_torchvision
 from torch import nn
 
 from pyperm.nn import PermutationSpec, TraceError, apply_permutation, register_trace_rule, trace_model
@@ -92,20 +93,20 @@ def test_addcmul_stochastic_depth_and_more_elementwise(train):
 
 
 def test_torchvision_stochastic_depth():
-    tv = pytest.importorskip("torchvision")
+    tv = import_torchvision()
 
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.a, self.b, self.out = nn.Linear(3, 5), nn.Linear(5, 5), nn.Linear(5, 2)
+            self.a, self.b, self.c, self.out = nn.Linear(3, 5), nn.Linear(5, 7), nn.Linear(7, 5), nn.Linear(5, 2)
             self.drop = tv.ops.StochasticDepth(0.1, "row")
 
         def forward(self, x):
             h = self.a(x)
-            return self.out(h + self.drop(torch.relu(self.b(h))))
+            return self.out(h + self.drop(self.c(torch.relu(self.b(h)))))
 
     spec = PermutationSpec.from_model(Block(), torch.randn(2, 3), composite="raise")
-    assert spec.sizes == {"P_a": 5, "P_b": 5}
+    assert spec.sizes == {"P_a": 5, "P_b": 7}
 
 
 def test_scaled_dot_product_attention():

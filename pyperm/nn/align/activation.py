@@ -16,10 +16,18 @@ after the nonlinearity by default, or the Linear/convolution/BatchNorm output wi
 ResNet stage for instance, is matched once on the average of its sites' matrices (Tatro
 et al., appendix D). Unlike weight matching, the groups are independent: one pass over
 the data, one assignment per group.
+
+Structured groups (:class:`~pyperm.nn.spec.Blocks`: the channel groups of a grouped
+convolution; :class:`~pyperm.nn.spec.Tiled` copies moved by a group: its input) are read
+from the whole axis they shape and solved together with the groups they share it with:
+a Blocks outer group and its inner groups by an assignment of assignments, the others by
+coordinate ascent of the summed similarities (the structured weight-matching solver,
+applied to the similarity matrices).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import warnings
@@ -41,7 +49,8 @@ from pyperm.nn._runtime import (
     module_device,
     num_batches,
 )
-from pyperm.nn.spec import PermutationSpec
+from pyperm.nn.align._structured import _match_structured
+from pyperm.nn.spec import PermutationSpec, Segments, Tiled, _entry_groups, _rename
 from pyperm.nn.trace import ActivationSite, TraceError, symbolic_trace, trace_model
 
 logger = logging.getLogger(__name__)
@@ -105,6 +114,54 @@ def _samples(x: Any, axis: int, site: str) -> torch.Tensor:
     return z.contiguous()
 
 
+@dataclass(frozen=True)
+class _Reading:
+    """A part of a site's axis that one accumulator reads.
+
+    ``form`` is a group name (the part holds its units; a :class:`Tiled` part with fixed
+    copies is read with the copies as extra samples) or a structured form over the whole
+    part (``Blocks``, ``Tiled`` copies moved by a group), whose groups are solved together.
+    """
+
+    node: str
+    axis: int
+    start: int
+    length: int
+    form: Any
+    copies: tuple[int, int] = (1, 1)  # (outer, inner) copies of a Tiled part folded into samples
+
+    @property
+    def units(self) -> int:
+        return self.length // (self.copies[0] * self.copies[1])
+
+    @property
+    def structured(self) -> bool:
+        return not isinstance(self.form, str)
+
+    def take(self, z: torch.Tensor) -> torch.Tensor:
+        """This part of a site's (samples, axis) activations, as (samples, units)."""
+        z = z[:, self.start : self.start + self.length]
+        outer, inner = self.copies
+        if outer * inner > 1:
+            z = z.reshape(-1, outer, self.units, inner).transpose(2, 3).reshape(-1, self.units)
+        return z.contiguous()
+
+
+def _readings(spec: PermutationSpec, site: ActivationSite) -> list[_Reading]:
+    """The parts of ``site``'s axis that hold units, each with its form."""
+    parts = site.form.parts if isinstance(site.form, Segments) else (site.form,)
+    readings, offset = [], 0
+    for part in parts:
+        length = part if isinstance(part, int) else spec._length(part)
+        if isinstance(part, Tiled) and not isinstance(part.outer, str):
+            copies = (part.outer, part.inner)
+            readings.append(_Reading(site.node, site.axis, offset, length, part.group, copies))
+        elif not isinstance(part, int):
+            readings.append(_Reading(site.node, site.axis, offset, length, part))
+        offset += length
+    return readings
+
+
 class _SiteReader(fx.Interpreter):
     """Runs a traced model and hands the output of every watched node to ``sink``."""
 
@@ -135,6 +192,40 @@ def _check_models(model_a: Any, model_b: Any) -> None:
     for k, t in sa.items():
         if t.shape != sb[k].shape:
             raise ValueError(f"model_a and model_b differ in {k!r}: shapes {tuple(t.shape)} and {tuple(sb[k].shape)}")
+
+
+def _reading_index(spec: PermutationSpec, reading: _Reading, perms: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The unit of B that each unit of a reading is matched with."""
+    if not reading.structured:
+        return perms[reading.form]
+    return PermutationSpec({"r": (reading.form,)}, {g: spec.sizes[g] for g in _entry_groups(reading.form)}).axis_index(
+        "r", 0, perms
+    )
+
+
+def _solve_joint(
+    spec: PermutationSpec, readings: list[_Reading], mats: list[np.ndarray], groups: list[str]
+) -> dict[str, torch.Tensor]:
+    """The permutations of groups that share structured readings, solved together.
+
+    Each reading's similarity ``M`` (A's units by B's) is matched by the permutation of its
+    axis that its form builds out of the groups: maximise the sum over readings of
+    ``M[p, index[p]]``. That is weight matching's objective for a tensor pair ``(M^T, I)``
+    whose second axis has the reading's form, so the structured weight-matching solver does
+    it (assignments of assignments for Blocks, coordinate ascent that never decreases).
+    """
+    axes: dict[str, tuple[Any, ...]] = {}
+    state_a: dict[str, torch.Tensor] = {}
+    state_b: dict[str, torch.Tensor] = {}
+    for i, r in enumerate(readings):
+        if set(_entry_groups(r.form)) <= set(groups):
+            axes[f"r{i}"] = (None, r.form)
+            m = torch.from_numpy(mats[i])
+            state_a[f"r{i}"], state_b[f"r{i}"] = m.T.contiguous(), torch.eye(m.shape[0], dtype=torch.float64)
+    joint = PermutationSpec(axes, {g: spec.sizes[g] for g in groups})
+    found = _match_structured(joint, state_a, state_b, max_iter=100, seed=0, init=None, keys=None, tol=0.0,
+                              dtype=torch.float64, callback=None)  # fmt: skip
+    return found.perms
 
 
 # --------------------------------------------------------------------------- entry point
@@ -275,8 +366,14 @@ def activation_matching(
         names = {g: g for g in spec.groups}
     else:
         names = spec.groups_in(traced.spec)
-    all_sites = traced.sites(pre_activation)
-    sites = {g: all_sites[names[g]] for g in spec.groups}
+    traced_name = {t: g for g, t in names.items()}
+    sites: dict[str, tuple[ActivationSite, ...]] = {}
+    for g in spec.groups:
+        mine = []
+        for site in traced.sites(pre_activation)[names[g]]:
+            if all(t in traced_name for t in _entry_groups(site.form)):  # else a group of the form is not matched
+                mine.append(dataclasses.replace(site, form=_rename(site.form, traced_name)))
+        sites[g] = tuple(mine)
     unseen = [g for g, where in sites.items() if not where]
     if unseen:
         # Units no activation shows alone (the head dims inside nn.MultiheadAttention, in a
@@ -286,27 +383,38 @@ def activation_matching(
     if not spec.sizes:
         return ActivationMatchingResult(perms={}, spec=spec)
 
-    # One accumulator per (group, site); the watch lists say which node feeds which.
-    keys = [(g, i) for g in spec.groups for i in range(len(sites[g]))]
-    accs = pyperm.CrossCorrelationSet({key: (spec.sizes[key[0]], spec.sizes[key[0]]) for key in keys}, dtype=dtype)
+    # One accumulator per reading (a part of a site's axis); a group has the readings that hold its units.
+    readings: list[_Reading] = []
+    of_group: dict[str, list[int]] = {}
+    for g in spec.groups:
+        for site in sites[g]:
+            for r in _readings(spec, site):
+                if g in _entry_groups(r.form):
+                    if r not in readings:
+                        readings.append(r)
+                    of_group.setdefault(g, []).append(readings.index(r))
+    keys = range(len(readings))
+    accs = pyperm.CrossCorrelationSet({i: (readings[i].units, readings[i].units) for i in keys}, dtype=dtype)
     watch: dict[str, list[tuple[Any, int]]] = {}
-    for g, i in keys:
-        watch.setdefault(sites[g][i].node, []).append(((g, i), sites[g][i].axis))
+    for r in readings:
+        if (r.node, r.axis) not in [w for w, _ in watch.get(r.node, [])]:
+            watch.setdefault(r.node, []).append(((r.node, r.axis), r.axis))
 
     held_a: dict[Any, torch.Tensor] = {}
     held_b: dict[Any, torch.Tensor] = {}
 
     def update_all() -> None:
-        # One call per batch: the set runs every (group, site) pair's kernel on the thread pool at once.
+        # One call per batch: the set runs every reading's kernel on the thread pool at once.
+        pairs = {i: (r.take(held_a[(r.node, r.axis)]), r.take(held_b[(r.node, r.axis)])) for i, r in enumerate(readings)}
         try:
-            accs.update({key: (held_a[key], held_b[key]) for key in keys})
+            accs.update(pairs)
         except ValueError:
-            for (g, i) in keys:  # name the site whose activations are bad
-                for z in (held_a[(g, i)], held_b[(g, i)]):
-                    if not bool(torch.isfinite(z).all()):
-                        raise ValueError(
-                            f"activations of group {g!r} at {sites[g][i].node!r} contain NaN or infinite values"
-                        ) from None
+            for i, (za, zb) in pairs.items():  # name the site whose activations are bad
+                if not (bool(torch.isfinite(za).all()) and bool(torch.isfinite(zb).all())):
+                    groups = _entry_groups(readings[i].form)
+                    raise ValueError(
+                        f"activations of group {groups[0]!r} at {readings[i].node!r} contain NaN or infinite values"
+                    ) from None
             raise
 
     reader_a = _SiteReader(traced.graph_module, watch, held_a.__setitem__)
@@ -329,30 +437,42 @@ def activation_matching(
         if bar is not None:
             bar.close()
 
+    for i, acc in enumerate(accs[k] for k in keys):
+        if acc.count == 0:
+            groups = _entry_groups(readings[i].form)
+            raise ValueError(f"data held no samples for group {groups[0]!r}: every batch was empty")
+    if cost == "correlation":
+        mats = [np.asarray(accs[i].correlation(), dtype=np.float64) for i in keys]
+    else:
+        # Per-sample means, so that sites with more positions do not outweigh the others.
+        mats = [np.asarray(accs[i].cross_product(), dtype=np.float64) / accs[i].count for i in keys]
+
     perms: dict[str, torch.Tensor] = {}
+    joint = {g for r in readings if r.structured for g in _entry_groups(r.form)}
+    for g in spec.groups:
+        if g not in of_group:
+            perms[g] = torch.arange(spec.sizes[g])
+        elif g not in joint:
+            m = np.mean([mats[i] for i in of_group[g]], axis=0)
+            _, col = pyperm.linear_sum_assignment(m, maximize=True)
+            perms[g] = torch.from_numpy(np.asarray(col, dtype=np.int64))
+    if joint:
+        perms.update(_solve_joint(spec, readings, mats, sorted(joint, key=spec.groups.index)))
+
     similarity: dict[str, float] = {}
     identity: dict[str, float] = {}
     num_samples: dict[str, int] = {}
     for g in spec.groups:
-        if not sites[g]:
-            perms[g], num_samples[g] = torch.arange(spec.sizes[g]), 0
+        num_samples[g] = sum(accs[i].count for i in of_group.get(g, []))
+        if g not in of_group:
             continue
-        group_accs = [accs[(g, i)] for i in range(len(sites[g]))]
-        num_samples[g] = sum(acc.count for acc in group_accs)
-        if any(acc.count == 0 for acc in group_accs):
-            raise ValueError(f"data held no samples for group {g!r}: every batch was empty")
-        if cost == "correlation":
-            mats = [acc.correlation() for acc in group_accs]
-        else:
-            # Per-sample means, so that sites with more positions do not outweigh the others.
-            mats = [acc.cross_product() / acc.count for acc in group_accs]
-        m = np.mean(np.stack(mats), axis=0) if len(mats) > 1 else mats[0]
-        m = np.asarray(m, dtype=np.float64)
-        _, col = pyperm.linear_sum_assignment(m, maximize=True)
-        perms[g] = torch.from_numpy(np.asarray(col, dtype=np.int64))
-        n = m.shape[0]
-        similarity[g] = float(m[np.arange(n), col].mean())
-        identity[g] = float(np.trace(m) / n)
+        matched, kept = [], []
+        for i in of_group[g]:
+            n = mats[i].shape[0]
+            index = _reading_index(spec, readings[i], perms).numpy()
+            matched.append(mats[i][np.arange(n), index].mean())
+            kept.append(np.trace(mats[i]) / n)
+        similarity[g], identity[g] = float(np.mean(matched)), float(np.mean(kept))
     logger.debug(
         "activation_matching: %d groups, %d batches, mean similarity %.4g -> %.4g",
         len(perms), used_batches, np.mean(list(identity.values()) or [0.0]), np.mean(list(similarity.values()) or [0.0]),

@@ -14,12 +14,13 @@ output comes first, the last tensor before it is the site.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
+from pyperm.nn.spec import _entry_groups
 from pyperm.nn.trace.labels import is_label
 
 if TYPE_CHECKING:
@@ -53,12 +54,17 @@ class ActivationSite:
     axis : int
         The tensor axis that carries the group's units; every other axis indexes
         samples (batch, spatial positions, tokens).
+    form : str, Tiled, Blocks or Segments
+        How the axis is built out of groups, as a spec axis entry: the group's name when
+        the axis holds exactly its units, else the structured form (``Blocks(outer,
+        inner)`` after a grouped convolution, ``Tiled(group, outer)`` before one, ...).
     """
 
     node: str
     module: str
     op: str
     axis: int
+    form: Any = None
 
 
 def _carries(labeler: Labeler, node: fx.Node, root: int) -> int | None:
@@ -72,6 +78,14 @@ def _carries(labeler: Labeler, node: fx.Node, root: int) -> int | None:
     return None
 
 
+def _samples_elsewhere(labeler: Labeler, node: fx.Node, axis: int) -> bool:
+    """Whether every axis of ``node``'s output but ``axis`` indexes samples: no other axis carries
+    units that are permuted (after a head split, the heads axis does: a head of A is not the same
+    head of B, so its positions are not samples of the head dims)."""
+    lab = labeler.labels.get(node)
+    return all(a is None or labeler.units.is_fixed(a) for i, a in enumerate(lab) if i != axis)
+
+
 def _next(labeler: Labeler, cur: fx.Node, root: int, roles: tuple[Role, ...]) -> fx.Node | None:
     """The node after ``cur`` on the walk from a producer, if it has one of ``roles`` and carries ``root``."""
     # Only a node's single user continues the walk: at a fork the site is here.
@@ -81,17 +95,18 @@ def _next(labeler: Labeler, cur: fx.Node, root: int, roles: tuple[Role, ...]) ->
     return None
 
 
-def _site(labeler: Labeler, node: fx.Node, axis: int) -> ActivationSite:
+def _site(labeler: Labeler, node: fx.Node, axis: int, form: Any) -> ActivationSite:
     return ActivationSite(
         node=node.name,
         module=labeler.module_path(node),
         op=labeler.op_name(node),
         axis=axis,
+        form=form,
     )
 
 
 def find_sites(
-    labeler: Labeler, group_roots: Mapping[str, int]
+    labeler: Labeler, groups: Mapping[str, int], form_of: Callable[[int], Any]
 ) -> tuple[dict[str, tuple[ActivationSite, ...]], dict[str, tuple[ActivationSite, ...]]]:
     """The pre- and post-activation sites of every group, in graph order.
 
@@ -99,18 +114,21 @@ def find_sites(
     ----------
     labeler : Labeler
         The interpreter after its run.
-    group_roots : mapping of str to int
-        Every group's name and the root atom of its class.
+    groups : mapping of str to int
+        Every group's name and size.
+    form_of : callable
+        The spec entry of a producer's output atom: a group name, a structured form whose
+        groups are all in ``groups``, or None (units that are never permuted).
     """
     order = {n: i for i, n in enumerate(labeler.module.graph.nodes)}
-    pre: dict[str, dict[fx.Node, int]] = {g: {} for g in group_roots}
-    post: dict[str, dict[fx.Node, int]] = {g: {} for g in group_roots}
-    root_to_group = {r: g for g, r in group_roots.items()}
+    pre: dict[str, dict[fx.Node, ActivationSite]] = {g: {} for g in groups}
+    post: dict[str, dict[fx.Node, ActivationSite]] = {g: {} for g in groups}
     for node, atom in labeler.producers:
-        g = root_to_group.get(labeler.units.root(atom))
-        if g is None:
+        form = form_of(atom)
+        members = _entry_groups(form)
+        if not members or any(g not in groups for g in members):
             continue
-        root = group_roots[g]
+        root = labeler.units.root(atom)  # a class bound to a structure is still one class along the walk
 
         cur = node
         while _carries(labeler, cur, root) is None:  # a layer returning a tuple: its member holds the units
@@ -122,18 +140,21 @@ def find_sites(
             continue
         while (nxt := _next(labeler, cur, root, (Role.NORM,))) is not None:
             cur = nxt
-        pre[g].setdefault(cur, _carries(labeler, cur, root))  # type: ignore[arg-type]
+        axis = _carries(labeler, cur, root)
+        if _samples_elsewhere(labeler, cur, axis):  # type: ignore[arg-type]
+            for g in members:
+                pre[g].setdefault(cur, _site(labeler, cur, axis, form))  # type: ignore[arg-type]
         while labeler.roles.get(cur) != Role.NONLINEAR:
             nxt = _next(labeler, cur, root, (Role.NORM, Role.PASS, Role.NONLINEAR))
             if nxt is None:
                 break
             cur = nxt
-        post[g].setdefault(cur, _carries(labeler, cur, root))  # type: ignore[arg-type]
+        axis = _carries(labeler, cur, root)
+        if _samples_elsewhere(labeler, cur, axis):  # type: ignore[arg-type]
+            for g in members:
+                post[g].setdefault(cur, _site(labeler, cur, axis, form))  # type: ignore[arg-type]
 
-    def pack(
-        sites: dict[str, dict[fx.Node, int]],
-    ) -> dict[str, tuple[ActivationSite, ...]]:
-        return {g: tuple(_site(labeler, n, ax) for n, ax in sorted(s.items(), key=lambda kv: order[kv[0]]))
-                for g, s in sites.items()}  # fmt: skip
+    def pack(sites: dict[str, dict[fx.Node, ActivationSite]]) -> dict[str, tuple[ActivationSite, ...]]:
+        return {g: tuple(site for _, site in sorted(s.items(), key=lambda kv: order[kv[0]])) for g, s in sites.items()}
 
     return pack(pre), pack(post)

@@ -114,59 +114,70 @@ def _fix_self_loops(labeler: Labeler, composite: str) -> None:
             seen[r] = axis
 
 
-def _build_spec(labeler: Labeler) -> tuple[PermutationSpec, dict[str, int]]:
-    """One group per class that reaches an activation and is not fixed; and each group's root atom."""
-    units = labeler.units
-    names: dict[int, str] = {}
-    for atom, where in labeler.openers.items():
-        r = units.root(atom)
-        if r not in names and units.is_group(atom):
-            names[r] = f"P_{where}"
-    axes: dict[str, tuple[Any, ...]] = {}
-    sizes: dict[str, int] = {}
-    roots: dict[str, int] = {}
+class _SpecEntries:
+    """The spec's entry for an axis label: a group name, a structured form, or None.
 
-    def group(a: int, where: str) -> str:
-        r = units.root(a)
-        if r not in names:  # a class without a producing layer (a free parameter, say)
-            names[r] = f"P_{where}"
-        sizes.setdefault(names[r], units.size(a))
-        roots.setdefault(names[r], r)
-        return names[r]
+    Classes the spec cannot name (a concatenation repeated over a block, say) are
+    collected in :attr:`unnamed` while the entries are built; :func:`_build_spec` fixes
+    them and builds again.
+    """
 
-    def entry(a: Any, where: str) -> Any:
-        """The spec's entry for an axis labelled ``a``: a group, a structured form, or None."""
+    def __init__(self, labeler: Labeler) -> None:
+        self.units = labeler.units
+        self.names: dict[int, str] = {}
+        for atom, where in labeler.openers.items():
+            r = self.units.root(atom)
+            if r not in self.names and self.units.is_group(atom):
+                self.names[r] = f"P_{where}"
+        self.sizes: dict[str, int] = {}
+        self.unnamed: list[tuple[str, Any]] = []
+
+    def reset(self) -> None:
+        self.sizes.clear()
+        self.unnamed.clear()
+
+    def group(self, a: int, where: str) -> str:
+        r = self.units.root(a)
+        if r not in self.names:  # a class without a producing layer (a free parameter, say)
+            self.names[r] = f"P_{where}"
+        self.sizes.setdefault(self.names[r], self.units.size(a))
+        return self.names[r]
+
+    def __call__(self, a: Any, where: str, key: str = "") -> Any:
+        """The entry for an axis labelled ``a`` of ``state_dict[key]`` (``where`` names new groups)."""
+        units = self.units
         if a is None:
             return None
         structure = units.structure(a)
         if structure is None:
-            return group(a, where) if units.is_group(a) and units.is_active(a) else None
+            return self.group(a, where) if units.is_group(a) and units.is_active(a) else None
         if units.is_fixed(a):
             return None
         if isinstance(structure, (BlockAxis, MovedTileAxis)):
-            outer = entry(structure.outer, where)
-            inner = entry(structure.inner if isinstance(structure, BlockAxis) else structure.atom, where)
+            outer = self(structure.outer, where, key)
+            inner = self(structure.inner if isinstance(structure, BlockAxis) else structure.atom, where, key)
             if isinstance(outer, str) and isinstance(inner, str):
                 return Blocks(outer, inner) if isinstance(structure, BlockAxis) else Tiled(inner, outer)
-            if isinstance(outer, str) and isinstance(inner, Tiled) and (inner.outer, inner.inner) == (sizes[outer], 1):
+            if (isinstance(outer, str) and isinstance(inner, Tiled)
+                    and (inner.outer, inner.inner) == (self.sizes[outer], 1)):  # fmt: skip
                 return Tiled(inner.group, outer)  # blocks whose inner permutation was made one for all
             if outer is None and isinstance(inner, str) and units.is_fixed(structure.outer):
                 # The blocks cannot move; their units still can.
                 count = units.size(structure.outer)
                 return Blocks(count, inner) if isinstance(structure, BlockAxis) else Tiled(inner, count)
-            unnamed.append((current[0], a))  # the spec cannot name it: its units are fixed below
+            self.unnamed.append((key, a))  # the spec cannot name it: its units are fixed
             return None
         if isinstance(structure, TileAxis):
-            inner = entry(structure.atom, where)
+            inner = self(structure.atom, where, key)
             if isinstance(inner, str):
                 return Tiled(inner, structure.outer, structure.inner)
             if isinstance(inner, Segments) and structure.outer == 1 and all(isinstance(p, str) for p in inner.parts):
                 return Segments(*[Tiled(p, 1, structure.inner) for p in inner.parts])  # flatten of a concatenation
-            unnamed.append((current[0], a))  # the spec cannot name it: its units are fixed below
+            self.unnamed.append((key, a))  # the spec cannot name it: its units are fixed
             return None
         parts: list[Any] = []
         for i, (part, length) in enumerate(structure.parts):
-            e = entry(part, f"{where}_{i}")
+            e = self(part, f"{where}_{i}", key)
             if isinstance(e, Segments):
                 parts.extend(e.parts)
             else:
@@ -181,28 +192,33 @@ def _build_spec(labeler: Labeler) -> tuple[PermutationSpec, dict[str, int]]:
                 merged.append(p)
         return Segments(*merged)
 
+
+def _build_spec(labeler: Labeler) -> tuple[PermutationSpec, _SpecEntries]:
+    """One group per class that reaches an activation and is not fixed, and the entries that
+    name the form of other axes (the activation sites) alike."""
+    units = labeler.units
+    entries = _SpecEntries(labeler)
+    axes: dict[str, tuple[Any, ...]] = {}
     for _ in range(len(units.state_dict) + 1):  # each pass fixes at least one class
-        unnamed: list[tuple[str, Any]] = []
+        entries.reset()
         for key in units.state_dict:
-            current = [key]
-            axes[key] = tuple(entry(a, f"{key}_{axis}") for axis, a in units.atoms_of(key))
-        if not unnamed:
+            axes[key] = tuple(entries(a, f"{key}_{axis}", key) for axis, a in units.atoms_of(key))
+        if not entries.unnamed:
             break
-        for key, a in unnamed:  # fixing them may change other entries: build again
+        for key, a in entries.unnamed:  # fixing them may change other entries: build again
             units.fix(a)
             labeler.note(f"parameter {key!r} would need a concatenation repeated over a block, which a "
                          "PermutationSpec cannot name: units fixed")  # fmt: skip
-        sizes.clear()
-        roots.clear()
+    sizes = entries.sizes
     # Keep the groups in graph order of their first producer, then the rest.
     ordered: dict[str, int] = {}
     for _, atom in labeler.producers:
         r = units.root(atom)
-        if r in names and names[r] in sizes:
-            ordered.setdefault(names[r], sizes[names[r]])
+        if r in entries.names and entries.names[r] in sizes:
+            ordered.setdefault(entries.names[r], sizes[entries.names[r]])
     for g, n in sizes.items():
         ordered.setdefault(g, n)
-    return PermutationSpec(axes, ordered), {g: roots[g] for g in ordered}
+    return PermutationSpec(axes, ordered), entries
 
 
 class TraceWarning(UserWarning):
@@ -313,8 +329,8 @@ def _trace(
             m.training = mode
     if not structured:  # a structured spec names the group on both axes
         _fix_self_loops(labeler, composite)
-    spec, roots = _build_spec(labeler)
-    pre, post = find_sites(labeler, roots)
+    spec, entries = _build_spec(labeler)
+    pre, post = find_sites(labeler, spec.sizes, lambda atom: entries(atom, "", ""))
     if warn:
         _warn(labeler.composites, stacklevel + 1)
     return TraceResult(spec=spec, graph_module=gm, pre_activation_sites=pre, post_activation_sites=post,
