@@ -660,10 +660,14 @@ class Lambda(nn.Module):
         return self.fn(x)
 
 
-def test_error_multihead_reshape_splits_channels():
-    where = r"Tensor\.view \(graph node 'view', module '<model>'\)"
-    with pytest.raises(TraceError, match=r"unsupported reshape " + where + ".*splits"):
-        trace_model(MultiHead(), torch.randn(2, 3, 8))
+def test_flat_trace_reports_a_head_split():
+    """Flat, a split of an axis of units (attention heads) is fixed and reported, or raises under "raise"."""
+    where = r"Tensor\.view \(graph node 'view', module '<model>'\) splits an axis of permuted units"
+    with pytest.warns(TraceWarning, match=where):
+        result = trace_model(MultiHead(), torch.randn(2, 3, 8))
+    assert len(result.composites) == 1
+    with pytest.raises(TraceError, match=where):
+        trace_model(MultiHead(), torch.randn(2, 3, 8), composite="raise")
 
 
 def test_attention_module_keeps_its_inputs_permutable():
@@ -706,10 +710,13 @@ def test_attention_module_on_the_input_is_fine():
     assert spec.axes["attn.in_proj_weight"] == (None, None) and spec.axes["fc1.weight"] == ("P_fc1", "P_attn")
 
 
-def test_error_channel_shuffle():
+def test_flat_trace_reports_a_channel_shuffle():
     model = nn.Sequential(nn.Conv2d(3, 8, 1), ChannelShuffle(), nn.Conv2d(8, 2, 1))
-    with pytest.raises(TraceError, match=r"Tensor\.view .*module '1'.*splits or mixes"):
-        trace_model(model, torch.randn(1, 3, 4, 4))
+    with pytest.warns(TraceWarning, match=r"Tensor\.view .*module '1'\) splits an axis of permuted units"):
+        spec = trace_model(model, torch.randn(1, 3, 4, 4)).spec
+    assert spec.sizes == {}
+    with pytest.raises(TraceError, match=r"Tensor\.view .*module '1'\) splits an axis of permuted units"):
+        trace_model(model, torch.randn(1, 3, 4, 4), composite="raise")
 
 
 @pytest.mark.parametrize(

@@ -18,11 +18,15 @@ from torch import nn
 
 from pyperm.nn.trace.call import TraceCall
 from pyperm.nn.trace.errors import TraceError
-from pyperm.nn.trace.labels import Label, MovedTileAxis, TileAxis, has_atoms, invariant_label, is_label
+from pyperm.nn.trace.labels import CatAxis, Label, MovedTileAxis, TileAxis, has_atoms, invariant_label, is_label
 from pyperm.nn.trace.registry import register_all
 from pyperm.nn.trace.sites import Role
 
 __all__ = ["reshape_labels"]
+
+# A split of an axis of units into (copies, blocks, units) moves the blocks when the copies are
+# few (q, k and v: 3); beyond this, the copies share one permutation of the units only.
+MAX_SPLIT_COPIES = 8
 
 RESHAPE_FUNCTIONS = (torch.flatten, torch.reshape, torch.squeeze, torch.unsqueeze)
 RESHAPE_METHODS = ("view", "reshape", "flatten", "squeeze", "unsqueeze", "view_as", "reshape_as", "unflatten",
@@ -96,22 +100,32 @@ def reshape_labels(call: TraceCall, src: tuple, dst: tuple, lx: Label) -> Label:
             call.composite(what, atoms)
         elif len(bi) == 1 and call.structured:
             # A split (heads x head_dim, a channel shuffle's groups): the innermost new axis gets a
-            # class of its own, the same in every block. Split in two, the blocks are a class too
-            # (heads move as wholes); split further (q, k, v x heads x head_dim), the outer axes
-            # stay in place.
-            n = dst[bj[-1]]
+            # class of its own, the same in every block, and the blocks are a class too (heads move
+            # as wholes). Split further (timm's fused q, k, v x heads x head_dim), the outer axes
+            # stay in place: the axis is a few copies of the same heads (a concatenation); many
+            # copies share one permutation of the innermost axis only.
+            n, copies = dst[bj[-1]], math.prod(dst[j] for j in bj[:-2])
             name = f"{call.path or call.node.name}.{call.node.name}"
             inner = call.new_units(n, name)
-            blocks = call.new_units(dst[bj[0]], f"{name}.blocks") if len(bj) == 2 else None
-            structure = MovedTileAxis(blocks, inner) if blocks is not None else TileAxis(inner, src[bi[0]] // n, 1)
+            blocks = call.new_units(dst[bj[-2]], f"{name}.blocks") if copies <= MAX_SPLIT_COPIES else None
+            if blocks is None:
+                structure: Any = TileAxis(inner, src[bi[0]] // n, 1)
+            elif copies == 1:
+                structure = MovedTileAxis(blocks, inner)
+            else:
+                structure = CatAxis(((MovedTileAxis(blocks, inner), dst[bj[-2]] * n),) * copies)
             if call.join(atoms[0], structure) is not None:
                 out[bj[-1]] = inner
                 if blocks is not None:
-                    out[bj[0]] = blocks
+                    out[bj[-2]] = blocks
                 call.opened(inner)  # the split's output shows these units: their activation site
+        elif len(bi) == 1:
+            sizes = [dst[j] for j in bj]
+            call.composite(f"splits an axis of permuted units into axes of sizes {sizes} (attention heads? a "
+                           "channel shuffle?), which only a structured trace (structured=True) can name", atoms)  # fmt: skip
         else:
             raise TraceError(
-                f"unsupported reshape {call.where()}: it splits or mixes an axis of permuted units "
+                f"unsupported reshape {call.where()}: it mixes an axis of permuted units with other axes "
                 f"(shape {src} -> {dst})"
             )
     return Label(out)
