@@ -107,7 +107,7 @@ def test_ste_midpoint_loss_is_no_worse_than_weight_matching(digits_train, traine
     a, b = trained[0], trained[1]
     spec = a.permutation_spec()
     sa, sb = a.state_dict(), b.state_dict()
-    wm = weight_matching(spec, sa, sb, seed=0)
+    wm = weight_matching(spec, sa, sb, seed=0, init="identity")  # Algorithm 1, where Algorithm 2 starts
     ste = ste_matching(a, spec, sa, sb, _batches(x, y), epochs=2, lr=1e-3, seed=0)
     assert ste.initial_perms == wm.perms
     assert len(ste.loss) == 2 * len(_batches(x, y)) and len(ste.sweeps) == len(ste.loss) - 1

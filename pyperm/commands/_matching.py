@@ -18,6 +18,13 @@ def add_matching_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-iter", type=int, default=100, help="weight matching: most sweeps over the groups (default 100)"
     )
     parser.add_argument(
+        "--init",
+        choices=("best", "identity", "signatures"),
+        default="best",
+        help="weight matching: where the search starts; 'best' runs from the identity and from the units' "
+        "signatures and keeps the better (default), 'identity' is Algorithm 1 as published (half the time)",
+    )
+    parser.add_argument(
         "--max-batches",
         type=int,
         default=None,
@@ -75,7 +82,8 @@ def match(
     with Timer() as timer:
         if method == "weight":
             result = pnn.weight_matching(
-                loaded.spec, state_a, state_b, max_iter=args.max_iter, seed=args.seed, progress=args.progress
+                loaded.spec, state_a, state_b, max_iter=args.max_iter, seed=args.seed, init=args.init,
+                progress=args.progress,
             )
             perms = dict(result.perms)
             info.update(objective_per_sweep=list(result.objective), sweeps=result.sweeps, converged=result.converged)

@@ -10,7 +10,7 @@ Learns free weights :math:`\tilde\Theta_B` whose projection onto the permutation
 minimises the loss at the midpoint :math:`\frac12(\Theta_A + \operatorname{proj}(\tilde\Theta_B))`.
 The forward pass uses the projection, the backward pass treats it as the identity, so
 the gradient reaches :math:`\tilde\Theta_B`. :math:`\tilde\Theta_B` starts at
-:math:`\Theta_A`, whose projection is weight matching's answer.
+:math:`\Theta_A`, whose projection is weight matching's answer (Algorithm 1, from the identity).
 
 What makes it cheap: the published implementation runs weight matching from scratch at
 every step. Here each projection is a weight matching warm-started from the previous
@@ -67,7 +67,7 @@ class STEMatchingResult:
     best_step : int
         Index into ``loss`` of the step whose permutations are returned.
     initial_perms : Permutations
-        Weight matching's answer, where the search started.
+        Weight matching's answer from the identity start (Algorithm 1), where the search started.
     sweeps : list of int
         Weight-matching sweeps each projection took (1 when nothing moved).
     """
