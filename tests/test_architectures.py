@@ -381,6 +381,30 @@ def test_timm_vit():
     check_library_model(model, torch.randn(2, 3, 224, 224))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["regnet_y_400mf", "vit_tiny_patch16_224"])
+def test_activation_matching_on_library_models(name):
+    """A planted permutation of every group, grouped convolutions' blocks and ViT heads included, is
+    undone from pre-activations (post-activation, random-init ReLU networks have dead units: ties)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        if name.startswith("vit"):
+            model, shape = import_timm().create_model(name, pretrained=False), (3, 224, 224)
+        else:
+            model, shape = getattr(import_torchvision().models, name)(weights=None), (3, 64, 64)
+        x = torch.randn(2, *shape)
+        data = [torch.randn(8, *shape) for _ in range(2)]
+    head([m for m in model.modules() if isinstance(m, nn.Linear)][-1])
+    model.eval()
+    spec = trace_model(model, x, composite="fix", structured=True).spec
+    planted = Permutations(spec, random_perms(spec, torch.Generator().manual_seed(3)))
+    other = copy.deepcopy(model)
+    other.load_state_dict(apply_permutation(spec, planted, model.state_dict()))
+    found = activation_matching(model, other, data, spec=spec, pre_activation=True)
+    assert all(found.sites[g] for g in spec.groups)
+    assert Permutations(spec, found.perms) == planted.inverse()
+
+
 @pytest.mark.parametrize("case", sorted(STRUCTURED))
 def test_traced_structured_spec_planted_recovery(case):
     """Weight matching on the traced structured spec finds a planted permutation back."""
