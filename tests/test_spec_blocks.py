@@ -250,10 +250,10 @@ def test_blocks_specs_compare_by_structure():
 class MHABlock(nn.Module):
     """A residual nn.MultiheadAttention block (4 heads of 3 dims) between an embedding and a head."""
 
-    def __init__(self) -> None:
+    def __init__(self, **options) -> None:
         super().__init__()
         self.embed = nn.Linear(5, 12)
-        self.attn = nn.MultiheadAttention(12, 4, batch_first=True)
+        self.attn = nn.MultiheadAttention(12, 4, batch_first=True, **options)
         self.head = nn.Linear(12, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -262,15 +262,18 @@ class MHABlock(nn.Module):
         return self.head(h.mean(1))
 
 
-def test_traced_multihead_attention_moves_heads_as_blocks():
+@pytest.mark.parametrize("options", [{}, {"add_bias_kv": True, "add_zero_attn": True}], ids=["plain", "bias-kv"])
+def test_traced_multihead_attention_moves_heads_as_blocks(options):
     from pyperm.nn import trace_model
 
     torch.manual_seed(0)
-    model = MHABlock().double()
+    model = MHABlock(**options).double()
     x = torch.randn(2, 6, 5, dtype=torch.float64)
     spec = trace_model(model, x, composite="raise", structured=True).spec
     qk, vo = Blocks("P_attn.heads", "P_attn.qk"), Blocks("P_attn.heads", "P_attn.vo")
     assert spec.axes["attn.in_proj_weight"] == (Segments(qk, qk, vo), "P_embed")
+    if options:  # the extra key and value: per-head units like the projected ones
+        assert spec.axes["attn.bias_k"] == (None, None, qk) and spec.axes["attn.bias_v"] == (None, None, vo)
     assert spec.axes["attn.out_proj.weight"] == ("P_embed", vo)
     assert spec.blocks == {"P_attn.qk": "P_attn.heads", "P_attn.vo": "P_attn.heads"}
     perms = Permutations(spec, planted(spec, seed=2))

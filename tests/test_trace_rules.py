@@ -367,17 +367,50 @@ def test_structured_recurrent_layers(kind, bidirectional, layers):
     assert_same_function(model, spec, torch.randint(0, 13, (3, 6)))
 
 
-def test_structured_recurrent_final_state_of_several_layers_falls_back():
-    class LastState(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj, self.rnn, self.head = nn.Linear(3, 4), nn.GRU(4, 5, num_layers=2), nn.Linear(5, 2)
+class LastState(nn.Module):
+    """A recurrent layer whose final state feeds the head: ``h_n[-1]`` (the top layer), or with
+    ``both=True`` the top layer's two directions concatenated."""
 
-        def forward(self, x):
-            return self.head(self.rnn(torch.tanh(self.proj(x)))[1][-1])  # h_n of the top layer
+    def __init__(self, rnn: nn.Module, both: bool = False) -> None:
+        super().__init__()
+        self.proj, self.rnn = nn.Linear(3, 4), rnn
+        width = rnn.proj_size or rnn.hidden_size if isinstance(rnn, nn.LSTM) else rnn.hidden_size
+        self.head = nn.Linear(width * (2 if both else 1), 2)
+        self.both, self.lstm = both, isinstance(rnn, nn.LSTM)
 
+    def forward(self, x):
+        state = self.rnn(torch.tanh(self.proj(x)))[1]
+        h = state[0] if self.lstm else state  # (h_n, c_n) or h_n
+        return self.head(torch.cat([h[-2], h[-1]], dim=1) if self.both else h[-1])
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")  # torch's own notice
+@pytest.mark.parametrize(
+    "rnn",
+    [nn.GRU(4, 5, num_layers=2), nn.LSTM(4, 5, num_layers=3), nn.LSTM(4, 6, proj_size=3),
+     nn.LSTM(4, 6, num_layers=2, proj_size=3, bidirectional=True)],
+    ids=["gru-2", "lstm-3", "lstm-proj", "lstm-proj-bi-2"],
+)
+def test_structured_recurrent_final_state_of_the_top_layer(rnn):
+    """h_n[-1] carries the units of the last layer (and direction); with projections, the cell
+    units and the projected units are two groups."""
     torch.manual_seed(0)
-    model = LastState()
+    model = LastState(rnn)
+    spec = trace_model(model, torch.randn(4, 2, 3), composite="raise", structured=True).spec
+    rows = rnn.num_layers * (2 if rnn.bidirectional else 1)
+    last = f"P_rnn.l{rnn.num_layers - 1}" + ("_reverse" if rnn.bidirectional else "")
+    assert spec.axes["head.weight"][1] == last
+    if rnn.proj_size:
+        assert len(spec.sizes) == 1 + 2 * rows and spec.sizes[last] == 3 and spec.sizes[f"{last}.cell"] == 6
+        assert spec.axes["rnn.weight_hr_l0"] == ("P_rnn.l0", "P_rnn.l0.cell")
+    else:
+        assert len(spec.sizes) == 1 + rows
+    assert_same_function(model, spec, torch.randn(5, 3, 3))
+
+
+def test_structured_recurrent_final_state_of_several_rows_falls_back():
+    torch.manual_seed(0)
+    model = LastState(nn.GRU(4, 5, bidirectional=True), both=True)
     with pytest.warns(TraceWarning, match="GRU .*keeps its hidden units"):
         spec = trace_model(model, torch.randn(4, 2, 3), structured=True).spec
     assert spec.sizes == {"P_proj": 4}

@@ -48,7 +48,7 @@ def multihead_attention(call: TraceCall) -> Any:
         if any(a is not None for a in lab[:-1]):
             call.composite("attends over an axis that carries permuted units", lab[:-1])
     out_w, out_b = call.param("out_proj.weight"), call.param("out_proj.bias")
-    if call.structured and m.bias_k is None:  # type: ignore[union-attr]
+    if call.structured:
         # The heads move as blocks in q, k, v and the output projection's columns; within every
         # head, query and key units are permuted alike (their dot product stays) and value units
         # with the output projection's columns, each head its own permutation.
@@ -63,6 +63,9 @@ def multihead_attention(call: TraceCall) -> Any:
                 call.join(atom, tiled)
         if call.param("in_proj_bias") is not None:
             call.join(call.param("in_proj_bias")[0], qkv)  # type: ignore[index]
+        if m.bias_k is not None:  # add_bias_kv: one more key and value, (1, 1, embed_dim) each  # type: ignore[union-attr]
+            call.join(call.param("bias_k")[-1], qk)  # type: ignore[index]
+            call.join(call.param("bias_v")[-1], vo)  # type: ignore[index]
         call.join(out_w[1], vo)  # type: ignore[index]
     else:
         inner.append(out_w[1])  # type: ignore[index]
