@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -341,3 +342,20 @@ def test_error_untraceable_model():
 
     with pytest.raises(TraceError, match="could not trace Dynamic"):
         activation_matching(Dynamic(), Dynamic(), batches((2, 3)))
+
+
+def test_units_left_unpermuted_are_reported_unless_a_spec_is_given():
+    """Matching the traced spec warns about the units it leaves (a flatten of a 2x2 map, here), pointing
+    at the caller; a given spec names the groups, so nothing is reported."""
+    from pyperm.nn import TraceWarning
+
+    model = make(lambda: nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2)))
+    data = batches((8, 3, 2, 2))
+    with pytest.warns(TraceWarning, match=r"(?s)Flatten .*structured=True names most of these") as caught:
+        result = activation_matching(model, copy.deepcopy(model), data)
+    assert caught[0].filename == __file__
+    assert result.perms == {}
+    spec = PermutationSpec.from_model(model, data[0], composite="fix")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        activation_matching(model, copy.deepcopy(model), data, spec=spec)

@@ -51,7 +51,8 @@ from pyperm.nn._runtime import (
 )
 from pyperm.nn.align._structured import _inner_of_pairs, _match_structured
 from pyperm.nn.spec import Blocks, PermutationSpec, Segments, Tiled, _entry_groups, _rename
-from pyperm.nn.trace import ActivationSite, TraceError, symbolic_trace, trace_model
+from pyperm.nn.trace import ActivationSite, TraceError, symbolic_trace
+from pyperm.nn.trace.tracer import _trace
 
 logger = logging.getLogger(__name__)
 
@@ -294,7 +295,7 @@ def activation_matching(
     pre_activation: bool = False,
     max_batches: int | None = None,
     progress: bool = False,
-    composite: str = "fix",
+    composite: str | None = None,
     dtype: Any = np.float64,
 ) -> ActivationMatchingResult:
     r"""Permute model B's units to match model A's activations (Tatro et al. Alg. 1; Git Re-Basin eq. 1).
@@ -336,8 +337,11 @@ def activation_matching(
         Use at most this many batches of ``data``.
     progress : bool, default False
         Show a tqdm progress bar over the batches.
-    composite : {"fix", "raise"}, default "fix"
-        Passed to :func:`~pyperm.nn.trace_model`.
+    composite : {None, "fix", "raise"}, optional
+        Passed to :func:`~pyperm.nn.trace_model`. By default, units the traced spec leaves
+        unpermuted are reported by a :class:`~pyperm.nn.TraceWarning` when the traced spec
+        is the one matched (``spec=None``), and accepted silently when ``spec`` is given
+        (it names the groups).
     dtype : {numpy.float64, numpy.float32}, default float64
         Accumulator precision of the cross-correlation matrices.
 
@@ -410,7 +414,10 @@ def activation_matching(
     dev_a, dev_b = module_device(model_a), module_device(model_b)
     inputs = model_inputs(first, 0)
     structured = spec is not None and spec.structured  # Segments, Tiled: the traced spec must have them too
-    traced = trace_model(model_a, tuple(t.to(dev_a) for t in inputs), composite=composite, structured=structured)
+    if composite is None and spec is not None:
+        composite = "fix"  # the given spec names the groups: the tracer only finds their sites
+    # A TraceWarning points at the caller of activation_matching (two frames up from _trace).
+    traced = _trace(model_a, tuple(t.to(dev_a) for t in inputs), composite, stacklevel=2, structured=structured)
     gm_b = symbolic_trace(model_b)
     if str(gm_b.graph) != str(traced.graph_module.graph):
         raise ValueError("model_a and model_b trace to different graphs: activation matching needs one architecture")

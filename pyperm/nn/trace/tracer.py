@@ -229,13 +229,17 @@ class TraceWarning(UserWarning):
     """
 
 
-def _warn(composites: Sequence[str], stacklevel: int) -> None:
+def _warn(composites: Sequence[str], stacklevel: int, structured: bool) -> None:
     if not composites:
         return
     lines = "\n".join(f"  - {line}" for line in composites)
+    hint = "" if structured else (
+        "structured=True names most of these (concatenations, flattened feature maps, attention heads, recurrent "
+        "and grouped layers, layers applied to their own output). "
+    )
     warnings.warn(
         f"the traced permutation spec leaves units unpermuted ({len(composites)} cause(s)); the permuted model still "
-        f"computes the same function, but these units will not be aligned:\n{lines}\n"
+        f"computes the same function, but these units will not be aligned:\n{lines}\n{hint}"
         "Pass composite='fix' to accept this silently, or composite='raise' to stop at the first cause.",
         TraceWarning,
         stacklevel=stacklevel + 1,
@@ -332,6 +336,6 @@ def _trace(
     spec, entries = _build_spec(labeler)
     pre, post = find_sites(labeler, spec.sizes, lambda atom: entries(atom, "", ""))
     if warn:
-        _warn(labeler.composites, stacklevel + 1)
+        _warn(labeler.composites, stacklevel + 1, structured)
     return TraceResult(spec=spec, graph_module=gm, pre_activation_sites=pre, post_activation_sites=post,
                        composites=tuple(labeler.composites))  # fmt: skip
