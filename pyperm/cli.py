@@ -17,6 +17,7 @@ BENCHMARKS = {
     "curves": ("pyperm.benchmarks.curves", "a curve training step vs a plain training step of the same model and batch"),
     "teacher-student": ("pyperm.benchmarks.teacher_student", "paper 004: the K=5 width sweep, batched loss and GD (exact loss)"),
     "pam": ("pyperm.benchmarks.pam", "one PAM outer iteration split into curve, projection, BvN and assignment time"),
+    "trace": ("pyperm.benchmarks.trace", "tracing torchvision/timm models: permutable units, causes, time vs targets"),
 }
 
 # The checkpoint and reproduction jobs, one module each in pyperm.commands with

@@ -1,8 +1,9 @@
 """Reference implementations and test inputs shared by pyperm's tests and benchmarks.
 
 Plain, obviously correct versions of what pyperm computes fast (scipy-based Birkhoff
-greedies, Git Re-Basin's weight matching as the public PyTorch port writes it) and the
-inputs both sides use. Tests check pyperm against them; benchmarks check every answer
+greedies, Git Re-Basin's weight matching as the public PyTorch port writes it), the
+inputs both sides use, and the measures of a traced spec (the share of hidden units it
+permutes, random permutations of its groups). Tests check pyperm against them; benchmarks check every answer
 against them before timing. scipy and torch are imported only by the functions that need
 them.
 """
@@ -15,7 +16,10 @@ import numpy as np
 
 __all__ = [
     "dense_doubly_stochastic",
+    "import_torchvision",
+    "permutable_share",
     "planted",
+    "random_permutations",
     "reconstruct",
     "reference_weight_matching",
     "scipy_bottleneck_greedy",
@@ -166,3 +170,64 @@ def reference_weight_matching(
         if not progress:
             break
     return perm, sweeps
+
+
+# ----------------------------------------------------------------------------- traced models
+def permutable_share(model, spec) -> float:
+    """The share of hidden units that ``spec`` permutes: the outputs of every Linear,
+    convolution, embedding, recurrent and attention layer, except layers marked with an
+    ``is_head`` attribute (they produce the model's outputs)."""
+    from torch import nn
+
+    sd = model.state_dict()
+    produced = []  # (state_dict key, axis holding the produced units)
+    for name, m in model.named_modules():
+        if getattr(m, "is_head", False) or name.endswith("out_proj"):
+            continue  # out_proj is counted with its attention module
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            produced.append((f"{name}.weight", 0))
+        elif isinstance(m, (nn.Embedding, nn.ConvTranspose2d)):
+            produced.append((f"{name}.weight", 1))
+        elif isinstance(m, (nn.LSTM, nn.GRU, nn.RNN)):
+            produced.append((f"{name}.weight_hh_l0", 1))
+        elif isinstance(m, nn.MultiheadAttention):
+            produced += [(f"{name}.in_proj_weight", 0), (f"{name}.out_proj.weight", 0)]
+    total = sum(sd[key].shape[axis] for key, axis in produced)
+    return sum(sd[key].shape[axis] for key, axis in produced if spec.axes[key][axis] is not None) / total
+
+
+def random_permutations(spec, generator) -> dict:
+    """A random permutation of every group of ``spec`` (a torch.Generator draws them); a
+    Blocks inner group's is random within each of its blocks."""
+    import torch
+
+    perms = {}
+    for g, n in spec.sizes.items():
+        bs = spec.block_size(g) if g in spec.blocks else n
+        local = torch.stack([torch.randperm(bs, generator=generator) for _ in range(n // bs)])
+        perms[g] = (local + torch.arange(0, n, bs).view(-1, 1)).reshape(-1)
+    return perms
+
+
+def import_torchvision():
+    """torchvision (ModuleNotFoundError when it is not installed).
+
+    The registry's torchvision wheels are built against the CUDA build of torch. Over the
+    CPU build their compiled detection operators (``nms``, ``roi_align``, ...) do not load,
+    and importing torchvision then fails while it registers shapes for those operators.
+    The models use none of them, so that one registration module is replaced by an empty
+    one and the import tried again.
+    """
+    import sys
+    import types
+
+    try:
+        import torchvision
+    except RuntimeError as exc:  # a torchvision built against another torch: its operators did not load
+        if "torchvision::" not in str(exc):
+            raise
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
+        import torchvision
+    return torchvision

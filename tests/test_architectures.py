@@ -26,38 +26,9 @@ from pyperm.nn import (
     weight_matching,
 )
 from pyperm.nn.spec import Segments, Tiled
+from pyperm.testing import permutable_share, random_permutations
 
 # --------------------------------------------------------------------------- helpers
-
-
-def permutable_share(model: nn.Module, spec: PermutationSpec) -> float:
-    """The share of hidden units (the outputs of every Linear, convolution, embedding, recurrent and attention
-    layer except those producing the model's outputs) that the spec permutes."""
-    sd = model.state_dict()
-    produced = []  # (state_dict key, axis holding the produced units)
-    for name, m in model.named_modules():
-        if getattr(m, "is_head", False) or name.endswith("out_proj"):
-            continue  # out_proj is counted with its attention module
-        if isinstance(m, (nn.Linear, nn.Conv2d)):
-            produced.append((f"{name}.weight", 0))
-        elif isinstance(m, (nn.Embedding, nn.ConvTranspose2d)):
-            produced.append((f"{name}.weight", 1))
-        elif isinstance(m, (nn.LSTM, nn.GRU, nn.RNN)):
-            produced.append((f"{name}.weight_hh_l0", 1))
-        elif isinstance(m, nn.MultiheadAttention):
-            produced += [(f"{name}.in_proj_weight", 0), (f"{name}.out_proj.weight", 0)]
-    total = sum(sd[key].shape[axis] for key, axis in produced)
-    return sum(sd[key].shape[axis] for key, axis in produced if spec.axes[key][axis] is not None) / total
-
-
-def random_perms(spec: PermutationSpec, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """A random permutation of every group; a Blocks inner group's (attention head dims) within each block."""
-    perms = {}
-    for g, n in spec.sizes.items():
-        bs = spec.block_size(g) if g in spec.blocks else n
-        local = torch.stack([torch.randperm(bs, generator=gen) for _ in range(n // bs)])
-        perms[g] = (local + torch.arange(0, n, bs).view(-1, 1)).reshape(-1)
-    return perms
 
 
 def head(layer: nn.Module) -> nn.Module:
@@ -67,7 +38,7 @@ def head(layer: nn.Module) -> nn.Module:
 
 def assert_same_function(model: nn.Module, spec: PermutationSpec, x: torch.Tensor) -> None:
     gen = torch.Generator().manual_seed(0)
-    perms = random_perms(spec, gen)
+    perms = random_permutations(spec, gen)
     other = copy.deepcopy(model)
     other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
     model.eval()
@@ -355,7 +326,7 @@ def check_library_model(model: nn.Module, x: torch.Tensor, planted: bool = True)
     # Spread the weights (random-init BatchNorm and LayerNorm parameters are all equal: ties between units).
     sa = {k: (t.double() + 0.5 * torch.randn(t.shape, generator=gen, dtype=torch.float64)) if t.is_floating_point()
           else t for k, t in model.state_dict().items()}  # fmt: skip
-    planted_perms = random_perms(spec, gen)
+    planted_perms = random_permutations(spec, gen)
     sb = apply_permutation(spec, planted_perms, sa)
     found = weight_matching(spec, sa, sb, seed=0)
     assert Permutations(spec, found.perms) == Permutations(spec, planted_perms).inverse()
@@ -397,7 +368,7 @@ def test_activation_matching_on_library_models(name):
     head([m for m in model.modules() if isinstance(m, nn.Linear)][-1])
     model.eval()
     spec = trace_model(model, x, composite="fix", structured=True).spec
-    planted = Permutations(spec, random_perms(spec, torch.Generator().manual_seed(3)))
+    planted = Permutations(spec, random_permutations(spec, torch.Generator().manual_seed(3)))
     other = copy.deepcopy(model)
     other.load_state_dict(apply_permutation(spec, planted, model.state_dict()))
     found = activation_matching(model, other, data, spec=spec, pre_activation=True)
@@ -415,7 +386,7 @@ def test_traced_structured_spec_planted_recovery(case):
             p.add_(torch.randn_like(p) * 0.5)  # spread the weights: no ties between units
     sa = model.state_dict()
     gen = torch.Generator().manual_seed(3)
-    sb = apply_permutation(spec, random_perms(spec, gen), sa)
+    sb = apply_permutation(spec, random_permutations(spec, gen), sa)
     found = weight_matching(spec, sa, sb, seed=0)
     aligned = apply_permutation(spec, found.perms, sb)
     for key, t in sa.items():
@@ -428,7 +399,7 @@ def test_activation_matching_on_traced_structured_specs(case):
     model, result = traced(case, structured=True)
     spec = result.spec
     gen = torch.Generator().manual_seed(3)
-    planted = random_perms(spec, gen)
+    planted = random_permutations(spec, gen)
     other = copy.deepcopy(model)
     other.load_state_dict(apply_permutation(spec, planted, model.state_dict()))
     with torch.random.fork_rng():
@@ -505,7 +476,7 @@ def test_weight_matching_escapes_the_mobilenet_v2_stall():
     assert permutable_share(model, spec) == 1.0
     sa = model.state_dict()
     gen = torch.Generator().manual_seed(1)
-    sb = apply_permutation(spec, random_perms(spec, gen), sa)
+    sb = apply_permutation(spec, random_permutations(spec, gen), sa)
     target = matching_objective(spec, sa, sa)
     plain = weight_matching(spec, sa, sb, seed=0, init="identity")
     assert plain.objective[-1] < 0.9 * target  # Algorithm 1 from the identity stalls (the issue's 87%)
@@ -528,3 +499,19 @@ def test_best_start_never_ends_below_the_identity_start():
         assert best.objective[-1] >= plain.objective[-1]
     with pytest.raises(ValueError, match="init must be a mapping of permutations, 'identity', 'signatures' or 'best'"):
         weight_matching(spec, a.state_dict(), b.state_dict(), init="random")
+
+
+@pytest.mark.slow
+def test_bench_trace_runs(capsys):
+    import argparse
+
+    from pyperm.benchmarks import trace
+
+    import_torchvision()
+    parser = argparse.ArgumentParser()
+    trace.add_arguments(parser)
+    code = trace.run(parser.parse_args(["--models", "resnet18,squeezenet1_0", "--repeat", "1"]))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    # squeezenet's fire modules concatenate: 14% flat, 100% structured; both keep the function
+    assert "squeezenet1_0" in out and "100.0%" in out and "NO" not in out and "FAILED" not in out

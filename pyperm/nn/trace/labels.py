@@ -246,11 +246,12 @@ class UnitClasses:
         return self._atoms.get((self._canon[key], axis))
 
     def param_label(self, key: str | None) -> Label | None:
-        """The label of a ``state_dict`` tensor: its own atoms; None for other names."""
+        """The label of a ``state_dict`` tensor: its own atoms, None on axes of size 1 (one unit
+        has no order: a class token, a broadcast scale); None for other names."""
         if key is None or key not in self.state_dict:
             return None
         t = self.state_dict[key]
-        return Label(self.atom(key, i) for i in range(t.ndim))
+        return Label(self.atom(key, i) if t.shape[i] != 1 else None for i in range(t.ndim))
 
     def new_class(self, size: int) -> int:
         """A class of units that no ``state_dict`` axis names directly (the units within each attention
