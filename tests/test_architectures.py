@@ -393,7 +393,8 @@ def test_traced_structured_spec_planted_recovery(case):
         torch.testing.assert_close(aligned[key], t, msg=key)
 
 
-@pytest.mark.parametrize("case", ["densenet-block", "unet", "vgg-7x7-flatten", "encoder-fused-qkv", "encoder-mha"])
+@pytest.mark.parametrize("case", ["densenet-block", "unet", "vgg-7x7-flatten", "encoder-fused-qkv", "encoder-mha",
+                                  "residual-mlp-1-layer", "lstm-classifier", "gru-classifier", "grouped-conv-block"])
 def test_activation_matching_on_traced_structured_specs(case):
     """Activation matching with a structured spec recovers a planted permutation of every group it sees."""
     model, result = traced(case, structured=True)
@@ -405,16 +406,13 @@ def test_activation_matching_on_traced_structured_specs(case):
     with torch.random.fork_rng():
         torch.manual_seed(2)
         data = [example(case).repeat_interleave(8, 0) for _ in range(4)]
-    if case == "encoder-mha":  # the heads and head dims inside nn.MultiheadAttention show in no activation
-        with pytest.warns(UserWarning, match=r"groups \['P_attn\.heads', 'P_attn\.qk', 'P_attn\.vo'\] have no activ"):
-            found = activation_matching(model, other, data, spec=spec)
-        assert found.perms["P_attn.qk"].equal(torch.arange(spec.sizes["P_attn.qk"]))
-        seen = [g for g in spec.groups if not g.startswith("P_attn.")]
-    else:
-        found = activation_matching(model, other, data, spec=spec)
-        seen = list(spec.groups)
+    found = activation_matching(model, other, data, spec=spec)
+    # nn.MultiheadAttention's heads are read from its inputs projected by in_proj_weight's rows.
+    seen = list(spec.groups)
+    assert all(found.sites[g] for g in seen)
+    undo = Permutations(spec, planted).inverse()  # the permutation that undoes the planted one
     for g in seen:
-        assert found.perms[g].equal(torch.argsort(planted[g])), g  # the permutation that undoes the planted one
+        assert found.perms[g].equal(undo[g]), g
 
 
 # --------------------------------------------------------------------------- the weight-matching stall

@@ -494,16 +494,39 @@ class ShuffledGroups(nn.Module):
         return self.c(F.relu(self.b(h)))
 
 
-@pytest.mark.parametrize("model_type", [ResNeXtBlock, GroupedChain, SplitHeads, ShuffledGroups])
+class CrossAttention(nn.Module):
+    """nn.MultiheadAttention with keys and values of their own widths (separate projection weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv = nn.Linear(5, 12), nn.Linear(5, 7)
+        self.attn = nn.MultiheadAttention(12, 4, batch_first=True, kdim=7, vdim=7)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = torch.tanh(self.kv(x))
+        return self.head(self.attn(self.q(x), c, c, need_weights=False)[0].mean(1))
+
+
+SEQUENCE_MODELS = (SplitHeads, MHABlock, CrossAttention)
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [ResNeXtBlock, GroupedChain, SplitHeads, ShuffledGroups, MHABlock, lambda: MHABlock(add_bias_kv=True),
+     CrossAttention],
+    ids=["resnext", "grouped-chain", "split-heads", "shuffled-groups", "mha", "mha-bias-kv", "cross-attention"],
+)
 def test_activation_matching_recovers_structured_groups(model_type):
-    """Blocks (grouped convolution outputs, fixed blocks) and Tiled copies moved by a group (grouped
-    convolution inputs, split heads) are read from the axis they shape and solved together: a planted
-    permutation of every group is undone exactly."""
+    """Blocks (grouped convolution outputs, fixed blocks, the heads of nn.MultiheadAttention, read from its
+    inputs projected) and Tiled copies moved by a group (grouped convolution inputs, split heads) are read
+    from the axis they shape and solved together: a planted permutation of every group is undone exactly."""
     from pyperm.nn import activation_matching, trace_model
 
     torch.manual_seed(0)
     model = model_type().double().eval()
-    x = torch.randn(2, 6, 5, dtype=torch.float64) if model_type is SplitHeads else torch.randn(2, 3, 5, 5).double()
+    sequence = isinstance(model, SEQUENCE_MODELS)
+    x = torch.randn(2, 6, 5, dtype=torch.float64) if sequence else torch.randn(2, 3, 5, 5).double()
     spec = trace_model(model, x, composite="fix", structured=True).spec
     assert spec.structured
     with torch.no_grad():
@@ -523,3 +546,6 @@ def test_activation_matching_recovers_structured_groups(model_type):
     aligned = apply_permutation(spec, result.perms, other.state_dict())
     for key, t in model.state_dict().items():
         torch.testing.assert_close(aligned[key], t, msg=key)
+    # The uncentred products see the biases of projected sites too.
+    ols = activation_matching(model, other, data, spec=spec, cost="ols")
+    assert Permutations(spec, ols.perms) == perms.inverse()

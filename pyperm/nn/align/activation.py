@@ -18,11 +18,13 @@ et al., appendix D). Unlike weight matching, the groups are independent: one pas
 the data, one assignment per group.
 
 Structured groups (:class:`~pyperm.nn.spec.Blocks`: the channel groups of a grouped
-convolution; :class:`~pyperm.nn.spec.Tiled` copies moved by a group: its input) are read
-from the whole axis they shape and solved together with the groups they share it with:
-a Blocks outer group and its inner groups by an assignment of assignments, the others by
-coordinate ascent of the summed similarities (the structured weight-matching solver,
-applied to the similarity matrices).
+convolution, the heads of ``nn.MultiheadAttention``; :class:`~pyperm.nn.spec.Tiled` copies
+moved by a group: a grouped convolution's input, split heads) are read from the whole axis
+they shape and solved together with the groups they share it with: a Blocks outer group
+and its inner groups by an assignment of assignments, the others by coordinate ascent of
+the summed similarities (the structured weight-matching solver, applied to the similarity
+matrices, from a start no group's order biases). ``nn.MultiheadAttention`` never shows its
+projected query, key and value: they are computed from its inputs and ``in_proj_weight``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from pyperm.nn._runtime import (
 from pyperm.nn.align._structured import _inner_of_pairs, _match_structured
 from pyperm.nn.spec import Blocks, PermutationSpec, Segments, Tiled, _entry_groups, _rename
 from pyperm.nn.trace import ActivationSite, TraceError, symbolic_trace
+from pyperm.nn.trace.sites import Projection
 from pyperm.nn.trace.tracer import _trace
 
 logger = logging.getLogger(__name__)
@@ -130,6 +133,7 @@ class _Reading:
     length: int
     form: Any
     copies: tuple[int, int] = (1, 1)  # (outer, inner) copies of a Tiled part folded into samples
+    projection: Projection | None = None  # see ActivationSite.projection
 
     @property
     def units(self) -> int:
@@ -139,8 +143,14 @@ class _Reading:
     def structured(self) -> bool:
         return not isinstance(self.form, str)
 
-    def take(self, z: torch.Tensor) -> torch.Tensor:
-        """This part of a site's (samples, axis) activations, as (samples, units)."""
+    def take(self, z: torch.Tensor, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """This part of a site's (samples, axis) activations, as (samples, units); a projected
+        site's activations are computed with ``state``, the model's CPU state dict."""
+        p = self.projection
+        if p is not None:
+            z = z @ state[p.weight][p.rows[0] : p.rows[1]].to(z.dtype).T
+            if p.bias is not None:
+                z = z + state[p.bias][p.bias_rows[0] : p.bias_rows[1]].to(z.dtype)  # type: ignore[index]
         z = z[:, self.start : self.start + self.length]
         outer, inner = self.copies
         if outer * inner > 1:
@@ -156,9 +166,9 @@ def _readings(spec: PermutationSpec, site: ActivationSite) -> list[_Reading]:
         length = part if isinstance(part, int) else spec._length(part)
         if isinstance(part, Tiled) and not isinstance(part.outer, str):
             copies = (part.outer, part.inner)
-            readings.append(_Reading(site.node, site.axis, offset, length, part.group, copies))
+            readings.append(_Reading(site.node, site.axis, offset, length, part.group, copies, site.projection))
         elif not isinstance(part, int):
-            readings.append(_Reading(site.node, site.axis, offset, length, part))
+            readings.append(_Reading(site.node, site.axis, offset, length, part, projection=site.projection))
         offset += length
     return readings
 
@@ -462,10 +472,14 @@ def activation_matching(
 
     held_a: dict[Any, torch.Tensor] = {}
     held_b: dict[Any, torch.Tensor] = {}
+    projected = {key for r in readings if r.projection is not None for key in (r.projection.weight, r.projection.bias)}
+    state_a = {k: v.detach().cpu() for k, v in model_a.state_dict().items() if k in projected}
+    state_b = {k: v.detach().cpu() for k, v in model_b.state_dict().items() if k in projected}
 
     def update_all() -> None:
         # One call per batch: the set runs every reading's kernel on the thread pool at once.
-        pairs = {i: (r.take(held_a[(r.node, r.axis)]), r.take(held_b[(r.node, r.axis)])) for i, r in enumerate(readings)}
+        pairs = {i: (r.take(held_a[(r.node, r.axis)], state_a), r.take(held_b[(r.node, r.axis)], state_b))
+                 for i, r in enumerate(readings)}  # fmt: skip
         try:
             accs.update(pairs)
         except ValueError:

@@ -75,12 +75,13 @@ from pyperm.nn.trace.call import TraceCall
 from pyperm.nn.trace.errors import TraceError
 from pyperm.nn.trace.labels import Label
 from pyperm.nn.trace.registry import register_trace_rule
-from pyperm.nn.trace.sites import ActivationSite, Role
+from pyperm.nn.trace.sites import ActivationSite, Projection, Role
 from pyperm.nn.trace.tracer import TraceResult, TraceWarning, symbolic_trace, trace_model
 
 __all__ = [
     "ActivationSite",
     "Label",
+    "Projection",
     "Role",
     "TraceCall",
     "TraceError",

@@ -18,7 +18,7 @@ from torch import fx, nn
 
 from pyperm.nn.trace.errors import TraceError
 from pyperm.nn.trace.labels import Label, is_label, map_tensors
-from pyperm.nn.trace.sites import Role
+from pyperm.nn.trace.sites import Projection, Role
 
 if TYPE_CHECKING:
     from pyperm.nn.trace.interpreter import Labeler
@@ -159,6 +159,18 @@ class TraceCall:
     def param_key(self, name: str) -> str:
         """The ``state_dict`` key of the called module's parameter ``name``."""
         return f"{self.path}.{name}" if self.path else name
+
+    def projected(self, i: int, name: str, what: str, units: Any, weight: str, rows: tuple[int, int],
+                  bias: str | None = None, bias_rows: tuple[int, int] | None = None) -> None:  # fmt: skip
+        """Units computed inside the layer and never shown: input ``i``/``name`` projected by rows
+        ``rows`` of parameter ``weight`` (plus rows ``bias_rows`` of ``bias``, when the layer has
+        it) is their activation site."""
+        node = self.node.args[i] if len(self.node.args) > i else self.node.kwargs.get(name)
+        if isinstance(node, fx.Node):
+            has_bias = bias is not None and self.param(bias) is not None
+            projection = Projection(self.param_key(weight), rows, self.param_key(bias) if has_bias else None,  # type: ignore[arg-type]
+                                    bias_rows if has_bias else None)  # fmt: skip
+            self._labeler.projected.append((node, self.path, what, projection, units))
 
     def weight_name(self) -> str | None:
         """The name of a layer's producer: the module path, or a functional layer's weight attribute."""

@@ -66,6 +66,10 @@ class Labeler(fx.Interpreter):
         Nodes that produce units, with the atom of the produced units.
     openers : dict of int to str
         Atom of produced units -> name of its first producer.
+    projected : list of tuple
+        Units a layer computes inside and never shows (nn.MultiheadAttention's q, k and v):
+        ``(input node, layer path, name, Projection, atom or structure)``; their activation
+        site is the input projected.
     composites : list of str
         One line per set of units fixed because a spec cannot name them.
     """
@@ -83,6 +87,7 @@ class Labeler(fx.Interpreter):
         self.roles: dict[fx.Node, Role] = {}
         self.producers: list[tuple[fx.Node, int]] = []
         self.openers: dict[int, str] = {}
+        self.projected: list[tuple[Any, ...]] = []
 
     # ---- names
     def module_path(self, node: fx.Node) -> str:

@@ -26,7 +26,7 @@ from pyperm.nn.trace.labels import is_label
 if TYPE_CHECKING:
     from pyperm.nn.trace.interpreter import Labeler
 
-__all__ = ["ActivationSite", "Role", "find_sites"]
+__all__ = ["ActivationSite", "Projection", "Role", "find_sites"]
 
 
 class Role(str, enum.Enum):
@@ -37,6 +37,17 @@ class Role(str, enum.Enum):
     NONLINEAR = "nonlinear"  #: the post-activation
     PASS = "pass"  #: keeps units as they are (add, dropout, pooling, reshape, ...)
     OTHER = "other"  #: ends the walk (the default)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """Units a layer computes and never shows, as a projection of its input: ``x @ W[rows].T +
+    b[bias_rows]`` with ``W = state_dict[weight]`` and ``b = state_dict[bias]`` (no bias when None)."""
+
+    weight: str
+    rows: tuple[int, int]
+    bias: str | None = None
+    bias_rows: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,10 @@ class ActivationSite:
         How the axis is built out of groups, as a spec axis entry: the group's name when
         the axis holds exactly its units, else the structured form (``Blocks(outer,
         inner)`` after a grouped convolution, ``Tiled(group, outer)`` before one, ...).
+    projection : Projection, optional
+        For units a layer computes and never shows (the query, key and value heads of
+        ``nn.MultiheadAttention``): the activations are the node's output (units along
+        ``axis``) projected by rows of a ``state_dict`` weight.
     """
 
     node: str
@@ -65,6 +80,7 @@ class ActivationSite:
     op: str
     axis: int
     form: Any = None
+    projection: Projection | None = None
 
 
 def _carries(labeler: Labeler, node: fx.Node, root: int) -> int | None:
@@ -121,8 +137,9 @@ def find_sites(
         groups are all in ``groups``, or None (units that are never permuted).
     """
     order = {n: i for i, n in enumerate(labeler.module.graph.nodes)}
-    pre: dict[str, dict[fx.Node, ActivationSite]] = {g: {} for g in groups}
-    post: dict[str, dict[fx.Node, ActivationSite]] = {g: {} for g in groups}
+    # Sites keyed by (node, first projected row, or -1 for the node's own output).
+    pre: dict[str, dict[tuple[fx.Node, int], ActivationSite]] = {g: {} for g in groups}
+    post: dict[str, dict[tuple[fx.Node, int], ActivationSite]] = {g: {} for g in groups}
     for node, atom in labeler.producers:
         form = form_of(atom)
         members = _entry_groups(form)
@@ -143,7 +160,7 @@ def find_sites(
         axis = _carries(labeler, cur, root)
         if _samples_elsewhere(labeler, cur, axis):  # type: ignore[arg-type]
             for g in members:
-                pre[g].setdefault(cur, _site(labeler, cur, axis, form))  # type: ignore[arg-type]
+                pre[g].setdefault((cur, -1), _site(labeler, cur, axis, form))  # type: ignore[arg-type]
         while labeler.roles.get(cur) != Role.NONLINEAR:
             nxt = _next(labeler, cur, root, (Role.NORM, Role.PASS, Role.NONLINEAR))
             if nxt is None:
@@ -152,9 +169,24 @@ def find_sites(
         axis = _carries(labeler, cur, root)
         if _samples_elsewhere(labeler, cur, axis):  # type: ignore[arg-type]
             for g in members:
-                post[g].setdefault(cur, _site(labeler, cur, axis, form))  # type: ignore[arg-type]
+                post[g].setdefault((cur, -1), _site(labeler, cur, axis, form))  # type: ignore[arg-type]
 
-    def pack(sites: dict[str, dict[fx.Node, ActivationSite]]) -> dict[str, tuple[ActivationSite, ...]]:
-        return {g: tuple(site for _, site in sorted(s.items(), key=lambda kv: order[kv[0]])) for g, s in sites.items()}
+    for node, path, what, projection, units in labeler.projected:
+        form = form_of(units)
+        members = _entry_groups(form)
+        axis = len(labeler.labels[node]) - 1
+        if not members or any(g not in groups for g in members) or not _samples_elsewhere(labeler, node, axis):
+            continue
+        site = ActivationSite(node.name, path, f"{labeler.op_name(node)} -> {what}", axis, form, projection)
+        for g in members:  # one site per projection: keyed by (node, rows), since q and k read one node
+            pre[g].setdefault((node, projection.rows[0]), site)
+            post[g].setdefault((node, projection.rows[0]), site)
+
+    def pack(sites: dict[str, dict[tuple[fx.Node, int], ActivationSite]]) -> dict[str, tuple[ActivationSite, ...]]:
+        def place(item: Any) -> tuple[int, int]:
+            (node, row), _ = item
+            return order[node], row
+
+        return {g: tuple(site for _, site in sorted(s.items(), key=place)) for g, s in sites.items()}
 
     return pack(pre), pack(post)

@@ -63,6 +63,14 @@ def multihead_attention(call: TraceCall) -> Any:
                 call.join(atom, tiled)
         if call.param("in_proj_bias") is not None:
             call.join(call.param("in_proj_bias")[0], qkv)  # type: ignore[index]
+        # The projected query, key and value are never shown: their sites are the inputs projected.
+        e = m.embed_dim  # type: ignore[union-attr]
+        for i, (name, units) in enumerate(zip(("query", "key", "value"), (qk, qk, vo))):
+            rows = (i * e, (i + 1) * e)  # of in_proj_bias, and of in_proj_weight when q, k, v share it
+            if m._qkv_same_embed_dim:  # type: ignore[union-attr]
+                call.projected(i, name, name, units, "in_proj_weight", rows, "in_proj_bias", rows)
+            else:
+                call.projected(i, name, name, units, f"{name[0]}_proj_weight", (0, e), "in_proj_bias", rows)
         if m.bias_k is not None:  # add_bias_kv: one more key and value, (1, 1, embed_dim) each  # type: ignore[union-attr]
             call.join(call.param("bias_k")[-1], qk)  # type: ignore[index]
             call.join(call.param("bias_v")[-1], vo)  # type: ignore[index]
