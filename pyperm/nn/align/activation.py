@@ -446,8 +446,8 @@ def activation_matching(
         sites[g] = tuple(mine)
     unseen = [g for g, where in sites.items() if not where]
     if unseen:
-        # Units no activation shows alone (the head dims inside nn.MultiheadAttention, in a
-        # structured spec): they keep their order.
+        # Units no activation shows (inside a layer with a rule of its own that records no
+        # projected site, or behind a fork the walk cannot pass): they keep their order.
         warnings.warn(f"groups {unseen} have no activation site; they keep the identity", UserWarning, stacklevel=2)
 
     if not spec.sizes:
