@@ -32,6 +32,18 @@ def planted(spec: PermutationSpec, seed: int = 0) -> dict[str, torch.Tensor]:
     return perms
 
 
+def spread_and_plant(model: nn.Module, spec: PermutationSpec, seed: int) -> tuple[Permutations, nn.Module]:
+    """Spread the model's weights (no ties between units), then plant a random permutation of every
+    group: the permutations and the permuted copy."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    perms = Permutations(spec, planted(spec, seed=seed))
+    other = copy.deepcopy(model)
+    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    return perms, other
+
+
 class HandAttention(nn.Module):
     """Self-attention written out: q, k, v and output projections, 4 heads of 3 dims, a per-head scale."""
 
@@ -363,12 +375,7 @@ def test_traced_head_split_moves_whole_heads():
     qk, vo = spec.axes["q.weight"][0], spec.axes["o.weight"][1]
     assert isinstance(qk, Tiled) and isinstance(qk.outer, str) and spec.axes["k.weight"][0] == qk
     assert vo == spec.axes["v.weight"][0] and vo.outer == qk.outer and vo.group != qk.group
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.5)  # spread the weights: no ties between units
-    perms = Permutations(spec, planted(spec, seed=5))
-    other = copy.deepcopy(model)
-    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    perms, other = spread_and_plant(model, spec, seed=5)
     with torch.no_grad():
         torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-12)
     sa = model.state_dict()
@@ -402,12 +409,7 @@ def test_traced_chain_of_grouped_convolutions_shares_one_group_of_blocks():
     # (c reads them in one order); c's own output channels have one permutation per block.
     assert spec.axes["b.weight"][0] == Tiled("P_c.in", outer="P_b.groups") and spec.axes["c.weight"][1] == "P_c.in"
     assert spec.axes["c.weight"][0] == Blocks("P_b.groups", "P_c.out")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.5)  # spread the weights: no ties between units
-    perms = Permutations(spec, planted(spec, seed=6))
-    other = copy.deepcopy(model)
-    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    perms, other = spread_and_plant(model, spec, seed=6)
     with torch.no_grad():
         torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-12)
     sa = model.state_dict()
@@ -449,38 +451,9 @@ def test_blocks_that_stay_in_place():
         PermutationSpec({"w": (Blocks(2, "d"),)}, {"d": 7})
 
 
-def test_traced_grouped_convolution_after_a_shuffle_keeps_its_units_within_groups():
-    from pyperm.nn import trace_model
-
-    class Shuffled(nn.Module):
-        """A channel shuffle (4 halves of 2 after the transpose) feeding a grouped convolution of 2 groups of 4:
-        the two block structures do not line up, so the groups stay in place."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 3, padding=1, groups=2)
-            self.c = nn.Conv2d(8, 2, 1)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = F.relu(self.a(x))
-            n, ch, hh, ww = h.shape
-            h = h.view(n, 2, ch // 2, hh, ww).transpose(1, 2).reshape(n, ch, hh, ww)
-            return self.c(F.relu(self.b(h)))
-
-    torch.manual_seed(0)
-    model = Shuffled().double()
-    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
-    spec = trace_model(model, x, composite="fix", structured=True).spec
-    assert spec.axes["b.weight"][0] == Blocks(2, "P_b.out") and spec.axes["c.weight"][1] == Blocks(2, "P_b.out")
-    perms = Permutations(spec, planted(spec, seed=8))
-    other = copy.deepcopy(model)
-    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
-    with torch.no_grad():
-        torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-12)
-
-
 class ShuffledGroups(nn.Module):
-    """A channel shuffle before a grouped convolution: its groups stay in place (Blocks(2, ...))."""
+    """A channel shuffle (4 halves of 2 after the transpose) feeding a grouped convolution of 2 groups of 4:
+    the two block structures do not line up, so the groups stay in place (Blocks(2, ...))."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -492,6 +465,21 @@ class ShuffledGroups(nn.Module):
         n, ch, hh, ww = h.shape
         h = h.view(n, 2, ch // 2, hh, ww).transpose(1, 2).reshape(n, ch, hh, ww)
         return self.c(F.relu(self.b(h)))
+
+
+def test_traced_grouped_convolution_after_a_shuffle_keeps_its_units_within_groups():
+    from pyperm.nn import trace_model
+
+    torch.manual_seed(0)
+    model = ShuffledGroups().double()
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    spec = trace_model(model, x, composite="fix", structured=True).spec
+    assert spec.axes["b.weight"][0] == Blocks(2, "P_b.out") and spec.axes["c.weight"][1] == Blocks(2, "P_b.out")
+    perms = Permutations(spec, planted(spec, seed=8))
+    other = copy.deepcopy(model)
+    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-12)
 
 
 class CrossAttention(nn.Module):
@@ -529,12 +517,7 @@ def test_activation_matching_recovers_structured_groups(model_type):
     x = torch.randn(2, 6, 5, dtype=torch.float64) if sequence else torch.randn(2, 3, 5, 5).double()
     spec = trace_model(model, x, composite="fix", structured=True).spec
     assert spec.structured
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.5)  # spread the weights: no ties between units
-    perms = Permutations(spec, planted(spec, seed=9))
-    other = copy.deepcopy(model)
-    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    perms, other = spread_and_plant(model, spec, seed=9)
     gen = torch.Generator().manual_seed(1)
     data = [torch.randn((16, *x.shape[1:]), generator=gen, dtype=torch.float64) for _ in range(4)]
     result = activation_matching(model, other, data, spec=spec)
