@@ -51,8 +51,8 @@ from pyperm.nn._runtime import (
     module_device,
     num_batches,
 )
-from pyperm.nn.align._structured import _inner_of_pairs, _match_structured
-from pyperm.nn.spec import Blocks, PermutationSpec, Segments, Tiled, _entry_groups, _rename
+from pyperm.nn.align._joint import solve_joint
+from pyperm.nn.spec import PermutationSpec, Segments, Tiled, _entry_groups, _rename
 from pyperm.nn.trace import ActivationSite, TraceError, symbolic_trace
 from pyperm.nn.trace.sites import Projection
 from pyperm.nn.trace.tracer import _trace
@@ -212,84 +212,6 @@ def _reading_index(spec: PermutationSpec, reading: _Reading, perms: Mapping[str,
     return PermutationSpec({"r": (reading.form,)}, {g: spec.sizes[g] for g in _entry_groups(reading.form)}).axis_index(
         "r", 0, perms
     )
-
-
-def _solve_joint(
-    spec: PermutationSpec, readings: list[_Reading], mats: list[np.ndarray], groups: list[str]
-) -> dict[str, torch.Tensor]:
-    """The permutations of groups that share structured readings, solved together.
-
-    Each reading's similarity ``M`` (A's units by B's) is matched by the permutation of its
-    axis that its form builds out of the groups: maximise the sum over readings of
-    ``M[p, index[p]]``. That is weight matching's objective for a tensor pair ``(M^T, I)``
-    whose second axis has the reading's form, so the structured weight-matching solver does
-    it (assignments of assignments for Blocks, coordinate ascent that never decreases).
-    """
-    axes: dict[str, tuple[Any, ...]] = {}
-    state_a: dict[str, torch.Tensor] = {}
-    state_b: dict[str, torch.Tensor] = {}
-    for i, r in enumerate(readings):
-        if set(_entry_groups(r.form)) <= set(groups):
-            axes[f"r{i}"] = (None, r.form)
-            m = torch.from_numpy(mats[i])
-            state_a[f"r{i}"], state_b[f"r{i}"] = m.T.contiguous(), torch.eye(m.shape[0], dtype=torch.float64)
-    joint = PermutationSpec(axes, {g: spec.sizes[g] for g in groups})
-    start = _relaxed_start(joint, {f"r{i}": mats[i] for i in range(len(readings)) if f"r{i}" in axes})
-    found = _match_structured(joint, state_a, state_b, max_iter=100, seed=0, init=start, keys=None, tol=0.0,
-                              dtype=torch.float64, callback=None)  # fmt: skip
-    return found.perms
-
-
-def _pair_blocks(m: np.ndarray, nb: int) -> tuple[np.ndarray, np.ndarray]:
-    """For every (A block, B block) pair of an (n, n) similarity cut into ``nb`` blocks: the best
-    matching of their units, on its own. Returns its value (nb, nb) and its columns (nb, nb, bs)."""
-    bs = m.shape[0] // nb
-    stack = np.ascontiguousarray(m.reshape(nb, bs, nb, bs).transpose(0, 2, 1, 3).reshape(nb * nb, bs, bs))
-    _, cols = pyperm.batch_linear_sum_assignment(stack, maximize=True)
-    value = np.take_along_axis(stack, cols[:, :, None], 2).sum((1, 2)).reshape(nb, nb)
-    return value, cols.reshape(nb, nb, bs)
-
-
-def _relaxed_start(joint: PermutationSpec, mats: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """A start for the joint solve that no group's order biases (coordinate ascent from the
-    identity stalls on heads and head dims, as weight matching does).
-
-    Every outer group pairs the blocks by the best matching of their units, each pair on its
-    own (exact for Blocks, a relaxation for Tiled copies, whose units move alike in every block);
-    every other group is then solved given its outer group.
-    """
-    forms: dict[Any, np.ndarray] = {}  # the readings' similarities summed per form
-    for key, m in mats.items():
-        form = joint.axes[key][1]
-        forms[form] = forms[form] + m if form in forms else m
-    start: dict[str, torch.Tensor] = {}
-    pairs: dict[Any, np.ndarray] = {}
-    for o in joint.groups:
-        nb = joint.sizes[o]
-        value = np.zeros((nb, nb))
-        for form, m in forms.items():
-            if form == o:
-                value += m
-            elif isinstance(form, (Tiled, Blocks)) and form.outer == o:
-                v, pairs[form] = _pair_blocks(m, nb)
-                value += v
-        if value.any():
-            start[o] = torch.as_tensor(pyperm.linear_sum_assignment(value, maximize=True)[1], dtype=torch.int64)
-    for g in joint.groups:
-        n = joint.sizes[g]
-        cost = np.zeros((n, n))
-        for form, m in forms.items():
-            if form == g and g not in start:
-                cost += m
-            elif isinstance(form, Tiled) and form.group == g and form.outer in start:
-                outer = start[form.outer].numpy()  # A's block k meets B's block outer[k]
-                cost += m.reshape(len(outer), n, len(outer), n)[np.arange(len(outer)), :, outer, :].sum(0)
-            elif isinstance(form, Blocks) and form.inner == g and form.outer in start:
-                outer = start[form.outer]
-                start[g] = _inner_of_pairs(outer, torch.as_tensor(pairs[form][np.arange(len(outer)), outer.numpy()]))
-        if g not in start and cost.any():
-            start[g] = torch.as_tensor(pyperm.linear_sum_assignment(cost, maximize=True)[1], dtype=torch.int64)
-    return {g: start.get(g, torch.arange(n)) for g, n in joint.sizes.items()}
 
 
 # --------------------------------------------------------------------------- entry point
@@ -465,10 +387,9 @@ def activation_matching(
                     of_group.setdefault(g, []).append(readings.index(r))
     keys = range(len(readings))
     accs = pyperm.CrossCorrelationSet({i: (readings[i].units, readings[i].units) for i in keys}, dtype=dtype)
-    watch: dict[str, list[tuple[Any, int]]] = {}
-    for r in readings:
-        if (r.node, r.axis) not in [w for w, _ in watch.get(r.node, [])]:
-            watch.setdefault(r.node, []).append(((r.node, r.axis), r.axis))
+    watch: dict[str, list[tuple[Any, int]]] = {}  # node -> (key of its held activations, axis of units)
+    for node, axis in dict.fromkeys((r.node, r.axis) for r in readings):
+        watch.setdefault(node, []).append(((node, axis), axis))
 
     held_a: dict[Any, torch.Tensor] = {}
     held_b: dict[Any, torch.Tensor] = {}
@@ -531,7 +452,8 @@ def activation_matching(
             _, col = pyperm.linear_sum_assignment(m, maximize=True)
             perms[g] = torch.from_numpy(np.asarray(col, dtype=np.int64))
     if joint:
-        perms.update(_solve_joint(spec, readings, mats, sorted(joint, key=spec.groups.index)))
+        forms = [r.form for r in readings]
+        perms.update(solve_joint(spec, forms, mats, sorted(joint, key=spec.groups.index)))
 
     similarity: dict[str, float] = {}
     identity: dict[str, float] = {}
