@@ -43,7 +43,7 @@ def solve_joint(
             state_a[f"r{i}"], state_b[f"r{i}"] = m.T.contiguous(), torch.eye(m.shape[0], dtype=torch.float64)
     joint = PermutationSpec(axes, {g: spec.sizes[g] for g in groups})
     start = _relaxed_start(joint, {key: mats[int(key[1:])] for key in axes})
-    found = _match_structured(joint, state_a, state_b, max_iter=100, seed=0, init=start, keys=None, tol=0.0,
+    found = _match_structured(joint, state_a, state_b, max_iter=100, seed=0, init=start, keys=None, tol=1e-12,
                               dtype=torch.float64, callback=None)  # fmt: skip
     return found.perms
 

@@ -24,7 +24,7 @@ from pyperm.nn.align._objective import (
     _objective_keys,
 )
 from pyperm.nn.permutations import as_permutations
-from pyperm.nn.spec import PermutationSpec
+from pyperm.nn.spec import PermutationSpec, _entry_groups
 
 
 # Order statistics kept per slice of a unit's signature: the whole sorted slice would make the
@@ -228,6 +228,15 @@ def _match_structured(
     # Groups acting on two axes of one tensor make the objective quadratic in their permutation.
     quadratic = {g for g, where in spec.group_axes.items() if len({k for k, _ in where}) < len(where)}
     block_outers = {o for o in spec.blocks.values() if isinstance(o, str)}
+
+    acting = {k: {g for entry in spec.axes[k] for g in _entry_groups(entry)} for k in chosen}  # groups per tensor
+
+    def gain(step: Mapping[str, torch.Tensor]) -> float:
+        """The exact change of the objective if ``step`` replaced those permutations: only the
+        tensors its groups act on change."""
+        touched = [k for k in chosen if not acting[k].isdisjoint(step)]
+        return _objective(spec, sa, sb, {**perms, **step}, touched) - _objective(spec, sa, sb, perms, touched)
+
     sweeps, converged = 0, max_iter == 0
     for sweeps in range(1, max_iter + 1):
         improved = False
@@ -242,7 +251,7 @@ def _match_structured(
                                     fixed_inner=g if fixed_blocks else None)  # fmt: skip
                 if all(torch.equal(p, perms[h]) for h, p in step.items()):
                     continue
-                value = _objective(spec, sa, sb, {**perms, **step}, chosen)
+                value = current + gain(step)
                 if value > current + tol * max(abs(current), 1.0):
                     perms.update(step)
                     current, improved = value, True
@@ -259,7 +268,7 @@ def _match_structured(
             if torch.equal(candidate, perms[g]):
                 continue
             if g in quadratic:  # the step changed the other occurrence too: evaluate it exactly
-                value = _objective(spec, sa, sb, {**perms, g: candidate}, chosen)
+                value = current + gain({g: candidate})
             else:  # linear in P_g: the gain reads off the similarity
                 rows = torch.arange(n)
                 value = current + float(sim[rows, candidate].double().sum() - sim[rows, perms[g]].double().sum())
