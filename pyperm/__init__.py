@@ -4,7 +4,7 @@ The solvers (``pyperm.linear_sum_assignment`` and friends) need numpy alone;
 ``pyperm.nn`` (alignment, merging, barriers, curves) needs torch.
 """
 
-from pyperm._ext import cuda_available, cuda_built
+from pyperm._ext import cuda_available, cuda_built, cuda_unavailable_reason
 from pyperm.bvn import birkhoff_decomposition, project_doubly_stochastic, sample_permutations, sinkhorn
 from pyperm.lap import batch_linear_sum_assignment, linear_sum_assignment
 from pyperm.xcorr import (
@@ -25,6 +25,7 @@ __all__ = [
     "conv_to_samples",
     "cuda_available",
     "cuda_built",
+    "cuda_unavailable_reason",
     "linear_sum_assignment",
     "project_doubly_stochastic",
     "sample_permutations",

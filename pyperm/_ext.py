@@ -12,37 +12,58 @@ from types import ModuleType
 
 from pyperm import _core as core
 
-__all__ = ["core", "cuda_available", "cuda_built", "cuda_module"]
+__all__ = ["core", "cuda_available", "cuda_built", "cuda_module", "cuda_unavailable_reason"]
 
 
 @functools.lru_cache(maxsize=1)
-def _load_cuda() -> ModuleType | None:
+def _load_cuda() -> tuple[ModuleType | None, str]:
+    """The CUDA extension and "", or None and why it is missing (its ImportError kept, not swallowed)."""
     try:
         from pyperm import _cuda  # built only when nvcc was found
-    except ImportError:
-        return None
-    return _cuda
+    except ModuleNotFoundError as exc:
+        if exc.name != "pyperm._cuda":
+            return None, f"the CUDA module failed to import: {exc}"
+        return None, (
+            "pyperm was built without CUDA support: reinstall with nvcc on PATH "
+            "(PYPERM_CUDA=ON makes a build without it fail loudly)"
+        )
+    except ImportError as exc:  # built, but cannot load (a missing or mismatched shared library)
+        return None, f"the CUDA module failed to import: {exc}"
+    return _cuda, ""
 
 
 def cuda_built() -> bool:
-    """Whether this build of pyperm contains the CUDA kernels."""
-    return _load_cuda() is not None
+    """Whether this build of pyperm contains the CUDA kernels (and they load)."""
+    return _load_cuda()[0] is not None
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why the CUDA kernels cannot be used here, or None when they can.
+
+    Examples: built without CUDA; the module fails to import; the CUDA runtime reports
+    an error (``cudaErrorInsufficientDriver``: a driver older than the CUDA 13 runtime
+    pyperm links statically); no device is visible.
+    """
+    mod, why = _load_cuda()
+    if mod is None:
+        return why
+    if mod.device_count() > 0:
+        return None
+    error = mod.device_error()
+    if error:
+        return f"the CUDA runtime {mod.runtime_version()} found no usable device ({error})"
+    return "pyperm's CUDA kernels are built, but no CUDA device is visible"
 
 
 def cuda_available() -> bool:
-    """Whether the CUDA kernels are built and a CUDA device is visible."""
-    mod = _load_cuda()
-    return mod is not None and mod.device_count() > 0
+    """Whether the CUDA kernels are built and a CUDA device is visible
+    (:func:`cuda_unavailable_reason` says why not)."""
+    return cuda_unavailable_reason() is None
 
 
 def cuda_module() -> ModuleType:
     """The CUDA extension, or a clear RuntimeError saying why it cannot be used."""
-    mod = _load_cuda()
-    if mod is None:
-        raise RuntimeError(
-            "pyperm was built without CUDA support: reinstall with nvcc on PATH "
-            "(PYPERM_CUDA=ON makes a build without it fail loudly)"
-        )
-    if mod.device_count() == 0:
-        raise RuntimeError("pyperm's CUDA kernels are built, but no CUDA device is visible")
-    return mod
+    why = cuda_unavailable_reason()
+    if why is not None:
+        raise RuntimeError(why)
+    return _load_cuda()[0]  # type: ignore[return-value]

@@ -2,7 +2,9 @@ import pytest
 
 import pyperm
 
-requires_cuda = pytest.mark.skipif(not pyperm.cuda_available(), reason="needs a CUDA device and pyperm's CUDA build")
+requires_cuda = pytest.mark.skipif(
+    not pyperm.cuda_available(), reason=f"needs a CUDA device and pyperm's CUDA build: {pyperm.cuda_unavailable_reason()}"
+)
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])])

@@ -20,7 +20,9 @@ from pyperm._arrays import is_cuda_input, is_dlpack_cuda
 from pyperm.lap import _cuda as lap_cuda
 from pyperm.xcorr import _cuda as xcorr_cuda
 
-requires_cuda = pytest.mark.skipif(not pyperm.cuda_available(), reason="needs a CUDA device and pyperm's CUDA build")
+requires_cuda = pytest.mark.skipif(
+    not pyperm.cuda_available(), reason=f"needs a CUDA device and pyperm's CUDA build: {pyperm.cuda_unavailable_reason()}"
+)
 cuda = [requires_cuda, pytest.mark.cuda]
 
 METHODS = ["auto", "block", "device"]
@@ -116,6 +118,34 @@ def test_cuda_build_imports_and_reports_itself():
         assert _cuda.device_count() >= 0  # 0 without a driver or GPU, never a crash
         assert _cuda.runtime_version().count(".") == 1
         assert pyperm.cuda_available() is (_cuda.device_count() > 0)
+
+
+def test_unusable_cuda_says_why():
+    """No silent skip: where the CUDA kernels cannot run, pyperm says why (the runtime's own error, such
+    as a driver older than the CUDA 13 runtime), and the error of a CUDA call says the same."""
+    from pyperm._ext import cuda_module
+
+    reason = pyperm.cuda_unavailable_reason()
+    assert (reason is None) is pyperm.cuda_available()
+    if reason is None:
+        return
+    assert isinstance(reason, str) and reason
+    if pyperm.cuda_built():
+        from pyperm import _cuda
+
+        error = _cuda.device_error()
+        assert error == "" if _cuda.device_count() > 0 else error in reason
+    with pytest.raises(RuntimeError) as raised:
+        cuda_module()
+    assert str(raised.value) == reason
+
+
+def test_pyperm_can_use_the_gpu_torch_sees():
+    """Fails (rather than every GPU test skipping) when torch has a GPU that pyperm's CUDA build cannot use."""
+    torch = _torch()
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no GPU")
+    assert pyperm.cuda_available(), pyperm.cuda_unavailable_reason()
 
 
 def test_cpu_solver_works_with_cuda_module_present():

@@ -226,6 +226,8 @@ PYBIND11_MODULE(_cuda, m) {
       "pyperm's CUDA kernels (static CUDA runtime; imports without a driver). Use the functions of the "
       "pyperm package, which validate input; these take raw device pointers.";
   m.def("device_count", &pc::device_count, "Number of usable CUDA devices (0 without a driver or GPU).");
+  m.def("device_error", &pc::device_error,
+        "Why the CUDA runtime found no device (its error name and text), or an empty string.");
   m.def("runtime_version", &pc::runtime_version, "The CUDA runtime version this module was built with.");
   m.def("pointer_device", &pc::pointer_device, py::arg("ptr"),
         "The device owning a CUDA pointer, or -1 for memory that is not on a device.");

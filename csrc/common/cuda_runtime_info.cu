@@ -13,6 +13,14 @@ int device_count() {
   return n;
 }
 
+std::string device_error() {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err == cudaSuccess) return "";
+  cudaGetLastError();  // clear the sticky error, as device_count does
+  return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
+}
+
 std::string runtime_version() {
   int v = 0;
   cudaRuntimeGetVersion(&v);

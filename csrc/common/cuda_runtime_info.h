@@ -6,6 +6,8 @@
 namespace pyperm::cuda {
 // Number of usable CUDA devices; 0 when there is no driver or no GPU (never throws).
 int device_count();
+// Why cudaGetDeviceCount failed ("cudaErrorInsufficientDriver: ..."), or "" when it succeeded.
+std::string device_error();
 // Runtime version as "major.minor".
 std::string runtime_version();
 // The device that owns a device (or managed) pointer; -1 for host or unknown memory.
