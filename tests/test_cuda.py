@@ -64,6 +64,15 @@ def objective(cost: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> float:
     return float(cost[rows, cols].astype(np.float64).sum())
 
 
+def objective_tolerance(cost: np.ndarray) -> float:
+    """How far a solver working in the cost's precision may end from the exact optimum: n rounding
+    errors of reduced costs, each a few eps of the largest |entry|. Not relative to the objective:
+    on the "offsets" family a large constant would hide a wrong matching."""
+    finite = np.abs(cost[np.isfinite(cost)])
+    scale = max(float(finite.max()) if finite.size else 0.0, 1.0)
+    return 4 * min(cost.shape[-2:]) * float(np.finfo(cost.dtype).eps) * scale
+
+
 def assert_optimal(cost: np.ndarray, rows, cols, maximize: bool = False) -> None:
     """A sorted matching of size min(n, m) with scipy's objective (in the cost's precision)."""
     rows, cols = np.asarray(rows), np.asarray(cols)
@@ -74,8 +83,7 @@ def assert_optimal(cost: np.ndarray, rows, cols, maximize: bool = False) -> None
     r_ref, c_ref = scipy_lsa(cost.astype(np.float64), maximize=maximize)
     want = objective(cost, r_ref, c_ref)
     got = objective(cost, rows, cols)
-    tol = (1e-4 if cost.dtype == np.float32 else 1e-9) * max(1.0, abs(want)) * max(1, min(n, m)) ** 0.5
-    assert abs(got - want) <= tol, (got, want)
+    assert abs(got - want) <= objective_tolerance(cost), (got, want)
 
 
 def to_cuda(a: np.ndarray):
@@ -146,6 +154,19 @@ def test_pyperm_can_use_the_gpu_torch_sees():
     if not torch.cuda.is_available():
         pytest.skip("torch sees no GPU")
     assert pyperm.cuda_available(), pyperm.cuda_unavailable_reason()
+
+
+def test_parity_tolerance_catches_a_wrong_matching():
+    """The parity checks' tolerance is not relative to the objective: on "offsets" costs (a large
+    constant in every matching) one swapped pair must still fail, while the CPU optimum passes."""
+    cost = make_cost("offsets", 128, 128, np.random.default_rng(3), "float32")
+    rows, cols = pyperm.linear_sum_assignment(cost)
+    assert_optimal(cost, rows, cols)
+    wrong = cols.copy()
+    wrong[[0, 1]] = wrong[[1, 0]]
+    assert objective(cost, rows, wrong) - objective(cost, rows, cols) < 1e-4 * objective(cost, rows, cols)
+    with pytest.raises(AssertionError):
+        assert_optimal(cost, rows, wrong)
 
 
 def test_cpu_solver_works_with_cuda_module_present():
@@ -259,8 +280,7 @@ def test_parity_large(dtype, kind, n, method):
     cost, want = large_case(dtype, kind, n)
     rows, cols = lap_cuda.linear_sum_assignment(to_cuda(cost), method=method)
     got = objective(cost, cpu(rows), cpu(cols))
-    tol = (1e-3 if dtype == "float32" else 1e-8) * max(1.0, abs(want))
-    assert abs(got - want) <= tol
+    assert abs(got - want) <= objective_tolerance(cost), (got, want)
     assert np.array_equal(np.sort(cpu(cols)), np.arange(n))
 
 
@@ -282,7 +302,7 @@ def test_parity_8192():
     rows, cols = pyperm.linear_sum_assignment(to_cuda(cost))
     ref_rows, ref_cols = pyperm.linear_sum_assignment(cost)
     want = objective(cost, ref_rows, ref_cols)
-    assert abs(objective(cost, cpu(rows), cpu(cols)) - want) <= 1e-3 * max(1.0, want)
+    assert abs(objective(cost, cpu(rows), cpu(cols)) - want) <= objective_tolerance(cost)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -303,7 +323,7 @@ def test_parity_batch(dtype, kind, shape, method):
     for k in range(b):
         want = objective(costs[k], ref_rows[k], ref_cols[k])
         got = objective(costs[k], rows[k], cols[k])
-        assert abs(got - want) <= (1e-4 if dtype == "float32" else 1e-9) * max(1.0, abs(want)) * 8
+        assert abs(got - want) <= objective_tolerance(costs[k]), (k, got, want)
         assert np.all(np.diff(rows[k]) > 0) and len(np.unique(cols[k])) == min(n, m)
 
 
