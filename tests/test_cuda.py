@@ -731,9 +731,17 @@ def test_cross_correlation_accumulates_cuda_tensors_on_the_device(dtype):
         assert got.device.type == "cuda"
         np.testing.assert_allclose(got.cpu().numpy(), getattr(on_cpu, name)(), rtol=tol, atol=tol)
     np.testing.assert_allclose(on_gpu.std_a.cpu().numpy(), on_cpu.std_a, rtol=tol)
+    # A one-row batch cut from a column (torch reports row stride 1 for it) is one more sample.
+    row_a = torch.from_numpy(np.ascontiguousarray(a[:1].T)).cuda().T
+    row_b = torch.from_numpy(np.ascontiguousarray(b[:1].T)).cuda().T
+    assert row_a.shape == (1, 6) and row_a.stride(0) == 1
+    on_gpu.update(row_a, row_b)
+    on_cpu.update(a[:1], b[:1])
+    assert on_gpu.count == 501
+    np.testing.assert_allclose(on_gpu.correlation().cpu().numpy(), on_cpu.correlation(), rtol=tol, atol=tol)
     # merge brings host statistics to the device; state() is host arrays
     on_gpu.merge(on_cpu)
-    assert on_gpu.count == 1000 and on_gpu.mean_a.device.type == "cuda"
+    assert on_gpu.count == 1002 and on_gpu.mean_a.device.type == "cuda"
     assert isinstance(on_gpu.state()["comoment"], np.ndarray)
     with pytest.raises(ValueError, match="holds CPU statistics"):
         on_cpu.update(torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda())

@@ -43,8 +43,13 @@ def _xcorr_side(x: Any):
     elif t.dtype not in (torch.float32, torch.float64):
         t = t.double()
     if t.stride(1) != 1 or t.stride(0) < t.shape[1]:
-        t = t.contiguous()
+        t = t.contiguous()  # (a one-row batch may keep any row stride: torch calls it contiguous)
     return t
+
+
+def _row_stride(t: Any) -> int:
+    """The kernels' row stride: a one-row batch (a transposed column, say) may report any stride."""
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
 
 
 def update(state: dict[str, Any], xa: Any, xb: Any, prefix: str = "") -> None:
@@ -97,7 +102,7 @@ def update(state: dict[str, Any], xa: Any, xb: Any, prefix: str = "") -> None:
         moments = torch.empty((4, t.shape[1]), dtype=torch.float64, device=dev)
         resid = torch.empty(t.shape[1], dtype=torch.float64, device=dev)
         # Raises ValueError naming the side for NaN, infinity or overflowing moments.
-        max_sumsq = mod.xcorr_batch_moments(t.data_ptr(), dtype, rows, t.shape[1], t.stride(0), centred.data_ptr(),
+        max_sumsq = mod.xcorr_batch_moments(t.data_ptr(), dtype, rows, t.shape[1], _row_stride(t), centred.data_ptr(),
                                             moments.data_ptr(), resid.data_ptr(), device, stream, name)
         sides.append((centred, moments, resid, max_sumsq))
     (ca, ma, ra, sa), (cb, mb, rb, sb) = sides
