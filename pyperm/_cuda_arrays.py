@@ -92,14 +92,25 @@ def _from_cai(x: Any, name: str, ndim: int) -> DeviceArray:
     dtype = np.dtype(cai["typestr"])
     check_real_dtype(dtype, name)
     kind = "cupy" if _is_cupy(x) else "torch"
+    ptr = int(cai["data"][0])
+    device = cuda_module().pointer_device(ptr) if ptr else 0
+    if device < 0:
+        raise ValueError(f"{name} exposes __cuda_array_interface__ but its pointer is not CUDA device memory")
+    stream = cai.get("stream")
     if dtype not in (np.float32, np.float64) or dtype.byteorder not in ("=", "|", "<"):
-        # Convert on the device with the array's own library (or torch).
+        # Convert with the array's own library (or torch), on the array's device, after the
+        # stream it names (its producer may still be writing: the protocol asks the consumer to wait).
         if kind == "cupy":
             import cupy
 
-            return _from_cai(cupy.ascontiguousarray(x, dtype=cupy.float64), name, ndim)
+            with cupy.cuda.Device(device):
+                if stream:
+                    cupy.cuda.ExternalStream(int(stream)).synchronize()
+                return _from_cai(cupy.ascontiguousarray(x, dtype=cupy.float64), name, ndim)
         torch = require_torch(f"{name} of dtype {dtype}")
-        return _from_torch(torch.as_tensor(x, device="cuda").to(torch.float64), name, ndim)
+        if stream:
+            torch.cuda.ExternalStream(int(stream), device=torch.device("cuda", device)).synchronize()
+        return _from_torch(torch.as_tensor(x, device=torch.device("cuda", device)).to(torch.float64), name, ndim)
     itemsize = dtype.itemsize
     if cai.get("strides") is None:
         strides, acc = [], 1
@@ -112,12 +123,7 @@ def _from_cai(x: Any, name: str, ndim: int) -> DeviceArray:
         if any(s % itemsize for s in byte_strides):
             raise ValueError(f"{name} has strides {byte_strides} that are not multiples of its item size")
         elem_strides = tuple(s // itemsize for s in byte_strides)
-    ptr = int(cai["data"][0])
-    stream = cai.get("stream")
-    stream = _CAI_DEFAULT_STREAM if stream is None else int(stream)
-    device = cuda_module().pointer_device(ptr) if ptr else 0
-    if device < 0:
-        raise ValueError(f"{name} exposes __cuda_array_interface__ but its pointer is not CUDA device memory")
+    stream = _CAI_DEFAULT_STREAM if stream is None else int(stream)  # the kernels run on the named stream
     dt = "float32" if dtype == np.float32 else "float64"
     return DeviceArray(ptr, shape, elem_strides, dt, device, stream, x, kind)
 
