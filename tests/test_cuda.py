@@ -611,6 +611,10 @@ def test_birkhoff_max_weight(dtype, n):
         assert np.array_equal(np.sort(p[t]), np.arange(n))
         recon[np.arange(n), p[t]] += c[t]
     assert np.abs(recon - d).max() <= (1e-9 if dtype == "float64" else 1e-5)
+    # The CPU's zeroing rule and stopping order: no more terms than the CPU, none far below its smallest
+    # (the CUDA loop used to add terms of rounding noise, 1e-17).
+    cpu_coeffs, _ = pyperm.birkhoff_decomposition(d, method="max-weight", tol=1e-12 if dtype == "float64" else 1e-6)
+    assert len(c) <= len(cpu_coeffs) + 1 and c.min() >= 0.1 * cpu_coeffs.min(), (len(c), len(cpu_coeffs), c.min())
     # The first term is the max-weight matching of D (eq. 54): scipy's on the support.
     cost = np.where(d > 0, -d.astype(np.float64), np.inf)
     r, col = scipy_lsa(cost)

@@ -140,18 +140,20 @@ void bvn_support_cost(uintptr_t residual, const std::string& dtype, int64_t n, u
                          as_ptr(stream));
 }
 
-py::tuple bvn_subtract_term(uintptr_t residual, const std::string& dtype, int64_t n, uintptr_t perm, int device,
-                            uintptr_t stream) {
+py::tuple bvn_subtract_term(uintptr_t residual, uintptr_t original, double d_max, const std::string& dtype, int64_t n,
+                            uintptr_t perm, int device, uintptr_t stream) {
   const bool dbl = is_double(dtype);
   double alpha = 0.0, mass = 0.0;
   {
     py::gil_scoped_release release;
     const auto* p = static_cast<const int64_t*>(as_ptr(perm));
     if (dbl) {
-      pc::bvn_subtract_term(static_cast<double*>(as_ptr(residual)), n, p, &alpha, &mass, device, as_ptr(stream));
+      pc::bvn_subtract_term(static_cast<double*>(as_ptr(residual)), static_cast<const double*>(as_ptr(original)),
+                            d_max, n, p, &alpha, &mass, device, as_ptr(stream));
     } else {
       float a = 0.0f;
-      pc::bvn_subtract_term(static_cast<float*>(as_ptr(residual)), n, p, &a, &mass, device, as_ptr(stream));
+      pc::bvn_subtract_term(static_cast<float*>(as_ptr(residual)), static_cast<const float*>(as_ptr(original)), d_max,
+                            n, p, &a, &mass, device, as_ptr(stream));
       alpha = a;
     }
   }
@@ -248,10 +250,11 @@ PYBIND11_MODULE(_cuda, m) {
 
   m.def("bvn_support_cost", &bvn_support_cost, py::arg("residual"), py::arg("dtype"), py::arg("n"), py::arg("cost"),
         py::arg("device"), py::arg("stream"), "cost = -R on the support of R (R > 0), +inf elsewhere (n x n).");
-  m.def("bvn_subtract_term", &bvn_subtract_term, py::arg("residual"), py::arg("dtype"), py::arg("n"), py::arg("perm"),
-        py::arg("device"), py::arg("stream"),
-        "One Birkhoff-von Neumann term: alpha = min_i R[i, perm[i]], R -= alpha P. Returns (alpha, residual mass). "
-        "Synchronises the stream.");
+  m.def("bvn_subtract_term", &bvn_subtract_term, py::arg("residual"), py::arg("original"), py::arg("d_max"),
+        py::arg("dtype"), py::arg("n"), py::arg("perm"), py::arg("device"), py::arg("stream"),
+        "One Birkhoff-von Neumann term: alpha = min_i R[i, perm[i]], R -= alpha P, rounding noise left by the "
+        "subtraction zeroed as on the CPU (original: the decomposed matrix, d_max its largest entry). Returns "
+        "(alpha, residual mass). Synchronises the stream.");
   m.def("xcorr_batch_moments", &xcorr_batch_moments, py::arg("x"), py::arg("dtype"), py::arg("rows"), py::arg("cols"),
         py::arg("ld"), py::arg("centred"), py::arg("moments"), py::arg("resid"), py::arg("device"), py::arg("stream"),
         py::arg("name"),

@@ -34,11 +34,14 @@ struct Eps<double> {
   static constexpr double value = DBL_EPSILON;
 };
 
-// One block: the minimum over the matched entries, then the subtraction (a barrier apart).
+// One block: the minimum over the matched entries and the first row that has it, then the
+// subtraction with bvn_cpu.cpp's zeroing rule (barriers apart).
 template <typename T>
-__global__ void __launch_bounds__(1024) subtract_term_kernel(T* __restrict__ r, int64_t n,
-                                                             const int64_t* __restrict__ perm, T* __restrict__ alpha) {
+__global__ void __launch_bounds__(1024) subtract_term_kernel(T* __restrict__ r, const T* __restrict__ d, double d_max,
+                                                             int64_t n, const int64_t* __restrict__ perm,
+                                                             T* __restrict__ alpha) {
   __shared__ T part[32];
+  __shared__ unsigned long long first_row;
   const T infinity = dev::inf<T>();
   T mn = infinity;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
@@ -48,17 +51,27 @@ __global__ void __launch_bounds__(1024) subtract_term_kernel(T* __restrict__ r, 
   mn = dev::warp_min(mn);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   if (lane == 0) part[warp] = mn;
+  if (threadIdx.x == 0) first_row = static_cast<unsigned long long>(n);
   __syncthreads();
   T a = lane < nw ? part[lane] : infinity;
   a = dev::warp_min(a);  // every warp computes the same block minimum
   if (threadIdx.x == 0) *alpha = a;
-  const double tiny = 32.0 * Eps<T>::value;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    if (r[i * n + perm[i]] == a) atomicMin(&first_row, static_cast<unsigned long long>(i));
+  __syncthreads();
+  const int64_t argmin = static_cast<int64_t>(first_row);
+  // alpha may carry the rounding of the entry it came from, so an entry is rounding noise when
+  // it is small next to both its own original value and that one (as on the CPU).
+  const double zero_rel = 32.0 * Eps<T>::value;
+  const double noise_ref = static_cast<double>(d[argmin * n + perm[argmin]]);
+  const double maybe_noise = zero_rel * (d_max > noise_ref ? d_max : noise_ref);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    T* e = r + i * n + perm[i];
-    const T old = *e;
-    T now = old - a;
-    if (static_cast<double>(now) <= tiny * static_cast<double>(old)) now = T(0);
-    *e = now;
+    const int64_t k = i * n + perm[i];
+    const T now = r[k] - a;
+    const double own = static_cast<double>(d[k]);
+    const bool noise = static_cast<double>(now) <= maybe_noise &&
+                       static_cast<double>(now) <= zero_rel * (own > noise_ref ? own : noise_ref);
+    r[k] = (i == argmin || now <= T(0) || noise) ? T(0) : now;
   }
 }
 
@@ -104,8 +117,8 @@ void bvn_support_cost(const T* residual, int64_t n, T* cost, int device, void* s
 }
 
 template <typename T>
-void bvn_subtract_term(T* residual, int64_t n, const int64_t* perm, T* alpha, double* mass, int device,
-                       void* stream_handle) {
+void bvn_subtract_term(T* residual, const T* original, double d_max, int64_t n, const int64_t* perm, T* alpha,
+                       double* mass, int device, void* stream_handle) {
   *alpha = T(0);
   *mass = 0.0;
   if (n <= 0) return;
@@ -116,7 +129,7 @@ void bvn_subtract_term(T* residual, int64_t n, const int64_t* perm, T* alpha, do
   const size_t h_partial = arena.reserve<double>(kMassBlocks);
   const size_t h_mass = arena.reserve<double>(1);
   arena.allocate();
-  subtract_term_kernel<T><<<1, 1024, 0, stream>>>(residual, n, perm, arena.get<T>(h_alpha));
+  subtract_term_kernel<T><<<1, 1024, 0, stream>>>(residual, original, d_max, n, perm, arena.get<T>(h_alpha));
   PYPERM_CUDA_CHECK_LAUNCH("the BvN term kernel");
   mass_partial_kernel<T><<<kMassBlocks, 256, 0, stream>>>(residual, n * n, arena.get<double>(h_partial));
   PYPERM_CUDA_CHECK_LAUNCH("the BvN mass kernel");
@@ -129,7 +142,9 @@ void bvn_subtract_term(T* residual, int64_t n, const int64_t* perm, T* alpha, do
 
 template void bvn_support_cost<float>(const float*, int64_t, float*, int, void*);
 template void bvn_support_cost<double>(const double*, int64_t, double*, int, void*);
-template void bvn_subtract_term<float>(float*, int64_t, const int64_t*, float*, double*, int, void*);
-template void bvn_subtract_term<double>(double*, int64_t, const int64_t*, double*, double*, int, void*);
+template void bvn_subtract_term<float>(float*, const float*, double, int64_t, const int64_t*, float*, double*, int,
+                                       void*);
+template void bvn_subtract_term<double>(double*, const double*, double, int64_t, const int64_t*, double*, double*, int,
+                                        void*);
 
 }  // namespace pyperm::cuda

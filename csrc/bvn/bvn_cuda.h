@@ -16,15 +16,20 @@ template <typename T>
 void bvn_support_cost(const T* residual, int64_t n, T* cost, int device, void* stream);
 
 // One term: alpha = min_i R[i, perm[i]] over the n matched entries (all > 0), then
-// R[i, perm[i]] -= alpha; an entry left within 32 machine epsilons of zero (relative to its
-// old value) becomes exactly 0, so rounding never keeps it in the support. Also computes the
+// R[i, perm[i]] -= alpha, with bvn_cpu.cpp's zeroing rule: the entry that gave alpha becomes
+// exactly 0, and so does an entry left at rounding noise, small next to 32 machine epsilons of
+// both max(d_max, noise_ref) and max(D[i, perm[i]], noise_ref), where noise_ref is the
+// original value of the entry that gave alpha (alpha carries its rounding). Also computes the
 // residual mass sum(R) / n after the update (in double, in a fixed order: deterministic).
 //   residual [in,out] device, contiguous n x n.
+//   original [in]     device, contiguous n x n: the matrix being decomposed (D).
+//   d_max    [in]     max_ij D[i, j].
 //   perm     [in]     device, n int64: the column of each row (a permutation).
 //   alpha    [out]    host: the coefficient.
 //   mass     [out]    host: the residual mass.
 // Synchronises the stream (the two numbers are read back).
 template <typename T>
-void bvn_subtract_term(T* residual, int64_t n, const int64_t* perm, T* alpha, double* mass, int device, void* stream);
+void bvn_subtract_term(T* residual, const T* original, double d_max, int64_t n, const int64_t* perm, T* alpha,
+                       double* mass, int device, void* stream);
 
 }  // namespace pyperm::cuda

@@ -67,14 +67,22 @@ def decompose(
     mass, stop = float(n > 0), "converged"
     if n > 0:
         R = D.clamp_min(0).contiguous()  # a copy: D is never modified
+        original = R.clone()  # the zeroing rule compares the residual with the entries it came from
+        d_max = float(original.max())
         dtype = dtype_name(R)
         device, stream = torch_launch(R)
         v = torch.zeros(n, dtype=R.dtype, device=R.device)
         cost = torch.empty_like(R)
         mod = cuda_module()
         limit = n * n if max_terms is None else int(max_terms)  # each term empties at least one entry
-        stop = "max_terms"
-        for t in range(limit):
+        t = 0
+        while True:  # the CPU's order: the mass is checked before a term, then the term budget
+            if mass <= tol:
+                stop = "converged"
+                break
+            if t >= limit:
+                stop = "max_terms"
+                break
             mod.bvn_support_cost(R.data_ptr(), dtype, n, cost.data_ptr(), device, stream)
             perm = torch.empty(n, dtype=torch.int64, device=R.device)
             try:
@@ -85,14 +93,13 @@ def decompose(
                     raise
                 stop = "no_matching"  # the residual's support has no perfect matching: only rounding noise is left
                 break
-            alpha, mass = mod.bvn_subtract_term(R.data_ptr(), dtype, n, perm.data_ptr(), device, stream)
+            alpha, mass = mod.bvn_subtract_term(R.data_ptr(), original.data_ptr(), d_max, dtype, n, perm.data_ptr(),
+                                                device, stream)
             coeffs.append(alpha)
             perms.append(perm)
-            if not keep_going(callback, t + 1, alpha, mass):
+            t += 1
+            if not keep_going(callback, t, alpha, mass):
                 stop = "cancelled"
-                break
-            if mass <= tol:
-                stop = "converged"
                 break
     out_perms = torch.stack(perms) if perms else torch.empty((0, n), dtype=torch.int64, device=D.device)
     return torch.tensor(coeffs, dtype=D.dtype, device=D.device), out_perms, float(mass), stop
