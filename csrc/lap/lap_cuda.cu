@@ -349,8 +349,9 @@ __global__ void __launch_bounds__(BLOCK) block_kernel(BlockArgs<T> a) {
       s_k = 0;
       s_todo = s_count;
       s_kept = 0;
-      // Bound on the moves: rounding can make the lowering of v stall, and nothing may hang.
-      s_budget = static_cast<long long>(s_count) * n + 16;
+      // Bound on the immediate retries, the CPU solver's for full row scans (n + 16): long
+      // displacement chains cost more than the shortest paths they replace; nothing may hang.
+      s_budget = static_cast<long long>(n) + 16;
     }
     __syncthreads();
     for (;;) {
@@ -371,9 +372,15 @@ __global__ void __launch_bounds__(BLOCK) block_kernel(BlockArgs<T> a) {
           rows[kept++] = i;  // every column forbidden so far: the shortest paths decide
         } else {
           int j1 = t.j1, i0 = y[j1];
-          const bool lowers = t.u1 < t.u2 && t.u2 < infinity;
+          bool lowers = t.u1 < t.u2 && t.u2 < infinity;
           if (lowers) {
-            v[j1] -= t.u2 - t.u1;
+            const T lowered = v[j1] - (t.u2 - t.u1);
+            // In float32 a gap far below v[j1]'s last digit leaves it unchanged: no lowering, so
+            // the displaced row is not retried (two rows would trade the column until the budget ends).
+            if (lowered < v[j1])
+              v[j1] = lowered;
+            else
+              lowers = false;
           } else if (i0 >= 0 && t.j2 >= 0 && t.u1 == t.u2) {
             j1 = t.j2;
             i0 = y[j1];
