@@ -6,6 +6,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "common/cuda_check.h"
@@ -34,9 +37,46 @@ class DeviceGuard {
   bool changed_ = false;
 };
 
-// Scratch memory for one call: the sizes are collected first, then a single
-// cudaMallocAsync on the caller's stream serves them all (one allocation instead of a
-// dozen), and the destructor frees it on the same stream, also when an exception unwinds.
+// Bytes of freed scratch pyperm's pool keeps for the next call instead of returning them
+// to the driver at every synchronisation (the default pool's threshold is 0).
+constexpr uint64_t kPoolKeepBytes = uint64_t(256) << 20;
+
+// pyperm's own stream-ordered memory pool on `device` (created on first use, kept for the
+// process): scratch freed by one call serves the next, and the process's default pool, which
+// other libraries share, keeps its settings. nullptr where pools are unsupported (the
+// default pool is used then).
+inline cudaMemPool_t scratch_pool(int device) {
+  static std::mutex mutex;
+  static std::vector<cudaMemPool_t> pools;
+  static std::vector<bool> tried;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (static_cast<int>(pools.size()) <= device) {
+    pools.resize(device + 1, nullptr);
+    tried.resize(device + 1, false);
+  }
+  if (!tried[device]) {
+    tried[device] = true;
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaMemPool_t pool = nullptr;
+    if (cudaMemPoolCreate(&pool, &props) == cudaSuccess) {
+      uint64_t keep = kPoolKeepBytes;
+      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+      pools[device] = pool;
+    } else {
+      cudaGetLastError();  // unsupported: fall back to the default pool, leave no error behind
+    }
+  }
+  return pools[device];
+}
+
+// Scratch memory for one call: the sizes are collected first, then a single stream-ordered
+// allocation from pyperm's pool on the caller's stream serves them all (one allocation
+// instead of a dozen), and the destructor frees it on the same stream, also when an
+// exception unwinds. It is outside torch's caching allocator (torch's memory statistics do
+// not show it), so running out says so and how to free torch's cache.
 class Arena {
  public:
   explicit Arena(cudaStream_t stream) : stream_(stream) {}
@@ -55,7 +95,21 @@ class Arena {
     return offsets_.size() - 1;
   }
   void allocate() {
-    if (total_ > 0) PYPERM_CUDA_CHECK(cudaMallocAsync(&base_, total_, stream_));
+    if (total_ == 0) return;
+    int device = 0;
+    PYPERM_CUDA_CHECK(cudaGetDevice(&device));
+    cudaMemPool_t pool = scratch_pool(device);
+    const cudaError_t err = pool != nullptr ? cudaMallocFromPoolAsync(&base_, total_, pool, stream_)
+                                            : cudaMallocAsync(&base_, total_, stream_);
+    if (err == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      base_ = nullptr;
+      throw std::runtime_error("CUDA out of memory: pyperm needs " + std::to_string((total_ + (1 << 20) - 1) >> 20) +
+                               " MiB of scratch on device " + std::to_string(device) +
+                               "; memory torch's caching allocator holds is not available to it "
+                               "(torch.cuda.empty_cache() returns that memory)");
+    }
+    PYPERM_CUDA_CHECK(err);
   }
   template <typename T>
   T* get(size_t handle) const {
