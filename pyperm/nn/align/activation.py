@@ -103,16 +103,16 @@ class ActivationMatchingResult:
 # --------------------------------------------------------------------------- helpers
 
 
-def _samples(x: Any, axis: int, site: str) -> torch.Tensor:
-    """Activations as a C-contiguous CPU (samples, units) tensor that no later op can modify."""
+def _samples(x: Any, axis: int, site: str, device: torch.device) -> torch.Tensor:
+    """Activations as a C-contiguous (samples, units) tensor on ``device`` that no later op can modify."""
     if not isinstance(x, torch.Tensor):
         raise TraceError(f"the activations at node {site!r} are a {type(x).__name__}, not a tensor")
     x = x.detach()
     z = x.movedim(axis, -1).reshape(-1, x.shape[axis])
     if z.dtype in (torch.float16, torch.bfloat16):
         z = z.float()
-    if z.device.type != "cpu":
-        return z.cpu()  # a copy
+    if z.device != device:
+        return z.to(device)  # a copy
     if z.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         z = z.clone()  # an in-place op later in the graph (ReLU(inplace=True)) would overwrite it
     return z.contiguous()
@@ -176,15 +176,16 @@ def _readings(spec: PermutationSpec, site: ActivationSite) -> list[_Reading]:
 class _SiteReader(fx.Interpreter):
     """Runs a traced model and hands the output of every watched node to ``sink``."""
 
-    def __init__(self, gm: fx.GraphModule, watch: Mapping[str, list[tuple[Any, int]]], sink) -> None:
+    def __init__(self, gm: fx.GraphModule, watch: Mapping[str, list[tuple[Any, int]]], sink, device) -> None:
         super().__init__(gm)
         self.watch = watch
         self.sink = sink
+        self.device = device  # where the activations are accumulated
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
         for key, axis in self.watch.get(n.name, ()):
-            self.sink(key, _samples(out, axis, n.name))
+            self.sink(key, _samples(out, axis, n.name, self.device))
         return out
 
 
@@ -203,6 +204,13 @@ def _check_models(model_a: Any, model_b: Any) -> None:
     for k, t in sa.items():
         if t.shape != sb[k].shape:
             raise ValueError(f"model_a and model_b differ in {k!r}: shapes {tuple(t.shape)} and {tuple(sb[k].shape)}")
+
+
+def _host(matrix: Any) -> np.ndarray:
+    """A statistic of an accumulator (a numpy array, or a torch tensor on its device) as float64 numpy."""
+    if isinstance(matrix, torch.Tensor):
+        matrix = matrix.detach().cpu().numpy()
+    return np.asarray(matrix, dtype=np.float64)
 
 
 def _reading_index(spec: PermutationSpec, reading: _Reading, perms: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -300,10 +308,12 @@ def activation_matching(
     The models are run through their traced graphs (``torch.fx``), which hand every
     site's output to the accumulators as soon as it is computed, so an in-place
     operation after a site (``ReLU(inplace=True)`` after a pre-activation) cannot alter
-    it. Both models' site activations of one batch are held (as CPU copies), then go
-    into a :class:`pyperm.CrossCorrelationSet` in one call, which updates every (group,
-    site) accumulator on the thread pool at once, and are released. Accumulation runs on the CPU in
-    float64 (``dtype``): activations of CUDA models are copied to the host, batch by batch.
+    it. Both models' site activations of one batch are held, then accumulated in ``dtype``
+    (float64 by default) and released. When both models are on one CUDA device (and
+    pyperm's CUDA kernels are available) they stay there, in one device accumulator per
+    site; otherwise they are copied to the host and go into a
+    :class:`pyperm.CrossCorrelationSet` in one call, which updates every site's
+    accumulator on the thread pool at once.
 
     See Also
     --------
@@ -386,7 +396,14 @@ def activation_matching(
                         readings.append(r)
                     of_group.setdefault(g, []).append(readings.index(r))
     keys = range(len(readings))
-    accs = pyperm.CrossCorrelationSet({i: (readings[i].units, readings[i].units) for i in keys}, dtype=dtype)
+    # Models on one CUDA device: the activations stay there (one device accumulator per
+    # reading); otherwise they are copied to the host, where one set updates every reading at once.
+    on_device = dev_a.type == "cuda" and dev_b == dev_a and pyperm.cuda_available()
+    device = dev_a if on_device else torch.device("cpu")
+    if on_device:
+        accs: Any = {i: pyperm.CrossCorrelation(readings[i].units, readings[i].units, dtype=dtype) for i in keys}
+    else:
+        accs = pyperm.CrossCorrelationSet({i: (readings[i].units, readings[i].units) for i in keys}, dtype=dtype)
     watch: dict[str, list[tuple[Any, int]]] = {}  # node -> (key of its held activations, axis of units)
     for node, axis in dict.fromkeys((r.node, r.axis) for r in readings):
         watch.setdefault(node, []).append(((node, axis), axis))
@@ -394,15 +411,19 @@ def activation_matching(
     held_a: dict[Any, torch.Tensor] = {}
     held_b: dict[Any, torch.Tensor] = {}
     projected = {key for r in readings if r.projection is not None for key in (r.projection.weight, r.projection.bias)}
-    state_a = {k: v.detach().cpu() for k, v in model_a.state_dict().items() if k in projected}
-    state_b = {k: v.detach().cpu() for k, v in model_b.state_dict().items() if k in projected}
+    state_a = {k: v.detach().to(device) for k, v in model_a.state_dict().items() if k in projected}
+    state_b = {k: v.detach().to(device) for k, v in model_b.state_dict().items() if k in projected}
 
     def update_all() -> None:
         # One call per batch: the set runs every reading's kernel on the thread pool at once.
         pairs = {i: (r.take(held_a[(r.node, r.axis)], state_a), r.take(held_b[(r.node, r.axis)], state_b))
                  for i, r in enumerate(readings)}  # fmt: skip
         try:
-            accs.update(pairs)
+            if on_device:
+                for i, (za, zb) in pairs.items():
+                    accs[i].update(za, zb)
+            else:
+                accs.update(pairs)
         except ValueError:
             for i, (za, zb) in pairs.items():  # name the site whose activations are bad
                 if not (bool(torch.isfinite(za).all()) and bool(torch.isfinite(zb).all())):
@@ -412,8 +433,8 @@ def activation_matching(
                     ) from None
             raise
 
-    reader_a = _SiteReader(traced.graph_module, watch, held_a.__setitem__)
-    reader_b = _SiteReader(gm_b, watch, held_b.__setitem__)
+    reader_a = _SiteReader(traced.graph_module, watch, held_a.__setitem__, device)
+    reader_b = _SiteReader(gm_b, watch, held_b.__setitem__, device)
     bar = progress_bar(progress, num_batches(data, max_batches), "activation matching", "batch")
     used_batches = 0
     try:
@@ -437,10 +458,10 @@ def activation_matching(
             groups = _entry_groups(readings[i].form)
             raise ValueError(f"data held no samples for group {groups[0]!r}: every batch was empty")
     if cost == "correlation":
-        mats = [np.asarray(accs[i].correlation(), dtype=np.float64) for i in keys]
+        mats = [_host(accs[i].correlation()) for i in keys]
     else:
         # Per-sample means, so that sites with more positions do not outweigh the others.
-        mats = [np.asarray(accs[i].cross_product(), dtype=np.float64) / accs[i].count for i in keys]
+        mats = [_host(accs[i].cross_product()) / accs[i].count for i in keys]
 
     perms: dict[str, torch.Tensor] = {}
     joint = {g for r in readings if r.structured for g in _entry_groups(r.form)}
