@@ -60,22 +60,15 @@ def _signature_init(
             whole = pos.numel() == sa[key].shape[axis] and bool((pos == torch.arange(pos.numel())).all())
             for t, out in ((sa[key], sig_a), (sb[key], sig_b)):
                 rows = t if whole else t.index_select(axis, pos.to(t.device))
-                rows = rows.movedim(axis, 0).reshape(n, -1).cpu().numpy()
-                ranked = np.sort(rows, axis=1)  # numpy's sort: 8x torch's on the CPU
-                if ranked.shape[1] > SIGNATURE_POINTS:  # evenly spaced order statistics, min and max included
-                    picks = np.linspace(0, ranked.shape[1] - 1, SIGNATURE_POINTS).round().astype(np.int64)
-                    weight = math.sqrt(ranked.shape[1] / SIGNATURE_POINTS)  # the slice keeps its share of the distance
-                    ranked = ranked[:, picks].astype(np.float64) * weight
-                out.append(torch.from_numpy(ranked.astype(np.float64, copy=False)))
+                out.append(_signature(rows.movedim(axis, 0).reshape(n, -1)))
         if not sig_a:
             perms[g] = torch.arange(n)
             continue
-        cost = torch.cdist(torch.cat(sig_a, 1), torch.cat(sig_b, 1)) ** 2
+        cost = torch.cdist(torch.cat(sig_a, 1), torch.cat(sig_b, 1)) ** 2  # on the weights' device
         if g in spec.blocks:  # solved below, within the blocks its outer group pairs
             costs[g] = cost
             continue
-        _, cols = pyperm.linear_sum_assignment(cost.numpy())
-        perms[g] = torch.as_tensor(cols, dtype=torch.int64)
+        perms[g] = _columns(pyperm.linear_sum_assignment(_solver_input(cost))[1])
     for inner, outer in spec.blocks.items():
         # An outer unit's signature covers its whole block, whatever the order within it,
         # so the blocks are paired first; then each pair of blocks pairs its units.
@@ -85,9 +78,37 @@ def _signature_init(
             continue
         paired = perms[outer] if isinstance(outer, str) else torch.arange(nb)  # fixed blocks pair with themselves
         pairs = costs[inner].view(nb, bs, nb, bs)[torch.arange(nb), :, paired]  # (nb, bs, bs)
-        _, cols = pyperm.batch_linear_sum_assignment(pairs.contiguous().numpy())
-        perms[inner] = _inner_of_pairs(paired, torch.as_tensor(cols, dtype=torch.int64))
+        _, cols = pyperm.batch_linear_sum_assignment(_solver_input(pairs.contiguous()))
+        perms[inner] = _inner_of_pairs(paired, _columns(cols))
     return perms
+
+
+def _signature(rows: torch.Tensor) -> torch.Tensor:
+    """Every row's entries sorted, as float64 on the rows' device; a long row is summarised by
+    ``SIGNATURE_POINTS`` evenly spaced order statistics (min and max included), scaled so
+    that it keeps its share of the distance."""
+    length = rows.shape[1]
+    if rows.is_cuda:  # CUDA weights are never copied to the host
+        ranked = torch.sort(rows, dim=1).values
+        if length > SIGNATURE_POINTS:
+            picks = torch.linspace(0, length - 1, SIGNATURE_POINTS, device=rows.device).round().long()
+            return ranked[:, picks].double() * math.sqrt(length / SIGNATURE_POINTS)
+        return ranked.double()
+    ranked = np.sort(rows.numpy(), axis=1)  # numpy's sort: 8x torch's on the CPU
+    if length > SIGNATURE_POINTS:
+        picks = np.linspace(0, length - 1, SIGNATURE_POINTS).round().astype(np.int64)
+        ranked = ranked[:, picks].astype(np.float64) * math.sqrt(length / SIGNATURE_POINTS)
+    return torch.from_numpy(ranked.astype(np.float64, copy=False))
+
+
+def _solver_input(cost: torch.Tensor) -> Any:
+    """A cost for pyperm's assignment solvers: CUDA tensors as they are (the CUDA solver), else numpy."""
+    return cost if cost.is_cuda else cost.numpy()
+
+
+def _columns(cols: Any) -> torch.Tensor:
+    """A solver's columns as an int64 CPU tensor."""
+    return torch.as_tensor(cols).to("cpu", torch.int64)
 
 
 def _inner_of_pairs(outer: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
