@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import platform
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
-from pyperm.commands._common import markdown_table
+from pyperm.commands._common import markdown_table, write_json
 
-__all__ = ["Finding", "findings_section", "settings_section"]
+__all__ = ["Finding", "findings_section", "settings_section", "write_report"]
 
 
 @dataclass
@@ -69,3 +70,26 @@ def settings_section(scale: str, settings: dict[str, Any], scaled_down: list[str
     if scaled_down:
         lines += ["", "Scaled down from the paper:", ""] + [f"- {s}" for s in scaled_down]
     return "\n".join(lines)
+
+
+def write_report(
+    out: Path,
+    name: str,
+    lines: list[str],
+    findings: list[Finding],
+    *,
+    scale: str,
+    seed: int,
+    seconds: float,
+    settings: dict[str, Any],
+    **results: Any,
+) -> Path:
+    """Write ``report.md`` (``lines``) and ``report.json`` (the run's settings, ``results`` and
+    findings) into ``out``; returns the markdown report's path."""
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    write_json(
+        out / "report.json",
+        {"report": name, "scale": scale, "seed": seed, "seconds": seconds, "settings": settings, **results,
+         "findings": [f.to_dict() for f in findings]},
+    )  # fmt: skip
+    return out / "report.md"

@@ -251,9 +251,9 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     pathlib.Path
         ``out / "report.md"``.
     """
-    from pyperm.commands._common import markdown_table, write_json
+    from pyperm.commands._common import markdown_table
     from pyperm.nn.curves import plot_curve_results
-    from pyperm.reproduce._report import findings_section, settings_section
+    from pyperm.reproduce._report import findings_section, settings_section, write_report
 
     cfg = SETTINGS[scale]
     start = time.perf_counter()
@@ -353,30 +353,27 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         "",
         settings_section(scale, settings, scaled, seconds, device),
     ]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
-    write_json(
-        out / "report.json",
-        {
-            "report": "curves",
-            "scale": scale,
-            "seed": seed,
-            "seconds": seconds,
-            "settings": cfg,
-            "pairs": [
-                {
-                    "test": {k: r.to_dict() for k, r in p["test"].items()},
-                    "train": {k: r.to_dict() for k, r in p["train"].items()},
-                    "seconds": p["seconds"],
-                    "signature": p["signature"].to_dict(),
-                    "midpoint_signature": {k: s.to_dict() for k, s in p["midpoint_signature"].items()},
-                    "endpoint_accuracy": p["endpoint_accuracy"],
-                }
-                for p in pairs
-            ],
-            "findings": [f.to_dict() for f in findings],
-        },
+    return write_report(
+        out,
+        "curves",
+        lines,
+        findings,
+        scale=scale,
+        seed=seed,
+        seconds=seconds,
+        settings=cfg,
+        pairs=[
+            {
+                "test": {k: r.to_dict() for k, r in p["test"].items()},
+                "train": {k: r.to_dict() for k, r in p["train"].items()},
+                "seconds": p["seconds"],
+                "signature": p["signature"].to_dict(),
+                "midpoint_signature": {k: s.to_dict() for k, s in p["midpoint_signature"].items()},
+                "endpoint_accuracy": p["endpoint_accuracy"],
+            }
+            for p in pairs
+        ],
     )
-    return out / "report.md"
 
 
 def _plot_signature(path: Path, pair: dict) -> Path:

@@ -257,9 +257,9 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     """
     import torch
 
-    from pyperm.commands._common import markdown_table, write_json
+    from pyperm.commands._common import markdown_table
     from pyperm.commands._plots import plot_lines, plot_paths
-    from pyperm.reproduce._report import findings_section, settings_section
+    from pyperm.reproduce._report import findings_section, settings_section, write_report
     from pyperm.reproduce._train import digits_data
 
     cfg = SETTINGS[scale]
@@ -393,21 +393,18 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         "",
         settings_section(scale, settings, scaled, seconds, device),
     ]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
-    write_json(
-        out / "report.json",
-        {
-            "report": "rebasin",
-            "scale": scale,
-            "seed": seed,
-            "seconds": seconds,
-            "settings": cfg,
-            "figure2": {
-                split: {label: r.to_dict() for label, r in res.items()} for split, res in fig2["results"].items()
-            }
-            | {"matching_seconds": fig2["seconds"]},
-            "figure4": rows,
-            "findings": [f.to_dict() for f in findings],
-        },
+    return write_report(
+        out,
+        "rebasin",
+        lines,
+        findings,
+        scale=scale,
+        seed=seed,
+        seconds=seconds,
+        settings=cfg,
+        figure2={
+            split: {label: r.to_dict() for label, r in res.items()} for split, res in fig2["results"].items()
+        }
+        | {"matching_seconds": fig2["seconds"]},
+        figure4=rows,
     )
-    return out / "report.md"

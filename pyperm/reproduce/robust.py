@@ -153,11 +153,11 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
 
     from pyperm import nn as pnn
     from pyperm._progress import progress_bar
-    from pyperm.commands._common import markdown_table, write_json
+    from pyperm.commands._common import markdown_table
     from pyperm.commands._plots import plot_lines
     from pyperm.nn.curves import BezierCurve, train_curve
     from pyperm.nn.curves.robust import pgd_attack
-    from pyperm.reproduce._report import findings_section, settings_section
+    from pyperm.reproduce._report import findings_section, settings_section, write_report
     from pyperm.reproduce._train import evaluate, train_classifier
     from pyperm.reproduce.curves import cnn, digits_batches
 
@@ -252,19 +252,16 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         "",
         settings_section(scale, settings, scaled, total, device),
     ]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
-    write_json(
-        out / "report.json",
-        {
-            "report": "robust",
-            "scale": scale,
-            "seed": seed,
-            "seconds": total,
-            "settings": cfg | {"eps": EPS},
-            "paths": paths,
-            "curve_training_loss": history,
-            "endpoints": endpoint,
-            "findings": [f.to_dict() for f in findings],
-        },
+    return write_report(
+        out,
+        "robust",
+        lines,
+        findings,
+        scale=scale,
+        seed=seed,
+        seconds=total,
+        settings=cfg | {"eps": EPS},
+        paths=paths,
+        curve_training_loss=history,
+        endpoints=endpoint,
     )
-    return out / "report.md"

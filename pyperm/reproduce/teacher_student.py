@@ -190,8 +190,7 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         ``out / "report.md"``.
     """
     from pyperm import teacher_student as ts
-    from pyperm.commands._common import write_json
-    from pyperm.reproduce._report import findings_section, settings_section
+    from pyperm.reproduce._report import findings_section, settings_section, write_report
 
     cfg = SETTINGS[scale]
     K = cfg["K"]
@@ -261,28 +260,25 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         "",
         settings_section(scale, settings, scaled, seconds, device),
     ]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
 
     def sweep_dict(s: Any) -> dict:
         return {"widths": s.widths, **{m: [float(v) for v in s.mean(m)] for m in ("direct", "type", "lap")}}
 
-    write_json(
-        out / "report.json",
-        {
-            "report": "teacher-student",
-            "scale": scale,
-            "seed": seed,
-            "seconds": seconds,
-            "settings": cfg,
-            "gd": sweep_dict(gd),
-            "uniform": sweep_dict(uniform),
-            "learning_rate": {
-                "m": lr.m,
-                "cs": [float(c) for c in lr.cs],
-                "pq": [float(np.nanmean(r)) if np.isfinite(r).any() else None for r in lr.pq],
-                "uniform_pq": lr.uniform_pq,
-            },
-            "findings": [f.to_dict() for f in findings],
+    return write_report(
+        out,
+        "teacher-student",
+        lines,
+        findings,
+        scale=scale,
+        seed=seed,
+        seconds=seconds,
+        settings=cfg,
+        gd=sweep_dict(gd),
+        uniform=sweep_dict(uniform),
+        learning_rate={
+            "m": lr.m,
+            "cs": [float(c) for c in lr.cs],
+            "pq": [float(np.nanmean(r)) if np.isfinite(r).any() else None for r in lr.pq],
+            "uniform_pq": lr.uniform_pq,
         },
     )
-    return out / "report.md"
