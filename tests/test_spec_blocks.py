@@ -15,21 +15,12 @@ from torch import nn
 
 from pyperm.nn import Permutations, PermutationSpec, apply_permutation, matching_objective, weight_matching
 from pyperm.nn.spec import Blocks, Segments, Tiled
+from pyperm.testing import random_permutations
 
 
 def planted(spec: PermutationSpec, seed: int = 0) -> dict[str, torch.Tensor]:
     """A random permutation of every group; a Blocks inner group's is random within each block."""
-    gen = torch.Generator().manual_seed(seed)
-    perms = {}
-    for g, n in spec.sizes.items():
-        if g in spec.blocks:
-            bs = spec.block_size(g)
-            nb = n // bs
-            local = torch.stack([torch.randperm(bs, generator=gen) for _ in range(nb)])
-            perms[g] = (local + torch.arange(nb).view(-1, 1) * bs).reshape(-1)
-        else:
-            perms[g] = torch.randperm(n, generator=gen)
-    return perms
+    return random_permutations(spec, torch.Generator().manual_seed(seed))
 
 
 def spread_and_plant(model: nn.Module, spec: PermutationSpec, seed: int) -> tuple[Permutations, nn.Module]:
