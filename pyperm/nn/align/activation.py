@@ -399,6 +399,9 @@ def activation_matching(
     # Models on one CUDA device: the activations stay there (one device accumulator per
     # reading); otherwise they are copied to the host, where one set updates every reading at once.
     on_device = dev_a.type == "cuda" and dev_b == dev_a and pyperm.cuda_available()
+    if dev_a.type == "cuda" and dev_b == dev_a and not on_device:
+        warnings.warn(f"activation_matching: {pyperm.cuda_unavailable_reason()}; the activations are copied to the "
+                      "host and accumulated there (slower)", UserWarning, stacklevel=2)  # fmt: skip
     device = dev_a if on_device else torch.device("cpu")
     if on_device:
         accs: Any = {i: pyperm.CrossCorrelation(readings[i].units, readings[i].units, dtype=dtype) for i in keys}
