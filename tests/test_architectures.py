@@ -513,3 +513,6 @@ def test_bench_trace_runs(capsys):
     assert code == 0, out
     # squeezenet's fire modules concatenate: 14% flat, 100% structured; both keep the function
     assert "squeezenet1_0" in out and "100.0%" in out and "NO" not in out and "FAILED" not in out
+    assert trace.run(parser.parse_args(["--models", "resnet18,nope"])) == 2
+    assert "unknown torchvision model 'nope'" in capsys.readouterr().err
+    assert trace.run(parser.parse_args(["--repeat", "0"])) == 2

@@ -56,7 +56,10 @@ def build(name: str, size: int, seed: int):
             cfg = model.pretrained_cfg.get("input_size", (3, 224, 224))
             x = torch.randn(2, *cfg)
         else:
-            model = getattr(import_torchvision().models, name)(weights=None)
+            tv = import_torchvision()
+            if name not in tv.models.list_models():
+                raise ValueError(f"unknown torchvision model {name!r}")
+            model = tv.models.get_model(name, weights=None)
             x = torch.randn(2, 3, size, size)
     last = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))][-1]
     last.is_head = True  # produces the model's output: not a hidden unit
@@ -84,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
     from pyperm.nn import trace_model
     from pyperm.testing import permutable_share
 
-    if args.repeat < 1:
-        raise SystemExit("--repeat must be positive")
+    if args.repeat < 1 or args.size < 1:
+        print("--repeat and --size must be positive", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)  # the command owns its process; library calls never do this
     rows, failures = [], []
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
@@ -94,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
         except ModuleNotFoundError as exc:
             print(f"{name}: skipped ({exc})", file=sys.stderr)
             continue
+        except (ValueError, RuntimeError) as exc:  # an unknown name (timm raises RuntimeError for one)
+            print(f"{name}: {exc}", file=sys.stderr)
+            return 2
         cells = [name, f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"]
         for structured in (False, True):
             with warnings.catch_warnings():
