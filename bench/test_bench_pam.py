@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pyperm.benchmarks.pam import LR_PERM, TARGET_SHARE, setup
-from pyperm.nn.curves.pam import pam
+from pyperm.nn.align.proximal import pam
 
 pytest.importorskip("pytest_benchmark")
 

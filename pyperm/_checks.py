@@ -15,6 +15,9 @@ import numpy as np
 
 __all__ = [
     "check_bool",
+    "check_callable",
+    "check_choice",
+    "check_fraction",
     "check_int",
     "check_nonnegative_real",
     "check_positive_real",
@@ -80,6 +83,36 @@ def check_positive_real(value: Any, name: str, *, upper: float | None = None) ->
     if not math.isfinite(value) or value <= 0 or (upper is not None and value > upper):
         bound = f" at most {upper}" if upper is not None else ""
         raise ValueError(f"{name} must be a finite positive number{bound}, got {value}")
+    return value
+
+
+def check_fraction(value: Any, name: str) -> float:
+    """A real number in [0, 1] (a share, a point on a path)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number in [0, 1], got {type(value).__name__}")
+    value = float(value)
+    if not 0.0 <= value <= 1.0:  # also refuses NaN
+        raise ValueError(f"{name} must lie in [0, 1], got {value}")
+    return value
+
+
+def check_choice(value: Any, name: str, choices: Any) -> str:
+    """One of the strings ``choices``; the message lists them."""
+    choices = tuple(choices)
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {', '.join(map(repr, choices))}, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def check_callable(value: Any, name: str, *, allow_none: bool = False) -> Any:
+    """A callable (a loss function, a callback); None passes through when allowed."""
+    if value is None and allow_none:
+        return None
+    if not callable(value):
+        kind = "a callable or None" if allow_none else "a callable"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
     return value
 
 

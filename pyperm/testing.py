@@ -10,13 +10,16 @@ them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
 __all__ = [
+    "assert_same_function",
     "dense_doubly_stochastic",
     "import_torchvision",
+    "one_thread",
     "permutable_share",
     "planted",
     "random_permutations",
@@ -196,17 +199,69 @@ def permutable_share(model, spec) -> float:
     return sum(sd[key].shape[axis] for key, axis in produced if spec.axes[key][axis] is not None) / total
 
 
-def random_permutations(spec, generator) -> dict:
-    """A random permutation of every group of ``spec`` (a torch.Generator draws them); a
-    Blocks inner group's is random within each of its blocks."""
+def random_permutations(spec, generator=0) -> dict:
+    """A random permutation of every group of ``spec``, drawn by ``generator`` (a
+    torch.Generator or an int seed); a Blocks inner group's is random within each of its blocks."""
     import torch
 
+    from pyperm._checks import torch_generator
+
+    generator = torch_generator(generator, "generator")
     perms = {}
     for g, n in spec.sizes.items():
         bs = spec.block_size(g) if g in spec.blocks else n
         local = torch.stack([torch.randperm(bs, generator=generator) for _ in range(n // bs)])
         perms[g] = (local + torch.arange(0, n, bs).view(-1, 1)).reshape(-1)
     return perms
+
+
+def assert_same_function(model, spec, *inputs, seed=0, train: bool = False, rtol: float = 1e-4,
+                         atol: float = 1e-5) -> None:
+    """Assert that a random permutation of every group of ``spec`` leaves ``model``'s outputs unchanged.
+
+    Always in eval mode; with ``train=True`` also in train mode, where BatchNorm updates its
+    running statistics from the batch, and those must then agree too (up to the permutation).
+    The model is left in eval mode.
+    """
+    import copy
+
+    import torch
+
+    from pyperm.nn import apply_permutation
+
+    if not spec.sizes:
+        raise AssertionError("the spec has no group to permute: nothing would be tested")
+    perms = random_permutations(spec, seed)
+    other = copy.deepcopy(model)
+    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    for mode in (False, True) if train else (False,):
+        model.train(mode)
+        other.train(mode)
+        with torch.no_grad():
+            want, got = model(*inputs), other(*inputs)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    if train:
+        permuted = apply_permutation(spec, perms, model.state_dict())
+        for key, tensor in other.state_dict().items():
+            torch.testing.assert_close(tensor, permuted[key], rtol=rtol, atol=atol)
+    model.eval()
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block on one torch thread (restored afterwards).
+
+    On a loaded 2-core machine two spinning OpenMP threads make small matrix products 10-20
+    times slower; tests and benchmarks of small models pin one thread for steady timings.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def import_torchvision():

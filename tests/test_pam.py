@@ -10,9 +10,9 @@ import torch
 
 from _digits import batches, cnn, digits, mlp, train
 from pyperm.nn import PermutationSpec, Permutations, apply_permutation, weight_matching
-from pyperm.nn.curves import _relaxation as relax
+from pyperm.nn.align import _relaxation as relax
 from pyperm.nn.curves.bezier import BezierCurve
-from pyperm.nn.curves.pam import PAMResult, pam
+from pyperm.nn.align.proximal import PAMResult, pam
 
 # The curve step is SGD on a stochastic objective: between outer iterations the estimate
 # of Q may rise by that noise. With these settings (learning rates halved every outer

@@ -189,7 +189,7 @@ def test_bad_arguments():
         repair(a, a, b, 0.5, data)
     with pytest.raises(TypeError, match="t must be a real number"):
         repair(model, a, b, "half", data)
-    with pytest.raises(ValueError, match=r"t must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"t must lie in \[0, 1\]"):
         repair(model, a, b, 1.5, data)
     with pytest.raises(TypeError, match="data is read several times"):
         repair(model, a, b, 0.5, iter(data))

@@ -18,8 +18,8 @@ from pyperm.cli import main
 from pyperm.reproduce import REPORTS, SCALES, load_report
 
 NEEDS = {
-    "curves": "pyperm.nn.curves.pam",
-    "robust": "pyperm.nn.curves.robust",
+    "curves": "pyperm.nn.align.proximal",
+    "robust": "pyperm.nn.eval.robust",
     "teacher-student": "pyperm.teacher_student",
 }
 

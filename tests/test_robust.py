@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _digits import accuracy, batches, digits, mlp, train
-from pyperm.nn.curves.robust import check_attack, pgd_attack, robust_accuracy
+from pyperm.nn.eval.robust import check_attack, pgd_attack, robust_accuracy
 
 EPS = 0.1  # on [0, 1] pixels: moderate (a digit's strokes are near 1, the background 0)
 ATTACK = {"eps": EPS, "steps": 10, "step_size": 0.025}

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from pyperm.nn.state import average, check_pair, interpolate
+from pyperm.nn.state import average, interpolate
+from pyperm.nn._checks import check_pair
 
 
 def _states():

@@ -1,6 +1,6 @@
 """``pyperm bench pam``: where the time of one PAM outer iteration goes.
 
-One outer iteration of :func:`pyperm.nn.curves.pam.pam` (Tatro et al. appendix E) is
+One outer iteration of :func:`pyperm.nn.align.proximal.pam` (Tatro et al. appendix E) is
 ``--perm-steps`` projected SGD steps on the relaxed permutations, the candidate set
 (assignment projection and ``--samples`` Birkhoff-von Neumann samples of every block,
 judged by the curve's loss) and ``--curve-epochs`` epochs of curve training. PAM records
@@ -118,7 +118,7 @@ def setup(name: str, batches: int, batch_size: int):
 
 def measure(name: str, args: argparse.Namespace) -> dict[str, float]:
     """Seconds of each part of one PAM outer iteration on model ``name`` (after a warm-up run)."""
-    from pyperm.nn.curves.pam import pam
+    from pyperm.nn.align.proximal import pam
 
     model, spec, sa, sb, data = setup(name, args.batches, args.batch_size)
     options = {"outer_iters": 1, "perm_steps": args.perm_steps, "curve_epochs": args.curve_epochs,

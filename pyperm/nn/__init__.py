@@ -9,11 +9,13 @@ from pyperm.nn import models
 from pyperm.nn.align import (
     ActivationMatchingResult,
     MergeResult,
+    PAMResult,
     STEMatchingResult,
     WeightMatchingResult,
     activation_matching,
     matching_objective,
     merge_many,
+    pam,
     ste_matching,
     weight_matching,
 )
@@ -31,9 +33,7 @@ from pyperm.nn.curves import (
     loss_plane,
     train_curve,
 )
-from pyperm.nn.curves.pam import PAMResult, pam
-from pyperm.nn.curves.robust import pgd_attack, robust_accuracy
-from pyperm.nn.eval import BarrierResult, barrier, plot_paths, repair, reset_bn_stats
+from pyperm.nn.eval import BarrierResult, barrier, pgd_attack, plot_paths, repair, reset_bn_stats, robust_accuracy
 from pyperm.nn.permutations import Permutations, apply_permutation
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.state import average, interpolate

@@ -16,13 +16,6 @@ import torch
 from torch import nn
 
 
-def check_module(model: Any, name: str = "model") -> nn.Module:
-    """``model`` itself, or a TypeError naming ``name`` when it is not a torch module."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{name} must be a torch.nn.Module, got {type(model).__name__}")
-    return model
-
-
 def module_device(model: nn.Module) -> torch.device:
     """The device of the model's first parameter (or buffer); the CPU for a stateless model."""
     for t in model.parameters():

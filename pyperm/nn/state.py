@@ -16,76 +16,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["average", "check_pair", "check_state", "interpolate", "is_mixable"]
+from pyperm.nn._checks import check_pair, check_state
+
+__all__ = ["average", "interpolate", "is_mixable"]
 
 
 def is_mixable(tensor: torch.Tensor) -> bool:
     """Whether an entry mixes linearly (floating or complex) rather than being copied (integers, booleans)."""
     return tensor.is_floating_point() or tensor.is_complex()
-
-
-def check_state(state: Any, name: str = "state") -> Mapping[str, torch.Tensor]:
-    """``state`` itself, or a TypeError naming ``name`` (and the key) when it is not a mapping of str to tensors."""
-    if not isinstance(state, Mapping):
-        raise TypeError(f"{name} must be a mapping of names to tensors (a state dict), got {type(state).__name__}")
-    for key, value in state.items():
-        if not isinstance(key, str):
-            raise TypeError(f"{name} must have str keys, got {type(key).__name__} key {key!r}")
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name}[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
-    return state
-
-
-def check_pair(
-    state_a: Any, state_b: Any, names: tuple[str, str] = ("state_a", "state_b"), *, strict: bool = True
-) -> tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]:
-    """Check that two state dicts have the same keys, shapes, dtypes and devices.
-
-    Parameters
-    ----------
-    state_a, state_b : mapping of str to torch.Tensor
-        The two state dicts.
-    names : (str, str)
-        How error messages call them.
-    strict : bool, default True
-        Also compare dtypes and devices (needed to mix the tensors); with False only
-        keys and shapes (enough to load one into a model holding the other).
-
-    Returns
-    -------
-    (mapping, mapping)
-        The two inputs, unchanged.
-
-    Raises
-    ------
-    TypeError
-        Either is not a mapping of str to tensors.
-    ValueError
-        A key is in one and not the other, or an entry differs in shape, dtype or
-        device (with ``strict``); the message names the key.
-    """
-    name_a, name_b = names
-    check_state(state_a, name_a)
-    check_state(state_b, name_b)
-    only_a = [k for k in state_a if k not in state_b]
-    only_b = [k for k in state_b if k not in state_a]
-    if only_a or only_b:
-        first = only_a[0] if only_a else only_b[0]
-        raise ValueError(
-            f"{name_a} and {name_b} have different keys: {first!r} is only in {name_a if only_a else name_b} "
-            f"(only in {name_a}: {only_a[:5]}, only in {name_b}: {only_b[:5]})"
-        )
-    for key, a in state_a.items():
-        b = state_b[key]
-        if a.shape != b.shape:
-            raise ValueError(f"{name_a} and {name_b} differ in {key!r}: shapes {tuple(a.shape)} and {tuple(b.shape)}")
-        if not strict:
-            continue
-        if a.dtype != b.dtype:
-            raise ValueError(f"{name_a} and {name_b} differ in {key!r}: dtypes {a.dtype} and {b.dtype}")
-        if a.device != b.device:
-            raise ValueError(f"{name_a} and {name_b} differ in {key!r}: devices {a.device} and {b.device}")
-    return state_a, state_b
 
 
 def _check_real(value: Any, name: str) -> float:

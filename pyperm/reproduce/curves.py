@@ -75,7 +75,7 @@ def _midpoint_model(model: Any, curve: Any, data: dict) -> Any:
 def _one_pair(cfg: dict, data: dict, device: Any, seed: int, pair: int, progress: bool) -> dict[str, Any]:
     """Train two endpoints and the four curves between them; evaluate everything."""
     from pyperm.nn.curves import connect, correlation_signature, evaluate_curve
-    from pyperm.nn.curves.pam import pam
+    from pyperm.nn.align.proximal import pam
     from pyperm.reproduce._train import train_classifier
 
     model = cnn(cfg["width"]).to(device)

@@ -156,7 +156,7 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     from pyperm.commands._common import markdown_table
     from pyperm.commands._plots import plot_lines
     from pyperm.nn.curves import BezierCurve, train_curve
-    from pyperm.nn.curves.robust import pgd_attack
+    from pyperm.nn.eval.robust import pgd_attack
     from pyperm.reproduce._report import findings_section, settings_section, write_report
     from pyperm.reproduce._train import evaluate, train_classifier
     from pyperm.reproduce.curves import cnn, digits_batches

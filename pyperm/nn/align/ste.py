@@ -34,7 +34,6 @@ from torch.func import functional_call
 from pyperm._checks import check_positive_real, torch_generator
 from pyperm._progress import progress_bar
 from pyperm.nn._runtime import (
-    check_module,
     inputs_and_targets,
     iterate_batches,
     module_device,
@@ -42,10 +41,10 @@ from pyperm.nn._runtime import (
     to_device,
     train_mode,
 )
+from pyperm.nn._checks import check_module, check_pair
 from pyperm.nn.align.weight import WeightMatcher
 from pyperm.nn.permutations import Permutations
 from pyperm.nn.spec import PermutationSpec
-from pyperm.nn.state import check_pair
 
 __all__ = ["STEMatchingResult", "ste_matching"]
 

@@ -38,28 +38,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pyperm.nn._runtime import check_module, training_flags
-from pyperm.nn.state import check_pair, is_mixable
+from pyperm.nn._runtime import training_flags
+from pyperm.nn._checks import check_module, check_pair, check_t
+from pyperm.nn.state import is_mixable
 
 __all__ = ["Curve"]
 
 # How an entry of the state moves along the curve (see the module docstring).
 _CURVE, _LINEAR, _FIXED = "curve", "linear", "fixed"
-
-
-def check_t(t: Any, name: str = "t") -> float:
-    """``t`` as a float in [0, 1]: a real number or a one-element tensor."""
-    if isinstance(t, torch.Tensor):
-        if t.numel() != 1 or t.is_complex() or t.dtype == torch.bool:
-            raise TypeError(f"{name} must be a real number or a one-element real tensor, got a tensor of shape "
-                            f"{tuple(t.shape)} and dtype {t.dtype}")
-        t = t.item()
-    if isinstance(t, bool) or not isinstance(t, Real):
-        raise TypeError(f"{name} must be a real number in [0, 1], got {type(t).__name__}")
-    t = float(t)
-    if not 0.0 <= t <= 1.0:  # also refuses NaN
-        raise ValueError(f"{name} must lie in [0, 1], got {t}")
-    return t
 
 
 class _Group(nn.Module):

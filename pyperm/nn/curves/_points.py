@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyperm.nn._runtime import check_module, eval_mode, mean_loss_and_accuracy, module_device
-from pyperm.nn.eval._common import check_reiterable
+from pyperm.nn._runtime import eval_mode, mean_loss_and_accuracy, module_device
+from pyperm.nn._checks import check_module, check_reiterable
 from pyperm.nn.eval.batchnorm import batchnorm_modules, reset_bn_stats
 
 __all__ = ["PointEvaluator"]

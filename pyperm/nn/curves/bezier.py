@@ -2,7 +2,8 @@ r"""Bezier curves between two trained models (Garipov et al. 2018; Tatro et al. 
 
 from __future__ import annotations
 
-from pyperm.nn.curves._base import Curve, binomial_weights, check_t
+from pyperm.nn.curves._base import Curve, binomial_weights
+from pyperm.nn._checks import check_t
 
 __all__ = ["BezierCurve"]
 

@@ -11,13 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from pyperm.nn._runtime import check_module, iterate_batches, model_inputs, module_device, to_device
+from pyperm.nn._runtime import iterate_batches, model_inputs, module_device, to_device
+from pyperm.nn._checks import check_module, check_pair
 from pyperm.nn.curves._base import Curve
 from pyperm.nn.curves.bezier import BezierCurve
 from pyperm.nn.curves.evaluate import CurveResult, evaluate_curve
 from pyperm.nn.curves.polychain import PolyChain
 from pyperm.nn.curves.train import train_curve
-from pyperm.nn.state import check_pair
 
 __all__ = ["ConnectResult", "connect"]
 

@@ -15,7 +15,7 @@ import torch
 from pyperm._plotting import agg_figure
 from pyperm._progress import progress_bar
 from pyperm.nn.curves._points import PointEvaluator
-from pyperm.nn.curves.robust import check_attack, robust_accuracy
+from pyperm.nn.eval.robust import check_attack, robust_accuracy
 from pyperm.nn.curves.train import check_curve
 
 __all__ = ["CurveResult", "evaluate_curve", "plot_curve_results", "summary_table"]
@@ -202,9 +202,9 @@ def evaluate_curve(
         Show a tqdm progress bar over the points.
     adversarial : dict, optional
         Also measure the robust accuracy at every point (Tatro et al. Figure 4):
-        :func:`~pyperm.nn.curves.robust.robust_accuracy` of the point's network (eval
+        :func:`~pyperm.nn.eval.robust.robust_accuracy` of the point's network (eval
         mode, recomputed BatchNorm statistics) on ``data`` with these
-        :func:`~pyperm.nn.curves.robust.pgd_attack` keyword arguments (``eps``,
+        :func:`~pyperm.nn.eval.robust.pgd_attack` keyword arguments (``eps``,
         ``steps``, ``step_size``, ...).
 
     Returns

@@ -16,10 +16,10 @@ from torch import nn
 
 from pyperm._plotting import agg_figure
 from pyperm._progress import progress_bar
-from pyperm.nn._runtime import check_module
+from pyperm.nn._checks import check_module, check_pair, check_state
 from pyperm.nn.curves._points import PointEvaluator
 from pyperm.nn.curves.train import check_curve
-from pyperm.nn.state import check_pair, check_state, is_mixable
+from pyperm.nn.state import is_mixable
 
 __all__ = ["PlaneResult", "loss_plane"]
 

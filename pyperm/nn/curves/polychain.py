@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from pyperm.nn.curves._base import Curve, check_t
+from pyperm.nn.curves._base import Curve
+from pyperm.nn._checks import check_t
 
 __all__ = ["PolyChain"]
 

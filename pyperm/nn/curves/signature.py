@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pyperm._plotting import agg_figure
-from pyperm.nn._runtime import check_module
+from pyperm.nn._checks import check_module
 
 __all__ = ["CorrelationSignature", "correlation_signature"]
 

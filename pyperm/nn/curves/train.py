@@ -32,7 +32,7 @@ from pyperm.nn._runtime import (
     training_flags,
 )
 from pyperm.nn.curves._base import Curve
-from pyperm.nn.curves.robust import check_attack, pgd_attack
+from pyperm.nn.eval.robust import check_attack, pgd_attack
 
 __all__ = ["CurveTrainer", "train_curve"]
 
@@ -273,7 +273,7 @@ def train_curve(
     adversarial : dict, optional
         Train on the robust loss (Tatro et al. section 5): each batch is replaced by PGD
         adversarial examples against the network at the batch's ``t``,
-        :func:`~pyperm.nn.curves.robust.pgd_attack` with these keyword arguments
+        :func:`~pyperm.nn.eval.robust.pgd_attack` with these keyword arguments
         (``eps``, ``steps``, ``step_size``; optionally ``norm``, ``clamp``, ``loss_fn``,
         and ``seed`` for the attacks' random starts). Each step then costs ``steps + 1``
         forward and backward passes.

@@ -18,13 +18,8 @@ from torch import nn
 
 from pyperm._plotting import agg_figure
 from pyperm._progress import progress_bar
-from pyperm.nn._runtime import (
-    check_module,
-    eval_mode,
-    mean_loss_and_accuracy,
-    module_device,
-)
-from pyperm.nn.eval._common import check_model_states, check_reiterable
+from pyperm.nn._runtime import eval_mode, mean_loss_and_accuracy, module_device
+from pyperm.nn._checks import check_model_states, check_module, check_reiterable
 from pyperm.nn.eval.batchnorm import batchnorm_modules, reset_bn_stats
 from pyperm.nn.state import interpolate
 

@@ -9,14 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pyperm.nn._runtime import (
-    check_module,
-    eval_mode,
-    iterate_batches,
-    model_inputs,
-    module_device,
-    to_device,
-)
+from pyperm.nn._runtime import eval_mode, iterate_batches, model_inputs, module_device, to_device
+from pyperm.nn._checks import check_module
 from pyperm.nn.eval._moments import Moments
 
 __all__ = ["batchnorm_modules", "reset_bn_stats"]

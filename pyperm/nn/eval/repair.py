@@ -11,15 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pyperm.nn._runtime import (
-    check_module,
-    eval_mode,
-    iterate_batches,
-    model_inputs,
-    module_device,
-    to_device,
-)
-from pyperm.nn.eval._common import check_model_states, check_reiterable
+from pyperm.nn._runtime import eval_mode, iterate_batches, model_inputs, module_device, to_device
+from pyperm.nn._checks import check_model_states, check_module, check_reiterable, check_t
 from pyperm.nn.eval._moments import Moments
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.state import interpolate
@@ -56,14 +49,6 @@ class _Site:
     def describe(self) -> str:
         return f"{type(self.module).__name__} {self.path!r} (group {self.group!r})"
 
-
-def _check_t(t: Any) -> float:
-    if isinstance(t, bool) or not isinstance(t, Real):
-        raise TypeError(f"t must be a real number, got {type(t).__name__}")
-    t = float(t)
-    if not (0.0 <= t <= 1.0):
-        raise ValueError(f"t must be in [0, 1] (REPAIR renormalises interpolations), got {t}")
-    return t
 
 
 def _make_site(
@@ -351,7 +336,7 @@ def repair(
     """
     check_module(model)
     check_model_states(model, state_a, state_b)
-    t = _check_t(t)
+    t = check_t(t)
     check_reiterable(data, "data")
     if spec is not None and not isinstance(spec, PermutationSpec):
         raise TypeError(f"spec must be a PermutationSpec or None, got {type(spec).__name__}")

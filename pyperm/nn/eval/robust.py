@@ -191,7 +191,7 @@ def pgd_attack(
     Examples
     --------
     >>> import torch
-    >>> from pyperm.nn.curves.robust import pgd_attack
+    >>> from pyperm.nn.eval.robust import pgd_attack
     >>> net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))
     >>> x, y = torch.rand(5, 1, 4, 4), torch.tensor([0, 1, 2, 0, 1])
     >>> adv = pgd_attack(net, x, y, eps=0.1, steps=5, step_size=0.03)
@@ -288,7 +288,7 @@ def robust_accuracy(
     Examples
     --------
     >>> import torch
-    >>> from pyperm.nn.curves.robust import robust_accuracy
+    >>> from pyperm.nn.eval.robust import robust_accuracy
     >>> net = torch.nn.Linear(4, 2)
     >>> data = [(torch.rand(8, 4), torch.randint(0, 2, (8,)))]
     >>> 0.0 <= robust_accuracy(net, data, eps=0.1, steps=3, step_size=0.05) <= 1.0

@@ -112,17 +112,11 @@ from torch import nn
 
 from pyperm._checks import check_positive_real
 from pyperm._progress import progress_bar
-from pyperm.nn._runtime import (
-    check_module,
-    inputs_and_targets,
-    iterate_batches,
-    to_device,
-    training_flags,
-)
-from pyperm.nn.curves import _relaxation as relax
+from pyperm.nn._runtime import inputs_and_targets, iterate_batches, to_device, training_flags
+from pyperm.nn._checks import check_model_states, check_module, check_reiterable
+from pyperm.nn.align import _relaxation as relax
 from pyperm.nn.curves.bezier import BezierCurve
 from pyperm.nn.curves.train import train_curve
-from pyperm.nn.eval._common import check_model_states, check_reiterable
 from pyperm.nn.permutations import Permutations, apply_permutation
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.state import is_mixable
@@ -513,7 +507,7 @@ def pam(
     --------
     >>> import torch
     >>> from pyperm.nn import PermutationSpec
-    >>> from pyperm.nn.curves.pam import pam
+    >>> from pyperm.nn.align.proximal import pam
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
     >>> spec = PermutationSpec.from_model(net, torch.randn(2, 4))
     >>> a = {k: v.clone() for k, v in net.state_dict().items()}
