@@ -4,6 +4,8 @@ The solvers (``pyperm.linear_sum_assignment`` and friends) need numpy alone;
 ``pyperm.nn`` (alignment, merging, barriers, curves) needs torch.
 """
 
+from pyperm._config import show_config
+from pyperm._config import version as _version
 from pyperm._ext import cuda_available, cuda_built, cuda_unavailable_reason
 from pyperm.bvn import birkhoff_decomposition, project_doubly_stochastic, sample_permutations, sinkhorn
 from pyperm.lap import batch_linear_sum_assignment, linear_sum_assignment
@@ -14,7 +16,8 @@ from pyperm.xcorr import (
     conv_to_samples,
 )
 
-__version__ = "0.1.0"
+# One source of truth: the version in pyproject.toml, read from the installed metadata.
+__version__ = _version()
 
 __all__ = [
     "CrossCorrelation",
@@ -29,5 +32,6 @@ __all__ = [
     "linear_sum_assignment",
     "project_doubly_stochastic",
     "sample_permutations",
+    "show_config",
     "sinkhorn",
 ]

@@ -27,6 +27,16 @@ std::string runtime_version() {
   return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
 }
 
+std::string driver_version() {
+  int v = 0;
+  // Needs no device, only libcuda; 0 (or an error) when there is no driver.
+  if (cudaDriverGetVersion(&v) != cudaSuccess || v == 0) {
+    cudaGetLastError();
+    return "";
+  }
+  return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+}
+
 int pointer_device(uintptr_t ptr) {
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(ptr)) != cudaSuccess) {

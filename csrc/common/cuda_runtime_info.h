@@ -10,6 +10,8 @@ int device_count();
 std::string device_error();
 // Runtime version as "major.minor".
 std::string runtime_version();
+// The newest CUDA version the installed driver supports, "major.minor"; "" without a driver.
+std::string driver_version();
 // The device that owns a device (or managed) pointer; -1 for host or unknown memory.
 int pointer_device(uintptr_t ptr);
 }  // namespace pyperm::cuda

@@ -10,8 +10,9 @@
 // zero duals and go straight to the shortest paths.
 //
 // Only the column duals v are stored; a row's dual is implied by its assigned column.
-// Every O(m) scan over a cost row is written with GCC vector extensions, so this one
-// file becomes SSE2, AVX2 or AVX-512 code depending on the flags it is compiled with.
+// Every O(m) scan over a cost row is written with vector extensions (GCC's, which Clang
+// shares), so this one file becomes SSE2, AVX2 or AVX-512 code depending on the flags it
+// is compiled with.
 //
 // Large dense problems are bound by memory traffic: each O(m) scan streams a cost row
 // from DRAM. The solver avoids most scans with one invariant: the column duals only
@@ -29,6 +30,7 @@
 #include <limits>
 #include <queue>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common/isa_vector.h"
@@ -66,19 +68,41 @@ template <typename IV> inline IV iota_vec() {
 
 template <typename T> constexpr T kInf = std::numeric_limits<T>::infinity();
 
+// x with lane k taken from lane k ^ S (K: 0 .. lanes-1), one shuffle instruction. The lane
+// numbers are constants, which __builtin_shufflevector needs: it is Clang's, and GCC's from
+// GCC 12. Older GCC (the manylinux build uses GCC 10) has only __builtin_shuffle, which
+// takes them as a vector of integers as wide as the lanes (IV).
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define PYPERM_SHUFFLEVECTOR 1
+#endif
+#endif
+template <int S, typename IV, typename V, std::size_t... K>
+inline V xor_lanes(const V& x, std::index_sequence<K...>) {
+#if defined(PYPERM_SHUFFLEVECTOR)
+  return __builtin_shufflevector(x, x, (int(K) ^ S)...);
+#else
+  return __builtin_shuffle(x, IV{(int(K) ^ S)...});
+#endif
+}
+
 // The smallest (value, index) pair of the lanes, in every lane: ties go to the lower index.
-// log2(lanes) shuffle-compare-blend steps, no branches. Lanes that never received an entry
-// hold (+inf, -1); entries are finite, so those lanes lose to any entry.
-template <typename V, typename IV> inline void lanes_argmin(V& x, IV& ix) {
-  constexpr int W = sizeof(V) / sizeof(x[0]);
-  const IV lane = iota_vec<IV>();
-  for (int s = W / 2; s > 0; s /= 2) {
-    const V y = __builtin_shuffle(x, lane ^ s);
-    const IV iy = __builtin_shuffle(ix, lane ^ s);
+// log2(lanes) shuffle-compare-blend steps (S = lanes/2, lanes/4, ..., 1), no branches. Lanes
+// that never received an entry hold (+inf, -1); entries are finite, so those lanes lose to
+// any entry.
+template <int S, typename V, typename IV> inline void lanes_argmin_from(V& x, IV& ix) {
+  if constexpr (S > 0) {
+    constexpr auto lanes = std::make_index_sequence<sizeof(V) / sizeof(x[0])>{};
+    const V y = xor_lanes<S, IV>(x, lanes);
+    const IV iy = xor_lanes<S, IV>(ix, lanes);
     const auto take = (y < x) | ((y == x) & (iy < ix));
     x = take ? y : x;
     ix = take ? iy : ix;
+    lanes_argmin_from<S / 2>(x, ix);
   }
+}
+template <typename V, typename IV> inline void lanes_argmin(V& x, IV& ix) {
+  lanes_argmin_from<int(sizeof(V) / sizeof(x[0])) / 2>(x, ix);
 }
 
 // True if any lane of a comparison mask is set: one test instruction per ISA.
@@ -343,6 +367,7 @@ TwoSmallest<T> scan_two_smallest(const T* row, const T* v, int64_t m, bool* inva
   IVec bad{};
   auto checked = [&bad](Vec r) {
     if constexpr (kCheck) bad |= ~(r > splat<Vec>(-kInf<T>));
+    else (void)bad;  // captured for kCheck only
     return r;
   };
   int64_t j = 0;
@@ -569,10 +594,6 @@ class Solver {
 
   // Column reduction: v = column minima, each column offered to its cheapest row. Square only.
   bool column_reduction(std::vector<int64_t>& free_rows) {
-    using L = Lanes<T>;
-    using Vec = typename L::Vec;
-    using IVec = typename L::IVec;
-    constexpr int W = sizeof(Vec) / sizeof(T);
     const int64_t n = n_;
     std::vector<Index> arg(n, 0);
     // Each thread reduces a band of rows; the bands' minima are merged below.
