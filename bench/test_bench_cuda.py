@@ -2,7 +2,7 @@
 
     pytest bench/test_bench_cuda.py --benchmark-group-by=param:case --benchmark-columns=min,median,max
 
-Cases (the targets of the CUDA issue, on an H100 against pyperm's CPU solver on 16 cores):
+Cases (and their targets, on an H100 against pyperm's CPU solver on 16 cores):
 - ``batch1024x128``: 1024 problems of 128 x 128, float32; GPU >= 10x faster than the CPU batch.
 - ``single4096``: one 4096 x 4096 problem, float32; GPU <= 0.5x the CPU time.
 plus ``batch5x1024`` (the case torch-linear-assignment is reported 20x slower than its CPU

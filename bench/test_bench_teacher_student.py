@@ -1,6 +1,6 @@
 """pytest-benchmark timings of the teacher-student analysis (run: pytest bench/test_bench_teacher_student.py).
 
-Each case checks its answer before it is timed. The issue's target: the full uniform width
+Each case checks its answer before it is timed. The target: the full uniform width
 sweep for K = 5 (10 widths from K to 100, 30 pairs each) in under 30 s on a 2-core machine.
 """
 

@@ -45,11 +45,13 @@ templates_path = ["_templates"]
 root_doc = "index"
 default_role = "code"
 pygments_style = "sphinx"
+# numpydoc renders a docstring's References as citations; a list of references that the text
+# does not cite by number is fine in a docstring, so "not referenced" is not a defect.
+suppress_warnings = ["ref.citation"]
 
 # --------------------------------------------------------------------------- autodoc
 autosummary_generate = True
 autosummary_imported_members = True
-autodoc_default_options = {"members": False}
 autodoc_typehints = "none"  # numpydoc's Parameters sections say the types, in words
 autodoc_member_order = "bysource"
 
@@ -67,11 +69,13 @@ sphinx_gallery_conf = {
     "examples_dirs": ["examples"],
     "gallery_dirs": ["auto_examples"],
     "filename_pattern": r"/plot_",
-    "within_subsection_order": "FileNameSortKey",
+    "within_subsection_order": "gallery_order.ExampleOrder",
     "download_all_examples": False,
     "remove_config_comments": True,
     "show_memory": False,
     "min_reported_time": 1,
+    # The execution-times page needs jQuery, which Sphinx no longer ships (a JavaScript error).
+    "write_computation_times": False,
     "image_scrapers": ("matplotlib",),
     "matplotlib_animations": False,
     "reference_url": {"pyperm": None},
@@ -82,7 +86,8 @@ sphinx_gallery_conf = {
 # --------------------------------------------------------------------------- HTML
 html_theme = "pydata_sphinx_theme"
 html_title = f"pyperm {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["pyperm.css"]
 html_show_sourcelink = False
 html_theme_options = {
     "navbar_align": "left",

@@ -19,11 +19,16 @@ import numpy as np
 
 __all__ = [
     "ArrayDTypeError",
+    "check_finite",
+    "check_ndim",
+    "check_real_dtype",
+    "check_square",
     "is_cuda_input",
     "is_dlpack_cuda",
     "is_torch_tensor",
     "like",
     "real_float_array",
+    "real_float_tensor",
     "to_numpy",
 ]
 
@@ -95,6 +100,35 @@ def check_ndim(shape: tuple[int, ...], ndim: int | tuple[int, ...], name: str) -
     want = " or ".join(f"{d}-D" for d in dims)
     scipy_wording = " (expected a matrix)" if dims == (2,) else ""
     raise ValueError(f"{name} must be a {want} array{scipy_wording}, got shape {tuple(shape)}")
+
+
+def check_square(shape: tuple[int, ...], name: str) -> None:
+    """Raises ValueError unless the last two dimensions of ``shape`` (at least 2-D) are equal."""
+    shape = tuple(shape)
+    if shape[-1] != shape[-2]:
+        where = "" if len(shape) == 2 else " in its last two dimensions"
+        raise ValueError(f"{name} must be square{where}, got shape {shape}")
+
+
+def check_finite(x: Any, name: str) -> None:
+    """Raises ValueError if the numpy array or torch tensor ``x`` holds NaN or an infinity (read on its device)."""
+    finite = sys.modules["torch"].isfinite(x).all() if is_torch_tensor(x) else np.isfinite(x).all()
+    if not bool(finite):
+        raise ValueError(f"{name} contains NaN or infinite entries")
+
+
+def real_float_tensor(t: Any, name: str) -> Any:
+    """A torch tensor of real numbers as float32/float64, on its device (autograd kept).
+
+    float32 and float64 keep their precision; bool, integers and half precision go to
+    float64. Complex and quantized tensors raise ArrayDTypeError naming ``name``.
+    """
+    torch = sys.modules["torch"]
+    if t.is_complex():
+        raise ArrayDTypeError(f"{name} must be real, got complex dtype {t.dtype}")
+    if t.is_quantized:
+        raise ArrayDTypeError(f"{name} must contain numerical entries, got dtype {t.dtype}")
+    return t if t.dtype in (torch.float32, torch.float64) else t.to(torch.float64)
 
 
 def real_float_array(x: Any, name: str, ndim: int | tuple[int, ...]) -> np.ndarray:

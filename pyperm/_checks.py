@@ -17,6 +17,7 @@ __all__ = [
     "check_bool",
     "check_callable",
     "check_choice",
+    "check_finite_real",
     "check_fraction",
     "check_int",
     "check_nonnegative_real",
@@ -83,6 +84,16 @@ def check_positive_real(value: Any, name: str, *, upper: float | None = None) ->
     if not math.isfinite(value) or value <= 0 or (upper is not None and value > upper):
         bound = f" at most {upper}" if upper is not None else ""
         raise ValueError(f"{name} must be a finite positive number{bound}, got {value}")
+    return value
+
+
+def check_finite_real(value: Any, name: str) -> float:
+    """A finite real number of either sign (an interpolation weight that may extrapolate, a clamp bound)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
     return value
 
 

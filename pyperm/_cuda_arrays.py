@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pyperm._arrays import ArrayDTypeError, check_ndim, check_real_dtype, is_dlpack_cuda, is_torch_tensor
+from pyperm._arrays import check_ndim, check_real_dtype, is_dlpack_cuda, is_torch_tensor, real_float_tensor
 from pyperm._ext import cuda_module
 
 __all__ = ["DeviceArray", "as_device_array", "dtype_name", "empty_int64_like", "require_torch", "torch_launch"]
@@ -69,18 +69,11 @@ def torch_launch(t: Any) -> tuple[int, int]:
 
 
 def _from_torch(t: Any, name: str, ndim: int) -> DeviceArray:
-    torch = sys.modules["torch"]
     if t.device.type != "cuda":
         raise ValueError(f"{name} is on device {t.device}, not a CUDA device")
     check_ndim(tuple(t.shape), ndim, name)
-    t = t.detach()
-    if t.is_complex():
-        raise ArrayDTypeError(f"{name} must be real, got complex dtype {t.dtype}")
-    if t.is_quantized:
-        raise ArrayDTypeError(f"{name} must contain numerical entries, got dtype {t.dtype}")
-    t = t.resolve_neg()
-    if t.dtype not in (torch.float32, torch.float64):
-        t = t.to(torch.float64)  # bool, integers, half precision: solved in float64 like the CPU path
+    # bool, integers, half precision: solved in float64 like the CPU path.
+    t = real_float_tensor(t.detach(), name).resolve_neg()
     device, stream = torch_launch(t)
     return DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype_name(t), device, stream, t, "torch")
 

@@ -7,7 +7,11 @@ optional; without it, only the plots fail, with an ImportError that says how to 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+__all__ = ["agg_figure", "plot_lines"]
 
 
 def agg_figure(width: float, height: float, *, layout: str | None = None) -> Any:
@@ -20,3 +24,48 @@ def agg_figure(width: float, height: float, *, layout: str | None = None) -> Any
     fig = Figure(figsize=(width, height), layout=layout)
     FigureCanvasAgg(fig)
     return fig
+
+
+def plot_lines(
+    path: str | Path,
+    x: Sequence[float],
+    panels: Sequence[tuple[str, Mapping[str, Sequence[float]]]],
+    *,
+    xlabel: str,
+    title: str,
+    logx: bool = False,
+) -> Path:
+    """Side-by-side panels of lines against ``x`` in one PNG; returns ``path``.
+
+    Parameters
+    ----------
+    path : str or pathlib.Path
+        The PNG file.
+    x : sequence of float
+        The shared x values.
+    panels : sequence of (str, mapping of str to sequence of float)
+        One panel per entry: its y-axis label and its lines by legend label.
+    xlabel, title : str
+        The x-axis label of every panel and the figure's title.
+    logx : bool, default False
+        A logarithmic x axis (widths, learning rates). Otherwise integer x values get
+        integer ticks (layers, widths: no 1.25).
+    """
+    fig = agg_figure(4.6 * len(panels), 3.6, layout="constrained")
+    for k, (ylabel, lines) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), k + 1)
+        for label, ys in lines.items():
+            ax.plot(list(x), list(ys), marker="o", markersize=3, label=label)
+        if logx:
+            ax.set_xscale("log")
+        elif all(float(v).is_integer() for v in x):
+            from matplotlib.ticker import MaxNLocator
+
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    fig.suptitle(title)
+    fig.savefig(path, format="png", dpi=120)
+    return Path(path)

@@ -1,4 +1,4 @@
-"""The ``pyperm`` command line: ``pyperm bench lap|xcorr|bvn|match``, ``align``, ``barrier``, ``merge``, ``reproduce``."""
+"""The ``pyperm`` command line: ``pyperm bench NAME``, ``align``, ``barrier``, ``curve``, ``merge``, ``reproduce``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ BENCHMARKS = {
     "match": ("pyperm.benchmarks.match", "weight matching (Git Re-Basin Algorithm 1): pyperm vs a reference"),
     "ste": ("pyperm.benchmarks.ste", "STE matching (Git Re-Basin Algorithm 2): a step vs its floor and vs re-matching"),
     "curves": ("pyperm.benchmarks.curves", "a curve training step vs a plain training step of the same model and batch"),
-    "teacher-student": ("pyperm.benchmarks.teacher_student", "paper 004: the K=5 width sweep, batched loss and GD (exact loss)"),
+    "teacher-student": (
+        "pyperm.benchmarks.teacher_student",
+        "the teacher-student model of Zhan, Li and Wu (2025): the K=5 width sweep, batched loss and GD",
+    ),
     "pam": ("pyperm.benchmarks.pam", "one PAM outer iteration split into curve, projection, BvN and assignment time"),
     "trace": ("pyperm.benchmarks.trace", "tracing torchvision/timm models: permutable units, causes, time vs targets"),
 }
@@ -25,6 +28,7 @@ BENCHMARKS = {
 COMMANDS = {
     "align": "pyperm.commands.align",
     "barrier": "pyperm.commands.barrier",
+    "curve": "pyperm.commands.curve",
     "merge": "pyperm.commands.merge",
     "reproduce": "pyperm.commands.reproduce",
 }

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from pyperm._checks import check_int, check_positive_int
+
 __all__ = [
     "Dataset",
     "DatasetError",
@@ -95,6 +97,8 @@ class Dataset:
 
     def subset(self, train: int | None = None, test: int | None = None) -> Dataset:
         """The first ``train`` training and ``test`` test samples (all when None)."""
+        train = check_int(train, "train", 1, allow_none=True)
+        test = check_int(test, "test", 1, allow_none=True)
         return Dataset(
             self.name,
             self.x_train[:train],
@@ -135,6 +139,7 @@ def load_digits(seed: int = 0) -> Dataset:
     seed : int, default 0
         Seeds the shuffle before the split (numpy's ``default_rng``).
     """
+    seed = check_int(seed, "seed", 0)
     images, labels = _digits_table()
     order = np.random.default_rng(seed).permutation(len(labels))
     x = (images[order] / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
@@ -346,8 +351,7 @@ def to_batches(x: np.ndarray, y: np.ndarray, batch_size: int, *, device: Any = "
     """
     import torch
 
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    batch_size = check_positive_int(batch_size, "batch_size")
     xt = torch.from_numpy(np.ascontiguousarray(x)).to(device)
     yt = torch.from_numpy(np.ascontiguousarray(y)).to(device)
     return [(xt[i : i + batch_size], yt[i : i + batch_size]) for i in range(0, len(yt), batch_size)]

@@ -1,11 +1,13 @@
 """Reference implementations and test inputs shared by pyperm's tests and benchmarks.
 
 Plain, obviously correct versions of what pyperm computes fast (scipy-based Birkhoff
-greedies, Git Re-Basin's weight matching as the public PyTorch port writes it), the
-inputs both sides use, and the measures of a traced spec (the share of hidden units it
-permutes, random permutations of its groups). Tests check pyperm against them; benchmarks check every answer
-against them before timing. scipy and torch are imported only by the functions that need
-them.
+greedies, the weight matching of Ainsworth et al., "Git Re-Basin: Merging Models modulo
+Permutation Symmetries" (ICLR 2023), as the public PyTorch port writes it), the inputs both
+sides use, the measures of a traced spec (the share of hidden units it permutes), and the
+test helpers every test file shares (random permutations of a spec's groups, a permuted copy
+of a model, :func:`assert_same_function`, :func:`one_thread`). Tests check pyperm against
+them; benchmarks check every answer against them before timing. scipy and torch are
+imported only by the functions that need them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ __all__ = [
     "import_torchvision",
     "one_thread",
     "permutable_share",
+    "permuted_copy",
     "planted",
     "random_permutations",
     "reconstruct",
@@ -128,7 +131,8 @@ def scipy_max_weight_greedy(D: np.ndarray, max_terms: int):
 def reference_weight_matching(
     spec, state_a: Mapping, state_b: Mapping, max_iter: int = 100, seed: int = 0, lsa: Callable | None = None
 ) -> tuple[dict, int]:
-    """Git Re-Basin's Algorithm 1 written plainly, as the public PyTorch port does it.
+    """Weight matching (Algorithm 1 of Ainsworth et al., "Git Re-Basin: Merging Models modulo
+    Permutation Symmetries", ICLR 2023) written plainly, as the public PyTorch port does it.
 
     Every step permutes all of the group's tensors of B by the other groups' current
     permutations, rebuilds the similarity with float32 torch matmuls, and solves it with
@@ -215,16 +219,27 @@ def random_permutations(spec, generator=0) -> dict:
     return perms
 
 
+def permuted_copy(model, spec, perms):
+    """A deep copy of ``model`` whose state dict is ``model``'s permuted by ``perms`` (a
+    Permutations or a mapping group -> permutation): the same function when ``spec`` is right."""
+    import copy
+
+    from pyperm.nn import apply_permutation
+
+    other = copy.deepcopy(model)
+    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    return other
+
+
 def assert_same_function(model, spec, *inputs, seed=0, train: bool = False, rtol: float = 1e-4,
                          atol: float = 1e-5) -> None:
     """Assert that a random permutation of every group of ``spec`` leaves ``model``'s outputs unchanged.
 
-    Always in eval mode; with ``train=True`` also in train mode, where BatchNorm updates its
-    running statistics from the batch, and those must then agree too (up to the permutation).
-    The model is left in eval mode.
+    The permutations are ``random_permutations(spec, seed)``. Always in eval mode; with
+    ``train=True`` also in train mode, where BatchNorm updates its running statistics from
+    the batch, and those must then agree too (up to the permutation). The model is left in
+    eval mode.
     """
-    import copy
-
     import torch
 
     from pyperm.nn import apply_permutation
@@ -232,8 +247,7 @@ def assert_same_function(model, spec, *inputs, seed=0, train: bool = False, rtol
     if not spec.sizes:
         raise AssertionError("the spec has no group to permute: nothing would be tested")
     perms = random_permutations(spec, seed)
-    other = copy.deepcopy(model)
-    other.load_state_dict(apply_permutation(spec, perms, model.state_dict()))
+    other = permuted_copy(model, spec, perms)
     for mode in (False, True) if train else (False,):
         model.train(mode)
         other.train(mode)

@@ -6,47 +6,23 @@ the CPU in about a second per model; the tests cache the trained states per sess
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import importlib.util
-from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
-TRAIN = 1400  # of the 1797 images; the rest are the test split
-
-
-def _load() -> tuple[np.ndarray, np.ndarray]:
-    """The digits images (1797, 64) and labels, as ``sklearn.datasets.load_digits`` returns them.
-
-    The CSV that scikit-learn ships is read directly: importing ``sklearn.datasets`` takes
-    several seconds on a loaded 2-core machine, reading the file 0.1 s.
-    """
-    spec = importlib.util.find_spec("sklearn")
-    path = (
-        None
-        if spec is None or spec.origin is None
-        else Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
-    )
-    if path is None or not path.exists():
-        from sklearn.datasets import load_digits
-
-        data = load_digits()
-        return data.data, data.target
-    table = np.loadtxt(path, delimiter=",")
-    return table[:, :-1], table[:, -1].astype(np.int64)
+from pyperm.datasets import load_digits
+from pyperm.nn._training import train_classifier
+from pyperm.testing import one_thread
 
 
 @functools.lru_cache(maxsize=1)
 def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(x_train, y_train, x_test, y_test)``: 8x8 images as 64 features scaled to [0, 1], a fixed shuffle."""
-    images, labels = _load()
-    order = np.random.default_rng(0).permutation(len(labels))
-    x = torch.from_numpy(images[order] / 16.0).float()
-    y = torch.from_numpy(labels[order]).long()
-    return x[:TRAIN], y[:TRAIN], x[TRAIN:], y[TRAIN:]
+    """``(x_train, y_train, x_test, y_test)``: 8x8 images as 64 features scaled to [0, 1], a fixed shuffle
+    (:func:`pyperm.datasets.load_digits` with seed 0, flattened)."""
+    ds = load_digits(0)
+    flat = [torch.from_numpy(x.reshape(len(x), -1)) for x in (ds.x_train, ds.x_test)]
+    return flat[0], torch.from_numpy(ds.y_train), flat[1], torch.from_numpy(ds.y_test)
 
 
 def batches(x: torch.Tensor, y: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -94,41 +70,7 @@ def train(
 ) -> dict[str, torch.Tensor]:
     """Train ``model`` in place by SGD with momentum from a ``seed``-ed initialisation; returns a copy of its state."""
     x, y, _, _ = digits()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, (nn.Linear, nn.Conv2d)):
-                bound = 1.0 / m.weight[0].numel() ** 0.5  # 1 / sqrt(fan_in), torch's default range
-                m.weight.uniform_(-bound, bound, generator=gen)
-                m.bias.uniform_(-bound, bound, generator=gen)
-    # Plain SGD with heavy-ball momentum written out: torch.optim's first use imports torch._dynamo,
-    # which costs seconds on a loaded 2-core machine.
-    params = [p for p in model.parameters() if p.requires_grad]
-    velocity = [torch.zeros_like(p) for p in params]
-    model.train()
-    for _ in range(epochs):
-        order = torch.randperm(len(y), generator=gen)
-        for i in range(0, len(y), batch_size):
-            idx = order[i : i + batch_size]
-            grads = torch.autograd.grad(nn.functional.cross_entropy(model(x[idx]), y[idx]), params)
-            with torch.no_grad():
-                for p, v, g in zip(params, velocity, grads):
-                    v.mul_(0.9).add_(g)
-                    p.sub_(v, alpha=lr)
-    model.eval()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Run the block on one torch thread: on a loaded 2-core machine, two spinning OpenMP
-    threads make these tiny matrix products 10-20 times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return train_classifier(model, (x, y), batch_size=batch_size, epochs=epochs, lr=lr, seed=seed, optimizer="sgd")
 
 
 @functools.cache

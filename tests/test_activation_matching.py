@@ -12,7 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from scipy.optimize import linear_sum_assignment as scipy_lsa
 
-from pyperm.nn import PermutationSpec, TraceError, activation_matching, apply_permutation, models
+from pyperm.nn import PermutationSpec, Permutations, TraceError, activation_matching, apply_permutation, models
+from pyperm.testing import random_permutations
 
 
 def make(factory, seed: int = 0) -> nn.Module:
@@ -30,7 +31,7 @@ def batches(shape, n: int = 4, seed: int = 0, targets: bool = False):
 def planted(model: nn.Module, spec: PermutationSpec, seed: int = 1, noise: float = 0.0):
     """Model B = a random permutation of A, plus Gaussian noise of ``noise`` times each tensor's std."""
     gen = torch.Generator().manual_seed(seed)
-    perms = {g: torch.randperm(n, generator=gen) for g, n in spec.sizes.items()}
+    perms = random_permutations(spec, gen)
     sd = apply_permutation(spec, perms, model.state_dict())
     if noise:
         for k, t in sd.items():
@@ -78,7 +79,8 @@ def test_mlp_recovers_a_planted_permutation(cost, pre_activation, device):
     spec = a.permutation_spec()
     b, _ = planted(a, spec)
     data = [x.to(device) for x in batches((64, 10))]
-    result = activation_matching(a, b, data, spec, cost=cost, pre_activation=pre_activation)
+    result = activation_matching(a, b, spec, data, cost=cost, pre_activation=pre_activation)
+    assert isinstance(result.perms, Permutations) and result.perms.spec is result.spec is spec
     assert set(result.perms) == {"hidden1", "hidden2"}
     assert all(p.dtype == torch.int64 and p.device.type == "cpu" for p in result.perms.values())
     assert_recovered(result, a, b)
@@ -94,7 +96,7 @@ def test_traced_spec_is_the_default():
     a = make(lambda: nn.Sequential(nn.Linear(5, 20), nn.Tanh(), nn.Linear(20, 12), nn.GELU(), nn.Linear(12, 2)))
     spec = PermutationSpec.from_model(a, torch.randn(1, 5))
     b, _ = planted(a, spec)
-    result = activation_matching(a, b, batches((50, 5), targets=True))
+    result = activation_matching(a, b, None, batches((50, 5), targets=True))
     assert result.spec.equivalent(spec) and set(result.perms) == {"P_0", "P_2"}
     assert_recovered(result, a, b)
 
@@ -103,7 +105,7 @@ def test_vgg_recovers_with_noise():
     a = randomize_bn(make(lambda: models.VGG11()))
     spec = a.permutation_spec()
     b, perms = planted(a, spec, noise=0.01)
-    result = activation_matching(a, b, batches((6, 3, 32, 32), n=2))
+    result = activation_matching(a, b, None, batches((6, 3, 32, 32), n=2))
     hand = result.spec.group_correspondence(spec)
     assert hand is not None
     for g, p in result.perms.items():
@@ -117,7 +119,7 @@ def test_resnet_residual_groups(shortcut):
     a = randomize_bn(make(lambda: models.ResNet20(shortcut=shortcut)))
     spec = a.permutation_spec()
     b, _ = planted(a, spec)
-    result = activation_matching(a, b, batches((4, 3, 16, 16), n=2), spec)
+    result = activation_matching(a, b, spec, batches((4, 3, 16, 16), n=2))
     assert set(result.perms) == set(spec.sizes)
     assert_recovered(result, a, b)
     if shortcut == "B":
@@ -131,7 +133,7 @@ def test_residual_sites_are_averaged_before_one_assignment():
     a = randomize_bn(make(lambda: models.ResNet20(width_multiplier=1)))
     b = randomize_bn(make(lambda: models.ResNet20(width_multiplier=1), seed=5), seed=5)
     data = batches((6, 3, 8, 8), n=2)
-    result = activation_matching(a, b, data, a.permutation_spec())
+    result = activation_matching(a, b, a.permutation_spec(), data)
     sites = result.sites["stage1"]
     grabbed: dict[str, list[list[np.ndarray]]] = {s.module: [[], []] for s in sites}
 
@@ -168,7 +170,7 @@ def test_matches_a_numpy_reference(cost):
     a = make(lambda: models.MLP([6, 20, 5]))
     b = make(lambda: models.MLP([6, 20, 5]), seed=3)
     data = batches((40, 6), n=3)
-    result = activation_matching(a, b, data, cost=cost)
+    result = activation_matching(a, b, None, data, cost=cost)
     with torch.no_grad():
         za = np.concatenate([F.relu(a.layers[0](x)).numpy() for x in data]).astype(np.float64)
         zb = np.concatenate([F.relu(b.layers[0](x)).numpy() for x in data]).astype(np.float64)
@@ -190,7 +192,7 @@ def test_inplace_relu_does_not_corrupt_pre_activations():
     a = make(factory)
     spec = PermutationSpec.from_model(a, torch.randn(1, 5))
     b, _ = planted(a, spec)
-    result = activation_matching(a, b, batches((64, 5)), pre_activation=True)
+    result = activation_matching(a, b, None, batches((64, 5)), pre_activation=True)
     assert result.sites["P_0"][0].module == "0"
     assert_recovered(result, a, b)
 
@@ -201,11 +203,11 @@ def test_data_forms_and_max_batches():
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(torch.randn(100, 4), torch.zeros(100)), batch_size=16
     )
-    result = activation_matching(a, b, loader, max_batches=3)
+    result = activation_matching(a, b, None, loader, max_batches=np.int64(3))  # numpy ints are ints
     assert result.num_batches == 3 and sum(result.num_samples.values()) == 48
     assert_recovered(result, a, b)
     gen = (x for x in batches((16, 4), n=5))  # a one-shot iterator
-    assert activation_matching(a, b, gen).num_batches == 5
+    assert activation_matching(a, b, None, gen).num_batches == 5
 
 
 def test_multiple_inputs():
@@ -221,7 +223,7 @@ def test_multiple_inputs():
     spec = PermutationSpec.from_model(a, (torch.randn(1, 3), torch.randn(1, 4)))
     b, _ = planted(a, spec)
     data = [((torch.randn(32, 3), torch.randn(32, 4)), torch.zeros(32)) for _ in range(2)]
-    assert_recovered(activation_matching(a, b, data), a, b)
+    assert_recovered(activation_matching(a, b, None, data), a, b)
 
 
 def test_models_are_left_as_they_were():
@@ -229,7 +231,7 @@ def test_models_are_left_as_they_were():
     b = randomize_bn(make(lambda: models.TinyTen(), seed=1), seed=1)
     b.eval()
     before = [{k: v.clone() for k, v in m.state_dict().items()} for m in (a, b)]
-    activation_matching(a, b, batches((2, 3, 32, 32), n=1))
+    activation_matching(a, b, None, batches((2, 3, 32, 32), n=1))
     assert a.training and all(m.training for m in a.modules())
     assert not b.training and not any(m.training for m in b.modules())
     for m, sd in zip((a, b), before):
@@ -240,12 +242,13 @@ def test_models_are_left_as_they_were():
 def test_progress_bar_and_no_groups(capsys):
     a = make(lambda: models.MLP([4, 8, 2]))
     b = make(lambda: models.MLP([4, 8, 2]), seed=1)
-    result = activation_matching(a, b, batches((8, 4), n=2), progress=True)
+    result = activation_matching(a, b, None, batches((8, 4), n=2), progress=True)
     assert result.num_batches == 2
     assert "activation matching" in capsys.readouterr().err
     lin_a, lin_b = make(lambda: models.MLP([4, 2])), make(lambda: models.MLP([4, 2]), seed=1)
-    empty = activation_matching(lin_a, lin_b, batches((8, 4), n=2))
+    empty = activation_matching(lin_a, lin_b, None, batches((8, 4), n=2))
     assert empty.perms == {} and empty.spec.sizes == {}
+    assert isinstance(empty.perms, Permutations) and empty.perms.spec is empty.spec
 
 
 def test_subset_spec():
@@ -255,7 +258,7 @@ def test_subset_spec():
     axes = {k: tuple(None if g == "hidden2" else g for g in v) for k, v in full.axes.items()}
     spec = PermutationSpec(axes, {"hidden1": 10})
     b, _ = planted(a, spec)
-    result = activation_matching(a, b, batches((32, 6)), spec)
+    result = activation_matching(a, b, spec, batches((32, 6)))
     assert set(result.perms) == {"hidden1"}
     assert_recovered(result, a, b)
 
@@ -267,47 +270,49 @@ def test_error_mismatched_models():
     a = models.MLP([4, 8, 2])
     msg = r"model_a and model_b differ in 'layers\.0\.weight': shapes \(8, 4\) and \(9, 4\)"
     with pytest.raises(ValueError, match=msg):
-        activation_matching(a, models.MLP([4, 9, 2]), batches((4, 4)))
-    with pytest.raises(ValueError, match="different state_dict keys"):
-        activation_matching(a, models.MLP([4, 8, 8, 2]), batches((4, 4)))
+        activation_matching(a, models.MLP([4, 9, 2]), None, batches((4, 4)))
+    with pytest.raises(ValueError, match="model_a and model_b have different keys"):
+        activation_matching(a, models.MLP([4, 8, 8, 2]), None, batches((4, 4)))
 
     class Tanh(models.MLP):
         def forward(self, x):
             return self.layers[1](torch.tanh(self.layers[0](x)))
 
     with pytest.raises(ValueError, match="trace to different graphs"):
-        activation_matching(a, Tanh([4, 8, 2]), batches((4, 4)))
+        activation_matching(a, Tanh([4, 8, 2]), None, batches((4, 4)))
     with pytest.raises(TypeError, match="model_b must be a torch.nn.Module"):
-        activation_matching(a, a.state_dict(), batches((4, 4)))
+        activation_matching(a, a.state_dict(), None, batches((4, 4)))
 
 
 def test_error_empty_data():
     a, b = models.MLP([4, 8, 2]), models.MLP([4, 8, 2])
     with pytest.raises(ValueError, match="data yielded no batches"):
-        activation_matching(a, b, [])
+        activation_matching(a, b, None, [])
     with pytest.raises(ValueError, match="data held no samples for group 'P_layers.0'"):
-        activation_matching(a, b, [torch.zeros(0, 4)])
+        activation_matching(a, b, None, [torch.zeros(0, 4)])
     with pytest.raises(TypeError, match="data must be an iterable of batches"):
-        activation_matching(a, b, 3)
+        activation_matching(a, b, None, 3)
     with pytest.raises(TypeError, match=r"data\[1\] must be a tensor of inputs"):
-        activation_matching(a, b, [torch.zeros(2, 4), {"x": torch.zeros(2, 4)}])
+        activation_matching(a, b, None, [torch.zeros(2, 4), {"x": torch.zeros(2, 4)}])
 
 
 def test_error_bad_arguments():
     a, b = models.MLP([4, 8, 2]), models.MLP([4, 8, 2])
     data = batches((4, 4))
-    with pytest.raises(ValueError, match=r"cost must be one of \('correlation', 'ols'\), got 'l2'"):
-        activation_matching(a, b, data, cost="l2")
+    with pytest.raises(ValueError, match="cost must be one of 'correlation', 'ols', got 'l2'"):
+        activation_matching(a, b, None, data, cost="l2")
     with pytest.raises(ValueError, match="max_batches must be at least 1"):
-        activation_matching(a, b, data, max_batches=0)
+        activation_matching(a, b, None, data, max_batches=0)
     with pytest.raises(TypeError, match="max_batches must be a positive int"):
-        activation_matching(a, b, data, max_batches=2.0)
+        activation_matching(a, b, None, data, max_batches=2.0)
     with pytest.raises(TypeError, match="pre_activation must be a bool"):
-        activation_matching(a, b, data, pre_activation="yes")
-    with pytest.raises(TypeError, match="spec must be a PermutationSpec"):
-        activation_matching(a, b, data, spec={"hidden1": 8})
+        activation_matching(a, b, None, data, pre_activation="yes")
+    with pytest.raises(TypeError, match="spec must be a pyperm.nn.PermutationSpec"):
+        activation_matching(a, b, {"hidden1": 8}, data)
+    with pytest.raises(TypeError, match="positional"):
+        activation_matching(a, b, None, data, "ols")  # type: ignore[misc]
     with pytest.raises(ValueError, match="composite must be 'fix' or 'raise'"):
-        activation_matching(a, b, data, composite="nope")
+        activation_matching(a, b, None, data, composite="nope")
 
 
 def test_error_spec_mismatch():
@@ -317,10 +322,10 @@ def test_error_spec_mismatch():
     merged = PermutationSpec({k: tuple(None if g is None else "h" for g in v) for k, v in full.axes.items()
                               if k != "layers.1.weight"} | {"layers.1.weight": (None, None)}, {"h": 8, })  # fmt: skip
     with pytest.raises(ValueError, match="spec group 'h' .* matches no group of the traced model"):
-        activation_matching(a, b, batches((4, 4)), merged)
+        activation_matching(a, b, merged, batches((4, 4)))
     other = models.MLP([4, 8, 2]).permutation_spec()
     with pytest.raises(ValueError, match="spec does not match the models' state_dict"):
-        activation_matching(a, b, batches((4, 4)), other)
+        activation_matching(a, b, other, batches((4, 4)))
 
 
 def test_error_non_finite_activations():
@@ -328,7 +333,7 @@ def test_error_non_finite_activations():
     x = torch.randn(4, 4)
     x[0, 0] = float("nan")
     with pytest.raises(ValueError, match="activations of group 'P_layers.0'"):
-        activation_matching(a, b, [x])
+        activation_matching(a, b, None, [x])
 
 
 def test_error_untraceable_model():
@@ -341,7 +346,7 @@ def test_error_untraceable_model():
             return self.fc(x) if x.sum() > 0 else x
 
     with pytest.raises(TraceError, match="could not trace Dynamic"):
-        activation_matching(Dynamic(), Dynamic(), batches((2, 3)))
+        activation_matching(Dynamic(), Dynamic(), None, batches((2, 3)))
 
 
 def test_units_left_unpermuted_are_reported_unless_a_spec_is_given():
@@ -352,10 +357,10 @@ def test_units_left_unpermuted_are_reported_unless_a_spec_is_given():
     model = make(lambda: nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2)))
     data = batches((8, 3, 2, 2))
     with pytest.warns(TraceWarning, match=r"(?s)Flatten .*structured=True names most of these") as caught:
-        result = activation_matching(model, copy.deepcopy(model), data)
+        result = activation_matching(model, copy.deepcopy(model), None, data)
     assert caught[0].filename == __file__
     assert result.perms == {}
     spec = PermutationSpec.from_model(model, data[0], composite="fix")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        activation_matching(model, copy.deepcopy(model), data, spec=spec)
+        activation_matching(model, copy.deepcopy(model), spec, data)

@@ -1,15 +1,18 @@
 """barrier and BarrierResult: Definition 2.2 along the linear path, state restored, BatchNorm, digits."""
 
 import json
+import math
 
 import numpy as np
 import pytest
 import torch
-from _digits import batches, digits, one_thread, trained_pair
+from _digits import batches, digits, trained_pair
 from torch import nn
 
-from pyperm.nn.eval.barrier import BarrierResult, barrier, plot_paths
+from pyperm.nn.eval.barrier import barrier
 from pyperm.nn.eval.batchnorm import reset_bn_stats
+from pyperm.nn.eval.path import BarrierResult, PathResult, plot_paths
+from pyperm.testing import one_thread
 
 
 def _model(seed=0, batchnorm=False):
@@ -73,7 +76,7 @@ def test_numbers_equal_a_hand_written_loop():
     t = np.array(ts)
     assert result.loss_barrier == pytest.approx(np.max(losses - ((1 - t) * losses[0] + t * losses[-1])), rel=1e-5)
     assert result.accuracy_barrier == pytest.approx(np.max((1 - t) * accs[0] + t * accs[-1] - accs))
-    assert result.num_samples == 32 and not result.reset_bn
+    assert result.num_samples == 32 and not result.bn_reset
     assert np.all((result.accuracy >= 0) & (result.accuracy <= 1))
 
 
@@ -114,13 +117,19 @@ def test_model_state_and_modes_are_restored_even_on_error():
     _assert_unchanged(model, before)
 
 
-def test_batchnorm_model_needs_reset_bn():
+def test_batchnorm_model_needs_bn_data():
     model = _model(batchnorm=True)
     a, b = _random_state(model, 1), _random_state(model, 2)
-    with pytest.raises(ValueError, match=r"BatchNorm layers \('1'.*reset_bn="):
+    with pytest.raises(ValueError, match=r"BatchNorm layers \('1'\).*pass bn_data="):
         barrier(model, a, b, _data())
-    # reset_bn=False evaluates the interpolated running statistics knowingly.
-    assert not barrier(model, a, b, _data(), num_points=2, reset_bn=False).reset_bn
+    # bn_data=False evaluates the interpolated running statistics knowingly.
+    assert not barrier(model, a, b, _data(), num_points=2, bn_data=False).bn_reset
+    with pytest.raises(TypeError, match="bn_data must be an iterable of batches, False or None, not True"):
+        barrier(model, a, b, _data(), bn_data=True)
+    with pytest.raises(TypeError, match="bn_data is read several times"):
+        barrier(model, a, b, _data(), bn_data=iter(_data()))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'reset_bn'"):
+        barrier(model, a, b, _data(), reset_bn=_data())
 
 
 def test_batchnorm_reset_at_every_point_equals_a_hand_written_loop():
@@ -129,7 +138,7 @@ def test_batchnorm_reset_at_every_point_equals_a_hand_written_loop():
     a["1.running_var"], b["1.running_var"] = a["1.running_var"].abs(), b["1.running_var"].abs()
     data, train = _data(0), [x for x, _ in _data(1, sizes=(16, 5, 11))]
     before = _snapshot(model)
-    result = barrier(model, a, b, data, ts=[0.0, 0.5, 1.0], reset_bn=train)
+    result = barrier(model, a, b, data, ts=[0.0, 0.5, 1.0], bn_data=train)
     _assert_unchanged(model, before)
     probe = _model(seed=5, batchnorm=True)
     for k, t in enumerate([0.0, 0.5, 1.0]):
@@ -141,37 +150,64 @@ def test_batchnorm_reset_at_every_point_equals_a_hand_written_loop():
         with torch.no_grad():
             loss = sum(nn.functional.cross_entropy(probe(x), y, reduction="sum").item() for x, y in data) / 32
         assert result.loss[k] == pytest.approx(loss, rel=1e-5)
-    assert result.reset_bn
+    assert result.bn_reset
 
 
-def test_regression_targets_give_no_accuracy():
+def _product_model():
+    """x -> w2 * w1 * x: a path from (w1, w2) to (-w1, -w2) passes through the zero network."""
+    return nn.Sequential(nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False))
+
+
+def test_barrier_is_the_largest_rise_above_the_chord_of_unequal_endpoints():
+    """A case small enough to write out: the loss along the path is a polynomial in t."""
+    model = _product_model()
+    a = {"0.weight": torch.tensor([[1.0]]), "1.weight": torch.tensor([[1.0]])}
+    b = {"0.weight": torch.tensor([[-1.0]]), "1.weight": torch.tensor([[-2.0]])}
+    data = [(torch.tensor([[1.0], [2.0]]), torch.tensor([[1.0], [2.0]]))]
+    ts = [0.0, 0.25, 0.5, 0.75, 1.0]
+    result = barrier(model, a, b, data, ts=ts, loss_fn=nn.functional.mse_loss)
+    # f(x; t) = (1 - 2t)(1 - 3t) x, so the loss is ((1 - 2t)(1 - 3t) - 1)^2 * mean(x^2), mean(x^2) = 2.5.
+    t = np.array(ts)
+    loss = ((1 - 2 * t) * (1 - 3 * t) - 1) ** 2 * 2.5
+    np.testing.assert_allclose(result.loss, loss, rtol=1e-6)
+    rise = loss - ((1 - t) * loss[0] + t * loss[-1])  # L(0) = 0, L(1) = 2.5: the chord is 2.5 t
+    assert result.loss_barrier == pytest.approx(rise.max(), rel=1e-6)
+    # Written out at t = 0.25: L = 2.5 (0.5 * 0.25 - 1)^2 = 1.9140625, the chord 0.625. The midpoint's
+    # rise, 2.5 - 1.25, is smaller: the barrier is the largest rise over the points, not the midpoint's.
+    assert result.loss_barrier == pytest.approx(1.2890625, rel=1e-6)
+    assert result.loss_barrier_t == 0.25
+
+
+def test_regression_targets_give_nan_accuracy():
     model = _model()
     a, b = _random_state(model, 1), _random_state(model, 2)
     data = [(x, torch.randn(len(x), 4)) for x, _ in _data()]
     result = barrier(model, a, b, data, num_points=3, loss_fn=nn.functional.mse_loss)
-    assert result.accuracy is None and result.accuracy_barrier is None
-    assert result.loss_barrier >= 0
+    assert result.accuracy.shape == (3,) and np.isnan(result.accuracy).all()
+    assert math.isnan(result.accuracy_barrier) and not result.has_accuracy
+    assert np.isfinite(result.loss).all()
 
 
 def test_rendering_and_plot(tmp_path):
     model = _model()
     result = barrier(model, _random_state(model, 1), _random_state(model, 2), _data(), num_points=5)
+    assert isinstance(result, PathResult)
     as_dict = json.loads(json.dumps(result.to_dict()))
     assert as_dict["loss"] == pytest.approx(result.loss.tolist())
+    assert as_dict["loss_barrier"] == pytest.approx(result.loss_barrier)
+    assert as_dict["bn_reset"] is False and as_dict["num_samples"] == 32
     assert set(as_dict) >= {"ts", "loss", "accuracy", "loss_barrier", "accuracy_barrier", "loss_barrier_t"}
     text = result.to_markdown()
-    assert text.count("\n| ") == 5 and "loss barrier" in text and str(result) == text
-    path = result.plot(tmp_path / "path.png", label="naive")
+    assert text.startswith("| t | loss | accuracy (%) |") and text.count("\n| ") == 5
+    assert f"loss barrier: {result.loss_barrier:.4f}" in text and str(result) == text
+    assert f"accuracy barrier: {100 * result.accuracy_barrier:.2f} pp" in text
+    path = result.plot(tmp_path / "path.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(TypeError, match="path must be"):
         result.plot(3)
     other = barrier(model, _random_state(model, 1), _random_state(model, 1), _data(), num_points=3)
-    both = plot_paths(tmp_path / "both.png", {"random": result, "same": other}, title="two paths")
+    both = plot_paths({"random": result, "same": other}, tmp_path / "both.png", title="two paths")
     assert both.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(TypeError, match="results must be a mapping"):
-        plot_paths(tmp_path / "x.png", [result])
-    with pytest.raises(ValueError, match="at least one"):
-        plot_paths(tmp_path / "x.png", {})
 
 
 def test_progress_bar(capsys):
@@ -227,14 +263,16 @@ def test_bad_arguments():
         barrier(model, a, b, data, ts=[0.0, 0.5, 0.5, 1.0])
     with pytest.raises(TypeError, match=r"ts\[1\] must be a real number"):
         barrier(model, a, b, data, ts=[0.0, "a", 1.0])
-    with pytest.raises(TypeError, match="loss_fn must be callable"):
+    with pytest.raises(TypeError, match="loss_fn must be a callable"):
         barrier(model, a, b, data, loss_fn="ce")
     with pytest.raises(ValueError, match="loss_fn must return the batch's mean loss"):
         barrier(model, a, b, data, loss_fn=lambda o, y: nn.functional.cross_entropy(o, y, reduction="none"))
-    with pytest.raises(TypeError, match="reset_bn must be"):
-        barrier(model, a, b, data, reset_bn=True)
+    with pytest.raises(ValueError, match=r"ts\[0\] must lie in \[0, 1\]"):
+        barrier(model, a, b, data, ts=[-0.5, 0.0, 1.0])
     with pytest.raises(TypeError, match="progress must be a bool"):
         barrier(model, a, b, data, progress=1)
+    with pytest.raises(TypeError, match="takes 4 positional arguments"):
+        barrier(model, a, b, data, 5)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from pyperm.nn.eval.batchnorm import reset_bn_stats
+from pyperm.nn.eval.batchnorm import reset_bn_stats, resolve_bn_data
 
 SIZES = (7, 23, 3, 31)  # unequal batches, a short one among them
 
@@ -137,3 +137,19 @@ def test_bad_arguments():
         reset_bn_stats(model, [["x"]])
     with pytest.raises(ValueError):  # a single sample per channel: no variance
         reset_bn_stats(model, [torch.randn(1, 2)])
+
+
+def test_resolve_bn_data_reads_bn_data_one_way():
+    """The one reading of bn_data= for barriers, curves and planes: batches, None or False."""
+    with_bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    without = nn.Linear(3, 4)
+    batches = [torch.randn(5, 3)]
+    assert resolve_bn_data(with_bn, batches) is batches
+    assert resolve_bn_data(with_bn, False) is None  # the point's own statistics, knowingly
+    assert resolve_bn_data(without, batches) is None and resolve_bn_data(without, None) is None
+    with pytest.raises(ValueError, match=r"BatchNorm layers \('1'\).*pass bn_data=.*bn_data=False"):
+        resolve_bn_data(with_bn, None)
+    with pytest.raises(TypeError, match="bn_data must be an iterable of batches, False or None, not True"):
+        resolve_bn_data(with_bn, True)
+    with pytest.raises(TypeError, match="bn_data is read several times"):
+        resolve_bn_data(without, iter(batches))  # checked even where no reset is needed

@@ -401,8 +401,8 @@ def test_decomposition_input_errors(D, exc, match):
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        ({"method": "hungarian"}, ValueError, "method must be one of"),
-        ({"method": 3}, TypeError, "method must be a str"),
+        ({"method": "hungarian"}, ValueError, "method must be one of 'max-weight', 'bottleneck', got 'hungarian'"),
+        ({"method": 3}, TypeError, "method must be one of 'max-weight', 'bottleneck', got int"),
         ({"max_terms": 0}, ValueError, "max_terms must be at least 1, got 0"),
         ({"max_terms": -2}, ValueError, "max_terms must be at least 1"),
         ({"max_terms": 2.5}, TypeError, "max_terms must be an int or None"),
@@ -606,7 +606,8 @@ def test_projection_torch(device):
     "M, kwargs, exc, match",
     [
         (np.ones(3), {}, ValueError, "M must be a 2-D \\(n, n\\) or batched"),
-        (np.ones((2, 3)), {}, ValueError, "M must be square in its last two dimensions"),
+        (np.ones((2, 3)), {}, ValueError, "M must be square, got shape \\(2, 3\\)"),
+        (np.ones((4, 2, 3)), {}, ValueError, "M must be square in its last two dimensions, got shape \\(4, 2, 3\\)"),
         (np.array([[np.nan, 0], [0, 1]]), {}, ValueError, "M contains NaN or infinite"),
         (np.ones((2, 2), dtype=complex), {}, ValueError, "M must be real"),
         (np.eye(2), {"iters": -1}, ValueError, "iters must be at least 0"),

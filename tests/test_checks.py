@@ -76,3 +76,38 @@ def test_check_positive_real():
             check_positive_real(bad, "lr")
     with pytest.raises(ValueError, match="anneal must be a finite positive number at most 1.0, got 1.5"):
         check_positive_real(1.5, "anneal", upper=1.0)
+
+
+def test_check_choice_callable_fraction():
+    from pyperm._checks import check_callable, check_choice, check_fraction
+
+    assert check_choice("sgd", "optimizer", ("adam", "sgd")) == "sgd"
+    with pytest.raises(ValueError, match="optimizer must be one of 'adam', 'sgd', got 'rmsprop'"):
+        check_choice("rmsprop", "optimizer", ("adam", "sgd"))
+    with pytest.raises(TypeError, match="optimizer must be one of 'adam', 'sgd', got NoneType"):
+        check_choice(None, "optimizer", ("adam", "sgd"))
+    assert check_callable(len, "loss_fn") is len and check_callable(None, "loss_fn", allow_none=True) is None
+    with pytest.raises(TypeError, match="loss_fn must be a callable or None, got str"):
+        check_callable("ce", "loss_fn", allow_none=True)
+    with pytest.raises(TypeError, match="loss_fn must be a callable, got NoneType"):
+        check_callable(None, "loss_fn")
+    assert check_fraction(np.float32(0.25), "t") == 0.25 and check_fraction(1, "t") == 1.0
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="t must lie in"):
+            check_fraction(bad, "t")
+    with pytest.raises(TypeError, match="t must be a real number in"):
+        check_fraction(True, "t")
+
+
+def test_torch_generator():
+    torch = pytest.importorskip("torch")
+    from pyperm._checks import torch_generator
+
+    g = torch.Generator().manual_seed(3)
+    assert torch_generator(g) is g
+    assert torch.equal(torch.randperm(9, generator=torch_generator(np.int64(4))),
+                       torch.randperm(9, generator=torch.Generator().manual_seed(4)))
+    with pytest.raises(ValueError, match="seed must be non-negative, got -1"):
+        torch_generator(-1)
+    with pytest.raises(TypeError, match="seed must be an int or a torch.Generator, got float"):
+        torch_generator(0.0)

@@ -19,10 +19,10 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 pytest.importorskip("matplotlib")
 
 from pyperm.checkpoints import load_checkpoint
-from pyperm.cli import main
+from pyperm.cli import BENCHMARKS, main
 from pyperm.datasets import load_digits
+from pyperm.nn._training import train_classifier
 from pyperm.nn.models import MLP, TinyTen
-from pyperm.reproduce._train import train_classifier
 
 WIDTHS = [64, 24, 24, 10]
 MODEL = "mlp:" + ",".join(map(str, WIDTHS))
@@ -33,7 +33,9 @@ NO_BARS = ["--no-progress"]
 def _trained(seed: int) -> dict:
     ds = load_digits()
     x, y = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
-    return train_classifier(MLP(WIDTHS), x, y, seed=seed, epochs=8)  # trained enough for wide margins in the asserts
+    # Trained enough for wide margins in the asserts.
+    return train_classifier(MLP(WIDTHS), (x, y), batch_size=64, epochs=8, lr=0.05, seed=seed, optimizer="sgd",
+                            schedule="cosine")  # fmt: skip
 
 
 def _write(path, state, layout):
@@ -191,7 +193,6 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     torch.save(other, tmp_path / "c.pt")
     line = _error(capsys, ["align", str(a), str(tmp_path / "c.pt"), "--model", MODEL, "--out", out])
     assert "c.pt: key 'layers.2.bias' has dtype torch.float64" in line
-    assert "unknown model 'resnet99'" in _error(capsys, ["align", str(a), str(b), "--model", "resnet99", "--out", out])
     assert "needs --data" in _error(
         capsys, ["align", str(a), str(b), "--model", MODEL, "--method", "ste", "--out", out]
     )
@@ -220,6 +221,61 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     assert "--mean needs 1 or 1 values for digits" in _error(
         capsys, ["barrier", str(a), str(b), "--model", MODEL, "--data", "digits", "--mean", "0.1,0.2", "--out", out]
     )
+
+
+def _usage_error(capsys, argv) -> str:
+    """A bad option value is argparse's usage error: exit status 2, the option named, before any work."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("mlp:64,,10", "model 'mlp:64,,10': option 2 is empty"),  # not an MLP with one hidden layer fewer
+        ("resnet20:x", "'x' is not an integer or key=integer"),
+        ("resnet99", "unknown architecture 'resnet99'; expected mlp:IN,HIDDEN...,OUT"),
+        ("mlp:64,0,10", "'0' must be positive"),
+    ],
+)
+def test_malformed_model_name_exits_2(tmp_path, capsys, model, message):
+    line = _usage_error(capsys, ["align", "a.pt", "b.pt", "--model", model, "--out", str(tmp_path)])
+    assert line.startswith("pyperm align: error: argument --model:") and message in line
+    assert not any(tmp_path.iterdir())  # refused before any work
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["align", "a", "b", "--model", MODEL, "--num-points", "1"], "argument --num-points: expected an integer >= 2"),
+        (["barrier", "a", "b", "--model", MODEL, "--data", "digits", "--batch-size", "0"], "argument --batch-size"),
+        (["merge", "a", "b", "--model", MODEL, "--max-iter", "0"], "argument --max-iter"),
+        (["align", "a", "b", "--model", MODEL, "--max-batches", "-1"], "argument --max-batches"),
+        (["align", "a", "b", "--model", MODEL, "--ste-lr", "nan"], "argument --ste-lr: expected a finite positive"),
+        (["align", "a", "b", "--model", MODEL, "--example-input-shape", "2,0"], "argument --example-input-shape"),
+        (["bench", "lap", "--repeat", "0"], "argument --repeat: expected an integer >= 1, got '0'"),
+        (["bench", "match", "--models", "mlp512,nope"], "argument --models: choose from mlp512,"),
+    ],
+)
+def test_bad_option_values_exit_2(tmp_path, capsys, argv, message):
+    assert message in _usage_error(capsys, argv + (["--out", str(tmp_path)] if argv[0] != "bench" else []))
+
+
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_benchmarks_spell_repeat(name):
+    """One spelling for the number of timed runs: ``--repeat`` (pam times one iteration after a warm-up)."""
+    import argparse
+    import importlib
+
+    parser = argparse.ArgumentParser()
+    importlib.import_module(BENCHMARKS[name][0]).add_arguments(parser)
+    options = parser._option_string_actions
+    assert "--repeats" not in options
+    assert ("--repeat" in options) == (name != "pam")
 
 
 def test_existing_outputs_are_refused_without_force(tmp_path, capsys):
@@ -313,7 +369,7 @@ def test_batchnorm_conv_model_on_cifar_files(tmp_path):
     assert main(["align", *map(str, paths), "--model", "tinyten", *data, "--out", str(tmp_path / "a"), *NO_BARS]) == 0
     report = json.loads((tmp_path / "a" / "report.json").read_text())
     assert report["max_output_change_of_b"] < 1e-4
-    assert report["barriers"]["weight"]["reset_bn"] is True
+    assert report["barriers"]["weight"]["bn_reset"] is True
     data = data[:2]
     assert main(["merge", *map(str, paths), "--model", "tinyten", *data, "--out", str(tmp_path / "m"), *NO_BARS]) == 0
     assert load_checkpoint(tmp_path / "m" / "merged.safetensors").format == "safetensors"

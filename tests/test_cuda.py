@@ -205,8 +205,11 @@ def test_cuda_input_validation_before_device_access():
                                                              "version": 3}})()
     with pytest.raises(ValueError, match="numerical entries"):
         pyperm.linear_sum_assignment(strings)
-    with pytest.raises(ValueError, match="method must be"):
+    with pytest.raises(ValueError, match="method must be one of 'auto', 'block', 'device', got 'fastest'"):
         lap_cuda.linear_sum_assignment(bad_rank, method="fastest")
+    for option in ("threads", "stage", "state_smem", "max_rounds", "patience"):  # no silent truncation
+        with pytest.raises(TypeError, match=f"{option} must be an int, got float"):
+            lap_cuda.linear_sum_assignment(bad_rank, **{option: 1.5})
     with pytest.raises(TypeError, match="maximize must be a bool"):
         lap_cuda.linear_sum_assignment(bad_rank, maximize="yes")
     with pytest.raises(TypeError, match="not a CUDA array"):
@@ -582,7 +585,7 @@ def test_warm_start_batched_and_infeasible():
         lap_cuda.solve_square_warm(cost, torch.zeros(4, 30, device="cuda", dtype=torch.float64))
     with pytest.raises(ValueError, match="v must have shape"):
         lap_cuda.solve_square_warm(cost, torch.zeros(30, device="cuda", dtype=torch.float64))
-    with pytest.raises(ValueError, match="v must be finite"):
+    with pytest.raises(ValueError, match="v contains NaN or infinite entries"):
         lap_cuda.solve_square_warm(cost[0], torch.full((30,), float("nan"), device="cuda", dtype=torch.float64))
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyperm.nn import Permutations, PermutationSpec
 from pyperm.nn.curves import (
     BezierCurve,
     ConnectResult,
@@ -27,11 +28,11 @@ from pyperm.nn.curves import (
     correlation_signature,
     evaluate_curve,
     loss_plane,
-    plot_curve_results,
-    summary_table,
     train_curve,
 )
+from pyperm.nn.eval.path import PathResult
 from pyperm.nn.state import interpolate
+from pyperm.testing import one_thread
 
 CURVES = [BezierCurve, PolyChain]
 
@@ -76,12 +77,10 @@ def loaded(model: nn.Module, state) -> nn.Module:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
+def _one_thread():
     """These models are tiny: one intra-op thread is fastest, and far faster on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +124,8 @@ def digits_curves(digits, endpoints):
     """Linear, unaligned and aligned (activation matching) curves, trained alike, evaluated."""
     model, a, b = endpoints
     common = {"epochs": 4, "lr": 0.05, "seed": 0, "test_data": digits["test"], "num_points": 11, "linear": True}
-    unaligned = connect(model, a, b, digits["train"], align=None, **common)
-    aligned = connect(model, a, b, digits["train"], align="activation", align_batches=5, **common)
+    unaligned = connect(model, None, a, b, digits["train"], align=None, **common)
+    aligned = connect(model, None, a, b, digits["train"], align="activation", align_batches=5, **common)
     return {"unaligned": unaligned, "aligned": aligned}
 
 
@@ -306,40 +305,58 @@ def test_evaluate_needs_batchnorm_data(digits):
     mlp = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
     result = evaluate_curve(BezierCurve(mlp, clone_state(mlp), clone_state(mlp)), digits["test"], num_points=3)
     assert result.ts.tolist() == [0.0, 0.5, 1.0] and np.all(result.accuracy <= 1)
+    # bn_data=False: the straight line's running statistics, knowingly
+    kept = evaluate_curve(BezierCurve(model, a, b), digits["test"][:1], num_points=2, bn_data=False)
+    assert np.isfinite(kept.loss).all()
 
 
-def test_curve_result_outputs(tmp_path):
-    r = CurveResult(ts=np.linspace(0, 1, 3), loss=np.array([0.1, 0.5, 0.2]), accuracy=np.array([0.9, 0.7, 0.8]))
-    assert r.min_accuracy == pytest.approx(0.7) and r.max_loss == pytest.approx(0.5)
-    assert r.average_accuracy == pytest.approx(0.8)
-    assert json.loads(json.dumps(r.to_dict()))["min_accuracy"] == pytest.approx(0.7)
-    assert "| 0.500 | 0.5000 | 0.7000 |" in r.to_markdown()
-    assert "| x | 0.8000 | 0.7000 |" in summary_table({"x": r})
+def test_curve_result_is_a_path_result(digits, tmp_path):
+    mlp = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    curve = BezierCurve(mlp, clone_state(mlp), {k: -v for k, v in clone_state(mlp).items()})
+    r = evaluate_curve(curve, digits["test"], num_points=3)
+    assert isinstance(r, CurveResult) and isinstance(r, PathResult)
+    assert r.num_samples == sum(len(y) for _, y in digits["test"])
+    assert np.isnan(r.robust_accuracy).all() and r.robust_accuracy.shape == (3,)
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["min_accuracy"] == pytest.approx(r.min_accuracy) and d["num_samples"] == r.num_samples
     assert r.plot(tmp_path / "curve.png").stat().st_size > 1000
-    assert plot_curve_results({"a": r, "b": r}, tmp_path / "two.png").exists()
+    # a loss without an accuracy: NaN, never None
+    regression = [(x, torch.randn(len(x), 10)) for x, _ in digits["test"][:2]]
+    r = evaluate_curve(curve, regression, num_points=2, loss_fn=F.mse_loss)
+    assert np.isnan(r.accuracy).all() and math.isnan(r.min_accuracy)
 
 
 def test_digits_training_raises_the_worst_accuracy(digits_curves):
     for name, run in digits_curves.items():
-        assert isinstance(run, ConnectResult)
+        assert isinstance(run, ConnectResult) and isinstance(run.perms, Permutations)
         assert run.result.min_accuracy > run.linear.min_accuracy, name
         assert run.result.max_loss < run.linear.max_loss, name
         assert run.history[-1] < run.history[0], name
 
 
-def test_digits_aligned_curve_is_at_least_as_good(digits_curves):
+def test_digits_aligned_curve_is_at_least_as_good(digits_curves, endpoints):
     aligned, unaligned = digits_curves["aligned"].result, digits_curves["unaligned"].result
     assert aligned.min_accuracy >= unaligned.min_accuracy
     assert aligned.average_accuracy >= unaligned.average_accuracy
     # and the straight line between aligned models is already far better (Tatro et al. Figure 3)
     assert digits_curves["aligned"].linear.min_accuracy > digits_curves["unaligned"].linear.min_accuracy
+    # align=None: the identity, and B itself
+    unaligned = digits_curves["unaligned"]
+    assert unaligned.perms.is_identity() and len(unaligned.perms) > 0
+    assert all(unaligned.aligned_state[k] is v for k, v in endpoints[2].items())
+    assert not digits_curves["aligned"].perms.is_identity()
 
 
 def test_connect_aligns_by_weights(digits, endpoints):
     model, a, b = endpoints
-    aligned, curve, result = connect(model, a, b, digits["train"][:4], align="weight", epochs=1, lr=0.01,
-                                     test_data=digits["test"], num_points=3, curve="polychain")
-    assert isinstance(curve, PolyChain) and result.ts.shape == (3,)
+    spec = PermutationSpec.from_model(model, digits["x"][:2])
+    run = connect(model, spec, a, b, digits["train"][:4], align="weight", epochs=1, lr=0.01,
+                  test_data=digits["test"], num_points=3, curve="polychain")
+    aligned = run.aligned_state
+    assert isinstance(run.curve, PolyChain) and run.result.ts.shape == (3,)
+    assert isinstance(run.perms, Permutations) and run.perms.spec is spec
+    for k, v in run.perms.apply(b).items():
+        assert torch.equal(v, aligned[k]), k
     # the aligned B computes the same function as B
     x = digits["test"][0][0]
     with torch.no_grad():
@@ -356,8 +373,8 @@ def test_connect_uses_a_bundled_models_spec(digits, align):
     a = clone_state(model)
     b = clone_state(ResNet20(in_channels=1))
     data = [(digits["x"][:32], digits["y"][:32])]
-    run = connect(model, a, b, data, align=align, epochs=1, lr=0.01, num_points=2)
-    assert set(run.perms) == set(model.permutation_spec().groups)
+    run = connect(model, None, a, b, data, align=align, epochs=1, lr=0.01, num_points=2)
+    assert isinstance(run.perms, Permutations) and set(run.perms) == set(model.permutation_spec().groups)
     x = digits["test"][0][0][:16]
     with torch.no_grad():
         torch.testing.assert_close(loaded(model, run.aligned_state).eval()(x), loaded(model, b).eval()(x),
@@ -396,16 +413,14 @@ def test_loss_plane(digits, endpoints, tmp_path):
 
 def test_correlation_signature(digits, endpoints, tmp_path):
     model, a, b = endpoints
-    sig = correlation_signature(loaded(model, a), loaded(model, b), digits["train"][:5], None)
+    sig = correlation_signature(loaded(model, a), loaded(model, b), None, digits["train"][:5])
     assert len(sig.groups) == 2
     assert np.all(sig.after >= sig.before - 1e-12) and np.all(sig.after <= 1.0 + 1e-9)
     assert sig.plot(tmp_path / "signature.png").exists()
     # given permutations are measured as given: the identity changes nothing
-    from pyperm.nn import PermutationSpec
-
     spec = PermutationSpec.from_model(model, digits["x"][:2])
-    same = correlation_signature(loaded(model, a), loaded(model, b), digits["train"][:5], spec,
-                                 perms={g: torch.arange(n) for g, n in spec.sizes.items()})
+    same = correlation_signature(loaded(model, a), loaded(model, b), spec, iter(digits["train"][:5]),
+                                 perms=Permutations.identity(spec))
     np.testing.assert_allclose(same.after, same.before, atol=1e-12)
     np.testing.assert_allclose(same.before, sig.before, atol=1e-12)
 
@@ -456,18 +471,29 @@ def test_bad_input(digits):
         train_curve(curve, data, epochs=1, lr=0.1, seed=1.5)
     with pytest.raises(TypeError, match="data"):
         train_curve(curve, [torch.randn(2, 1, 8, 8)], epochs=1, lr=0.1)
-    with pytest.raises(ValueError, match="data"):
+    with pytest.raises(TypeError, match="data is read several times and must be re-iterable"):
         train_curve(curve, iter(data), epochs=2, lr=0.1)  # a generator is empty on its second epoch
+    assert len(train_curve(curve, iter(data), epochs=1, lr=0.1)) == 1  # read once: a generator will do
     with pytest.raises(TypeError, match="data"):
         evaluate_curve(curve, iter(data), bn_data=data)
     with pytest.raises(ValueError, match="num_points"):
         evaluate_curve(curve, data, num_points=1, bn_data=data)
     with pytest.raises(TypeError, match="curve"):
         evaluate_curve(model, data, bn_data=data)
-    with pytest.raises(ValueError, match="align"):
-        connect(model, a, b, data, epochs=1, lr=0.1, align="random")
-    with pytest.raises(ValueError, match="curve"):
-        connect(model, a, b, data, epochs=1, lr=0.1, align=None, curve="spline")
+    with pytest.raises(ValueError, match="align must be one of 'activation', 'weight', got 'random'"):
+        connect(model, None, a, b, data, epochs=1, lr=0.1, align="random")
+    with pytest.raises(ValueError, match="curve must be one of 'bezier', 'polychain', got 'spline'"):
+        connect(model, None, a, b, data, epochs=1, lr=0.1, align=None, curve="spline")
+    with pytest.raises(TypeError, match="curve must be 'bezier', 'polychain' or a curve class"):
+        connect(model, None, a, b, data, epochs=1, lr=0.1, align=None, curve=3)
+    with pytest.raises(TypeError, match="spec must be a pyperm.nn.PermutationSpec"):
+        connect(model, {"g": 3}, a, b, data, epochs=1, lr=0.1)
+    with pytest.raises(TypeError, match="takes 5 positional arguments"):
+        connect(model, None, a, b, data, "weight", epochs=1, lr=0.1)
+    with pytest.raises(TypeError, match="takes 4 positional arguments"):
+        correlation_signature(model, model, None, data, {})
+    with pytest.raises(TypeError, match="perms must be a Permutations or a mapping"):
+        correlation_signature(model, model, None, data, perms=[0, 1])
     with pytest.raises(ValueError, match="states"):
         loss_plane(model, [a, b], data, bn_data=data)
     with pytest.raises(ValueError, match="grid"):

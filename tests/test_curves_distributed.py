@@ -44,7 +44,7 @@ def _train(name: str):
     cls, bends = CURVES[name]
     model, a, b, data = _problem()
     curve = cls(model, a, b, num_bends=bends)
-    history = train_curve(curve, data, epochs=2, lr=0.1, momentum=0.9, weight_decay=1e-3, seed=7)
+    history = train_curve(curve, data, epochs=2, lr=0.1, momentum=0.9, point_decay=1e-3, bend_decay=1e-3, lr_schedule="garipov", seed=7)
     return [p.detach().clone() for p in curve.parameters()], history
 
 

@@ -16,6 +16,7 @@ from pyperm.datasets import (
     load_digits,
     load_mnist,
     read_idx,
+    to_batches,
 )
 
 
@@ -63,6 +64,24 @@ def test_digits_split_and_scale():
     again = load_digits()
     assert np.array_equal(ds.x_train, again.x_train)
     assert not np.array_equal(ds.y_train, load_digits(seed=1).y_train)
+    assert np.array_equal(load_digits(np.int64(1)).y_train, load_digits(seed=1).y_train)  # numpy ints are ints
+
+
+def test_bad_sizes_and_seeds_name_the_argument():
+    ds = load_digits()
+    with pytest.raises(ValueError, match="seed must be at least 0"):
+        load_digits(-1)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        load_digits(0.5)
+    with pytest.raises(ValueError, match="train must be at least 1"):
+        ds.subset(train=0)
+    with pytest.raises(ValueError, match="test must be at least 1"):
+        ds.subset(test=-3)  # a negative slice would silently drop samples from the end
+    assert len(ds.subset(train=10).y_train) == 10 and len(ds.subset().y_test) == 397
+    pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        to_batches(ds.x_test, ds.y_test, 0)
+    assert [len(y) for _, y in to_batches(ds.x_test, ds.y_test, np.int64(200))] == [200, 197]
 
 
 @pytest.mark.parametrize("gz", [False, True])

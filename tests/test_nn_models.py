@@ -1,13 +1,26 @@
-"""The bundled models: shapes, hand-written specs, and function-preserving permutations."""
+"""The bundled models: shapes, hand-written specs, function-preserving permutations, the registry by name."""
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from pyperm.nn import PermutationSpec, apply_permutation
-from pyperm.nn.models import MLP, VGG, VGG11, VGG16, ResNet20, TinyTen
+from pyperm.nn.models import (
+    MLP,
+    VGG,
+    VGG11,
+    VGG16,
+    ResNet20,
+    TinyTen,
+    create_model,
+    input_shape,
+    model_names,
+    parse_model_name,
+)
+from pyperm.testing import random_permutations
 
 
 def _randomize(model: nn.Module, seed: int) -> nn.Module:
@@ -29,11 +42,6 @@ def _make(factory, seed: int) -> nn.Module:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return factory()
-
-
-def _random_perms(spec: PermutationSpec, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {name: torch.randperm(n, generator=g) for name, n in spec.sizes.items()}
 
 
 # (factory, input shape); small widths keep the whole file fast.
@@ -83,7 +91,7 @@ def test_permutation_preserves_function(case, mode):
     spec = model.permutation_spec()
     x = torch.randn(shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     permuted = copy.deepcopy(model)
-    perms = _random_perms(spec, seed=3)
+    perms = random_permutations(spec, 3)
     new_sd = apply_permutation(spec, perms, model.state_dict())
     permuted.load_state_dict(new_sd)
     # a permutation that is not the identity actually changed the weights
@@ -196,15 +204,88 @@ def test_output_shapes():
     "factory, exc, match",
     [
         (lambda: MLP([5]), ValueError, "at least an input and an output"),
-        (lambda: MLP([5, 0, 2]), ValueError, r"widths\[1\] must be positive"),
-        (lambda: MLP([5, 2.5, 2]), TypeError, r"widths\[1\] must be an int"),
+        (lambda: MLP([5, 0, 2]), ValueError, r"widths\[1\] must be at least 1"),
+        (lambda: MLP([5, 2.5, 2]), TypeError, r"widths\[1\] must be a positive int"),
         (lambda: VGG("vgg19"), ValueError, "config must be one of"),
-        (lambda: VGG16(width_multiplier=0), ValueError, "width_multiplier must be positive"),
+        (lambda: VGG16(width_multiplier=0), ValueError, "width_multiplier must be at least 1"),
         (lambda: ResNet20(shortcut="C"), ValueError, "shortcut must be 'A' or 'B'"),
-        (lambda: ResNet20(width_multiplier=True), TypeError, "width_multiplier must be an int"),
-        (lambda: TinyTen(num_classes=-1), ValueError, "num_classes must be positive"),
+        (lambda: ResNet20(width_multiplier=True), TypeError, "width_multiplier must be a positive int"),
+        (lambda: TinyTen(num_classes=-1), ValueError, "num_classes must be at least 1"),
     ],
 )
 def test_constructor_errors(factory, exc, match):
     with pytest.raises(exc, match=match):
         factory()
+
+
+def test_numpy_integers_are_ints():
+    """Sizes go through pyperm._checks: numpy integers are accepted and stored as Python ints."""
+    model = ResNet20(width_multiplier=np.int64(2), num_classes=np.int32(5))
+    assert type(model.width_multiplier) is int and model.fc.out_features == 5
+    assert MLP([np.int64(4), 3, 2]).widths == (4, 3, 2)
+
+
+# ------------------------------------------------------------------------------ the registry
+
+
+@pytest.mark.parametrize(
+    "name, cls, check",
+    [
+        ("mlp:784,512,512,10", MLP, lambda m: m.widths == (784, 512, 512, 10)),
+        ("MLP: 12, 7 ,3", MLP, lambda m: m.widths == (12, 7, 3)),
+        ("resnet20", ResNet20, lambda m: m.width_multiplier == 1),
+        ("resnet20:4", ResNet20, lambda m: m.width_multiplier == 4),
+        ("resnet20:2,in_channels=1,num_classes=7", ResNet20, lambda m: m.conv1.in_channels == 1 and m.fc.out_features == 7),
+        ("resnet20:width_multiplier=3", ResNet20, lambda m: m.width_multiplier == 3),
+        ("vgg11", VGG11, lambda m: m.config == "vgg11"),
+        ("vgg16:2,num_classes=100", VGG16, lambda m: m.classifier.out_features == 100),
+        ("tinyten:2,bias=0", TinyTen, lambda m: m.layers[0].conv.bias is None and m.layers[0].conv.out_channels == 32),
+    ],
+)
+def test_create_model(name, cls, check):
+    model = create_model(name)
+    assert type(model) is cls and check(model)
+    spec = model.permutation_spec()
+    assert list(spec.axes) == list(model.state_dict())
+    with torch.no_grad():
+        assert model(torch.zeros(input_shape(name))).shape[0] == 2
+
+
+def test_model_names():
+    assert model_names() == ["mlp", "resnet20", "tinyten", "vgg11", "vgg16"]
+    for arch in model_names():
+        assert parse_model_name(arch if arch != "mlp" else "mlp:4,2")[0] == arch
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("mlp:64,,10", r"'mlp:64,,10': option 2 is empty"),  # not an MLP with a hidden layer fewer
+        ("mlp:64,10,", "option 3 is empty"),
+        ("mlp:", "option 1 is empty"),
+        ("mlp", "at least an input and an output width"),
+        ("mlp:64", "at least an input and an output width"),
+        ("mlp:64,0,10", r"'0' must be positive"),
+        ("mlp:64,x,10", r"'x' is not an integer or key=integer"),
+        ("mlp:64,10,bias=1", "mlp does not take 'bias'"),
+        ("resnet20:x", r"'resnet20:x': 'x' is not an integer or key=integer"),
+        ("resnet20:4,5", "takes one positional option"),
+        ("resnet20:in_channels=1,4", "positional option '4' after a key=value option"),
+        ("resnet20:4,width_multiplier=2", "width_multiplier given twice"),
+        ("resnet20:4,depth=3", "resnet20 does not take 'depth'"),
+        ("resnet32", "unknown architecture 'resnet32'; expected mlp:IN,HIDDEN"),
+        ("", "unknown architecture ''"),
+    ],
+)
+def test_malformed_model_names_are_refused(name, match):
+    with pytest.raises(ValueError, match=match):
+        parse_model_name(name)
+    with pytest.raises(ValueError, match=match):
+        create_model(name)
+
+
+def test_out_of_range_options_name_the_model():
+    with pytest.raises(ValueError, match=r"model 'vgg16:num_classes=0': num_classes must be at least 1"):
+        create_model("vgg16:num_classes=0")
+    with pytest.raises(TypeError, match="model name must be a str"):
+        create_model(16)

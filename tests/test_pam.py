@@ -7,12 +7,14 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from _digits import batches, cnn, digits, mlp, train
 from pyperm.nn import PermutationSpec, Permutations, apply_permutation, weight_matching
 from pyperm.nn.align import _relaxation as relax
 from pyperm.nn.curves.bezier import BezierCurve
-from pyperm.nn.align.proximal import PAMResult, pam
+from pyperm.nn.align.proximal import PAMIteration, PAMResult, pam
+from pyperm.testing import random_permutations
 
 # The curve step is SGD on a stochastic objective: between outer iterations the estimate
 # of Q may rise by that noise. With these settings (learning rates halved every outer
@@ -42,18 +44,13 @@ def unaligned(mlp_pair, data):
     saved_a = {k: v.clone() for k, v in sa.items()}
     saved_b = {k: v.clone() for k, v in sb.items()}
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
-    result = pam(model, sa, sb, data, spec, init="identity", outer_iters=3, perm_steps=30, curve_epochs=3,
-                 lr_perm=1.0, lr_curve=0.05, num_samples=16, judge_batches=7, seed=0)
+    result = pam(model, spec, sa, sb, data, init="identity", max_iter=3, perm_steps=30, curve_epochs=3,
+                 lr_perm=1.0, lr_curve=0.05, perm_samples=16, judge_batches=7, seed=0)
     # Nothing of the caller's changed.
     for k in sa:
         assert torch.equal(sa[k], saved_a[k]) and torch.equal(sb[k], saved_b[k])
         assert torch.equal(model.state_dict()[k], saved_model[k])
     return result
-
-
-def _random_perms(spec, seed):
-    g = torch.Generator().manual_seed(seed)
-    return {name: torch.randperm(n, generator=g) for name, n in spec.sizes.items()}
 
 
 # ---------------------------------------------------------------------- the relaxation
@@ -86,7 +83,7 @@ def test_paper_projection_alone_is_approximate():
 
 def test_one_hot_matches_apply_permutation(mlp_pair):
     _, spec, sa, _ = mlp_pair
-    perms = _random_perms(spec, 3)
+    perms = random_permutations(spec, 3)
     relaxed = relax.apply_relaxed(spec, relax.one_hot(perms), sa)
     exact = apply_permutation(spec, perms, sa)
     for k in sa:
@@ -105,6 +102,41 @@ def test_candidates_are_permutations():
     for s in samples:
         assert torch.equal(torch.sort(s["h"]).values, torch.arange(12))
         assert float(d[torch.arange(12), s["h"]].sum()) <= best + 1e-12
+
+
+def test_proximal_term_is_stepped_exactly():
+    """However large the step against nu, the proximal term pulls the iterate to P^k, never past it."""
+    g = torch.Generator().manual_seed(3)
+    anchor = relax.one_hot({"h": torch.randperm(10, generator=g)})
+    start = {"h": relax.project(torch.rand(10, 10, generator=g, dtype=torch.float64), 20, 1e-9)}
+    zero = {"h": torch.zeros(10, 10, dtype=torch.float64)}
+    out = relax.projected_step(start, zero, anchor, lr=1e6, nu=1.0)
+    torch.testing.assert_close(out["h"], anchor["h"], rtol=0, atol=1e-5)
+    # A per-group step: the group with no step stays where it is.
+    both = relax.projected_step({"h": start["h"], "k": start["h"]}, {"h": zero["h"], "k": zero["h"]},
+                                {"h": anchor["h"], "k": anchor["h"]}, lr={"h": 1e6, "k": 0.0}, nu=1.0)
+    torch.testing.assert_close(both["k"], relax.project(start["h"], 20, 1e-6), rtol=0, atol=1e-9)
+
+
+def test_auto_step_sizes_scale_with_the_gradient():
+    g = torch.Generator().manual_seed(4)
+    grads = {"small": torch.randn(8, 8, generator=g, dtype=torch.float64),
+             "large": torch.randn(32, 32, generator=g, dtype=torch.float64)}
+    auto = relax.StepSizes({"small": 8, "large": 32}, None, scale=0.2)
+    rates = auto(grads)
+    # the step moves each row by about the scale (L2), whatever the gradient's size
+    for name, grad in grads.items():
+        assert rates[name] * float(grad.norm()) / grad.shape[0] ** 0.5 == pytest.approx(0.2)
+    scaled = relax.StepSizes({"small": 8, "large": 32}, None, scale=0.2)({k: 1e-4 * v for k, v in grads.items()})
+    assert scaled["large"] == pytest.approx(1e4 * rates["large"])
+    auto.back_off("large")
+    assert auto(grads)["large"] < rates["large"] and auto.backoffs == 1
+    fixed = relax.StepSizes({"small": 8, "large": 32}, 3.0, scale=0.2)
+    assert fixed(grads) == {"small": 3.0, "large": 3.0}
+    # a non-finite gradient leaves the running mean as it was (its step is undone by the driver)
+    before = dict(auto.second)
+    auto({"small": grads["small"], "large": torch.full((32, 32), float("nan"), dtype=torch.float64)})
+    assert auto.second["large"] == before["large"]
 
 
 # ---------------------------------------------------------------------- the driver
@@ -134,8 +166,9 @@ def test_pam_permutations_valid_and_preserve_function(unaligned, mlp_pair):
 
 def test_pam_objective_does_not_increase(unaligned):
     obj = unaligned.objective
-    assert len(obj) == 4 and len(unaligned.iterations) == 3
-    for k, it in enumerate(unaligned.iterations):
+    assert unaligned.iterations == len(unaligned.history) == 3 and len(obj) == 4
+    assert all(isinstance(it, PAMIteration) for it in unaligned.history)
+    for k, it in enumerate(unaligned.history):
         # The permutation step keeps P^k among its candidates: it never increases Q-hat.
         assert it.objective_after_perm <= obj[k] + 1e-12
         assert it.objective == obj[k + 1]
@@ -143,8 +176,8 @@ def test_pam_objective_does_not_increase(unaligned):
         assert obj[k + 1] <= it.objective_after_perm + CURVE_NOISE
     assert obj[-1] < 0.7 * obj[0]  # the curve learned something
     # PAM Unaligned found a better permutation than the identity at least once.
-    assert any(it.choice != "previous" and sum(it.moved.values()) > 0 for it in unaligned.iterations)
-    assert all(it.relaxed_defect <= 1e-6 for it in unaligned.iterations)
+    assert any(it.choice != "previous" and sum(it.moved.values()) > 0 for it in unaligned.history)
+    assert all(it.relaxed_defect <= 1e-6 for it in unaligned.history)
     assert set(unaligned.timings) >= {"relaxed_forward_backward", "projection", "assignment", "bvn_sampling"}
 
 
@@ -160,14 +193,17 @@ def test_pam_curve_carries_the_offset(unaligned, mlp_pair):
 def test_pam_inits(mlp_pair, data):
     model, spec, sa, sb = mlp_pair
     wm = weight_matching(spec, sa, sb, seed=0).perms
-    by_weight = pam(model, sa, sb, data[:2], spec, init="weight", outer_iters=0)
-    assert by_weight.init == wm and by_weight.perms == wm and len(by_weight.objective) == 1
-    given = _random_perms(spec, 5)
-    assert pam(model, sa, sb, data[:2], spec, init=given, outer_iters=0).perms == given
-    by_activation = pam(model, sa, sb, data[:2], spec, init="activation", outer_iters=0)
+    by_weight = pam(model, spec, sa, sb, data[:2], init="weight", max_iter=0)
+    assert isinstance(by_weight.init_perms, Permutations) and by_weight.init_perms.spec is spec
+    assert by_weight.init_perms == wm and by_weight.perms == wm and len(by_weight.objective) == 1
+    assert by_weight.iterations == 0 and by_weight.history == []
+    given = random_permutations(spec, 5)
+    assert pam(model, spec, sa, sb, data[:2], init=given, max_iter=0).perms == given
+    assert pam(model, spec, sa, sb, data[:2], init=Permutations(spec, given), max_iter=0).init_perms == given
+    by_activation = pam(model, spec, sa, sb, data[:2], init="activation", max_iter=0)
     assert not by_activation.perms.is_identity()
     # Aligned starts have a lower objective than the identity (the straight line A -> B).
-    identity = pam(model, sa, sb, data[:2], spec, outer_iters=0)
+    identity = pam(model, spec, sa, sb, data[:2], max_iter=0)
     assert by_weight.objective[0] < identity.objective[0]
     assert by_activation.objective[0] < identity.objective[0]
 
@@ -178,10 +214,10 @@ def test_pam_with_batchnorm_cnn(data):
     model_a, model_b = cnn(4), cnn(4)
     sa, sb = train(model_a, 3, epochs=2), train(model_b, 4, epochs=2)
     spec = PermutationSpec.from_model(model_a, x[:2])
-    result = pam(model_a, sa, sb, data[:4], spec, init="weight", outer_iters=1, perm_steps=4, curve_epochs=1,
-                 num_samples=4, judge_batches=2, lr_perm=100.0, nu_perm=1e4)
+    result = pam(model_a, spec, sa, sb, data[:4], init="weight", max_iter=1, perm_steps=4, curve_epochs=1,
+                 perm_samples=4, judge_batches=2, lr_perm=100.0, nu_perm=1e4)
     assert len(result.objective) == 2
-    assert result.iterations[0].objective_after_perm <= result.objective[0] + 1e-12
+    assert result.history[0].objective_after_perm <= result.objective[0] + 1e-12
     model_b.load_state_dict(sb)
     permuted = copy.deepcopy(model_b)
     permuted.load_state_dict(result.perms.apply(sb))
@@ -189,12 +225,97 @@ def test_pam_with_batchnorm_cnn(data):
         torch.testing.assert_close(permuted.eval()(x[:50]), model_b.eval()(x[:50]), rtol=1e-5, atol=1e-5)
 
 
-def test_pam_deterministic(mlp_pair, data):
+@pytest.fixture(scope="module")
+def cnn_pair():
+    x, _, _, _ = digits()
+    model_a, model_b = cnn(4), cnn(4)
+    sa, sb = train(model_a, 3, epochs=2), train(model_b, 4, epochs=2)
+    return model_a, PermutationSpec.from_model(model_a, x[:2]), sa, sb
+
+
+@pytest.fixture(scope="module")
+def small_gradient_pair():
+    """The benchmark's digits CNN (no BatchNorm, small weights after a few plain gradient steps): its
+    gradient in the relaxed permutations is about 100 times the MLP's smaller (it needed lr_perm=1000)."""
+    from pyperm.benchmarks.pam import setup
+
+    return setup("digits-cnn", 8, 128)
+
+
+@pytest.mark.parametrize("case", ["mlp", "cnn with BatchNorm", "cnn with small weights"])
+def test_pam_defaults_move_the_relaxation_on_differently_scaled_models(case, mlp_pair, cnn_pair,
+                                                                       small_gradient_pair, data):
+    """lr_perm="auto" moves the relaxed permutations off P^k whatever the scale of the gradient in them."""
+    if case == "cnn with small weights":
+        model, spec, sa, sb, batches_ = small_gradient_pair
+    else:
+        model, spec, sa, sb = mlp_pair if case == "mlp" else cnn_pair
+        batches_ = data
+    options = dict(max_iter=1, perm_steps=10, curve_epochs=0, perm_samples=4, judge_batches=1)
+    result = pam(model, spec, sa, sb, batches_[:3], **options)  # no warning: the suite makes warnings errors
+    it = result.history[0]
+    assert 0.01 < it.relaxed_spread < 0.9 and it.backoffs == 0
+    assert it.objective_after_perm <= result.objective[0] + 1e-12
+    if case == "cnn with small weights":
+        # The steps chosen are about 100 times the MLP's; the old default, lr_perm=1, barely moved.
+        assert min(it.lr_perm.values()) > 30.0
+        old = pam(model, spec, sa, sb, batches_[:3], **{**options, "lr_perm": 1.0}).history[0]
+        assert old.relaxed_spread < it.relaxed_spread / 10
+
+
+def test_pam_warns_when_the_relaxation_did_not_move(mlp_pair, data):
     model, spec, sa, sb = mlp_pair
-    kwargs = dict(outer_iters=1, perm_steps=3, curve_epochs=1, num_samples=4, judge_batches=1, seed=7)
-    r1 = pam(model, sa, sb, data[:3], spec, **kwargs)
-    r2 = pam(model, sa, sb, data[:3], spec, **kwargs)
+    expected = r"did not move \(relaxed_spread .*raise lr_perm=0.001, or raise nu_perm=1000"
+    with pytest.warns(RuntimeWarning, match=expected):
+        result = pam(model, spec, sa, sb, data[:2], max_iter=1, perm_steps=5, curve_epochs=0, perm_samples=2,
+                     judge_batches=1, lr_perm=1e-3)  # fmt: skip
+    assert result.history[0].relaxed_spread < 1e-3
+    # No relaxed step asked for: nothing to warn about.
+    pam(model, spec, sa, sb, data[:2], max_iter=1, perm_steps=0, curve_epochs=0, perm_samples=2, judge_batches=1)
+
+
+def test_pam_backs_off_a_diverging_step_instead_of_crashing(cnn_pair, data):
+    """An lr_perm far too large (the issue's lr_perm=1000 on a BatchNorm CNN) is undone and halved, with a
+    warning naming lr_perm; the decomposition never sees a diverged matrix."""
+    model, spec, sa, sb = cnn_pair
+    with pytest.warns(RuntimeWarning, match=r"diverged and were undone.*lr_perm=1000 is too large"):
+        result = pam(model, spec, sa, sb, data[:3], max_iter=1, perm_steps=6, curve_epochs=0, perm_samples=4,
+                     judge_batches=1, lr_perm=1000.0, nu_perm=1e4)  # fmt: skip
+    it = result.history[0]
+    assert it.backoffs > 0 and min(it.lr_perm.values()) < 1000.0
+    assert it.relaxed_defect <= 1e-6
+    assert it.objective_after_perm <= result.objective[0] + 1e-12
+    for g, n in spec.sizes.items():
+        assert torch.equal(torch.sort(result.perms[g]).values, torch.arange(n))
+
+
+def test_pam_gives_up_on_a_gradient_that_is_never_finite(mlp_pair, data):
+    model, spec, sa, sb = mlp_pair
+
+    def nan_loss(outputs, targets):
+        return F.cross_entropy(outputs, targets) * float("nan")
+
+    with pytest.raises(ValueError, match="diverged at every step size.*lr_perm='auto'"):
+        pam(model, spec, sa, sb, data[:1], max_iter=1, perm_steps=40, curve_epochs=0, perm_samples=2,
+            judge_batches=1, loss_fn=nan_loss)  # fmt: skip
+
+
+def test_structured_specs_are_refused_by_name():
+    from pyperm.nn.spec import Tiled
+
+    spec = PermutationSpec({"w1": ("h", None), "w2": (None, Tiled("h", inner=2))}, {"h": 3})
+    sd = {"w1": torch.zeros(3, 2), "w2": torch.zeros(1, 6)}
+    with pytest.raises(ValueError, match="pam supports one group per axis"):
+        pam(torch.nn.Linear(2, 3), spec, sd, sd, [])
+
+
+def test_pam_deterministic_and_numpy_ints_are_ints(mlp_pair, data):
+    model, spec, sa, sb = mlp_pair
+    kwargs = dict(max_iter=1, perm_steps=3, curve_epochs=1, perm_samples=4, judge_batches=1, seed=7)
+    r1 = pam(model, spec, sa, sb, data[:3], **kwargs)
+    r2 = pam(model, spec, sa, sb, data[:3], **{k: np.int64(v) for k, v in kwargs.items()})
     assert r1.objective == r2.objective and r1.perms == r2.perms
+    assert isinstance(r2.iterations, int) and r2.iterations == 1
 
 
 @pytest.mark.parametrize(
@@ -202,34 +323,42 @@ def test_pam_deterministic(mlp_pair, data):
     [
         ({"init": "random"}, ValueError, "init must be one of"),
         ({"init": 3}, TypeError, "init must be"),
-        ({"init": {"P_0": [0, 1]}}, ValueError, "perms"),
+        ({"init": {"P_0": [0, 1]}}, ValueError, "init does not match the spec's groups"),
         ({"lr_perm": 0.0}, ValueError, "lr_perm"),
         ({"nu_curve": -1.0}, ValueError, "nu_curve"),
-        ({"outer_iters": 1.5}, TypeError, "outer_iters"),
-        ({"num_samples": -1}, ValueError, "num_samples"),
+        ({"max_iter": 1.5}, TypeError, "max_iter must be an int"),
+        ({"max_iter": -1}, ValueError, "max_iter must be at least 0"),
+        ({"perm_samples": -1}, ValueError, "perm_samples must be at least 0"),
+        ({"seed": "0"}, TypeError, "seed must be an int"),
+        ({"judge_batches": 0}, ValueError, "judge_batches must be at least 1"),
+        ({"loss_fn": "mse"}, TypeError, "loss_fn must be a callable or None"),
         ({"anneal": 2.0}, ValueError, "anneal"),
         ({"momentum": 1.0}, ValueError, "momentum"),
         ({"momentum": "0.9"}, TypeError, "momentum"),
         ({"projection_tol": 0.0}, ValueError, "projection_tol"),
         ({"lr_curve": 0.5, "nu_curve": 0.1}, ValueError, "lr_curve / nu_curve"),
-        ({"lr_perm": 10.0, "nu_perm": 10.0}, ValueError, "lr_perm / nu_perm"),
+        ({"lr_perm": "fast"}, ValueError, "lr_perm must be 'auto' or a finite positive number, got 'fast'"),
+        ({"lr_perm": None}, TypeError, "lr_perm must be 'auto' or a finite positive number, got NoneType"),
+        ({"lr_perm": float("inf")}, ValueError, "lr_perm must be a finite positive number"),
     ],
 )
 def test_pam_argument_errors(mlp_pair, data, kwargs, exc, match):
     model, spec, sa, sb = mlp_pair
     with pytest.raises(exc, match=match):
-        pam(model, sa, sb, data[:1], spec, **{"outer_iters": 0, **kwargs})
+        pam(model, spec, sa, sb, data[:1], **{"max_iter": 0, **kwargs})
 
 
 def test_pam_input_errors(mlp_pair, data):
     model, spec, sa, sb = mlp_pair
     with pytest.raises(TypeError, match="spec"):
-        pam(model, sa, sb, data, {"P_0": 3})
+        pam(model, {"P_0": 3}, sa, sb, data)
     with pytest.raises(TypeError, match="model"):
-        pam("model", sa, sb, data, spec)
+        pam("model", spec, sa, sb, data)
     with pytest.raises(TypeError, match="re-iterable"):
-        pam(model, sa, sb, iter(data), spec)
+        pam(model, spec, sa, sb, iter(data))
     bad = dict(sb)
     bad.pop("0.bias")
     with pytest.raises(ValueError, match="0.bias"):
-        pam(model, sa, bad, data, spec)
+        pam(model, spec, sa, bad, data)
+    with pytest.raises(TypeError, match="positional"):
+        pam(model, spec, sa, sb, data, "weight")  # type: ignore[misc]

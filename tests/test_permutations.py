@@ -71,7 +71,9 @@ def test_dict_round_trip_through_json():
 def test_equality_with_other_mappings():
     p = _random(5)
     assert p == {g: t.tolist() for g, t in p.items()}
+    assert p == {g: t.int() for g, t in p.items()} and {g: t.numpy() for g, t in p.items()} == p
     assert p != {"h": list(range(5))}
+    assert p != {"h": p["h"], "k": p["k"][:2]}  # a shorter permutation is another one
     assert p != 3
 
 
@@ -92,7 +94,7 @@ def test_bad_permutations_raise_naming_the_group(perms, error, match):
 
 
 def test_bad_spec_and_compose_argument():
-    with pytest.raises(TypeError, match="spec must be a PermutationSpec"):
+    with pytest.raises(TypeError, match="spec must be a pyperm.nn.PermutationSpec"):
         Permutations({"h": 5}, {"h": list(range(5))})
     with pytest.raises(ValueError, match="other"):
         _random(1).compose({"h": list(range(5))})

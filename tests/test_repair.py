@@ -4,13 +4,14 @@ import copy
 
 import pytest
 import torch
-from _digits import batches, digits, one_thread, trained_pair
+from _digits import batches, digits, trained_pair
 from torch import nn
 
 from pyperm.nn import PermutationSpec
 from pyperm.nn.eval.batchnorm import reset_bn_stats
 from pyperm.nn.eval.repair import repair
 from pyperm.nn.state import interpolate
+from pyperm.testing import one_thread
 
 
 def _unit_stats(model, state, paths, data, axis=1):
@@ -58,7 +59,7 @@ def test_digits_units_match_their_targets(digits_pair):
     data = batches(x, y, 350)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with one_thread():
-        repaired = repair(model, a, b, 0.5, data)
+        repaired = repair(model, None, a, b, data, t=0.5)
         _assert_repaired(model, a, b, 0.5, repaired, ["0", "2"], data)
         # Without the repair the hidden units have collapsed: the test above is not vacuous.
         plain = interpolate(a, b, 0.5)
@@ -81,7 +82,7 @@ def test_endpoints_come_back_unchanged(digits_pair):
     x, y, _, _ = digits()
     with one_thread():
         for t, end in ((0.0, a), (1.0, b)):
-            out = repair(model, a, b, t, batches(x, y, 700))
+            out = repair(model, None, a, b, batches(x, y, 700), t=t)
             for k in end:
                 torch.testing.assert_close(out[k], end[k], rtol=1e-4, atol=1e-5)
 
@@ -119,7 +120,7 @@ def test_conv_batchnorm_units_match_their_targets():
     data = [torch.randn(n, 2, 7, 7, generator=gen) for n in (16, 9, 24)]
     a, b = _conv_states(model, data)
     a_copy = {k: v.clone() for k, v in a.items()}
-    repaired = repair(model, a, b, 0.3, data)
+    repaired = repair(model, None, a, b, data, t=0.3)
     # Site '1' is the BatchNorm output (eval mode), site '3' the second convolution's.
     _assert_repaired(model, a, b, 0.3, repaired, ["1", "3"], data)
     assert all(torch.equal(a[k], a_copy[k]) for k in a)
@@ -138,7 +139,7 @@ def test_layernorm_affine_takes_the_correction():
     a = {k: v.clone() for k, v in model.state_dict().items()}
     b = {k: v + 0.3 * torch.randn_like(v) for k, v in a.items()}
     data = [torch.randn(40, 5), torch.randn(13, 5)]
-    repaired = repair(model, a, b, 0.5, data)
+    repaired = repair(model, None, a, b, data, t=0.5)
     _assert_repaired(model, a, b, 0.5, repaired, ["1", "3"], data)
 
 
@@ -154,7 +155,7 @@ def test_spec_limits_the_repair_to_its_groups():
         {k: tuple(g if g == second else None for g in axes) for k, axes in full.axes.items()},
         {second: full.sizes[second]},
     )
-    repaired = repair(model, a, b, 0.5, data, spec=only)
+    repaired = repair(model, only, a, b, data, t=0.5)
     plain = interpolate(a, b, 0.5)
     assert torch.equal(repaired["0.weight"], plain["0.weight"]) and torch.equal(repaired["0.bias"], plain["0.bias"])
     assert not torch.equal(repaired["2.weight"], plain["2.weight"])
@@ -165,7 +166,7 @@ def test_a_model_without_hidden_units_gets_the_interpolation():
     model = nn.Linear(3, 2)
     a = {k: v.clone() for k, v in model.state_dict().items()}
     b = {k: v + 1 for k, v in a.items()}
-    out = repair(model, a, b, 0.25, [torch.randn(5, 3)])
+    out = repair(model, None, a, b, [torch.randn(5, 3)], t=0.25)
     assert all(torch.equal(out[k], interpolate(a, b, 0.25)[k]) for k in a)
 
 
@@ -186,28 +187,30 @@ def test_bad_arguments():
     b = {k: v + 1 for k, v in a.items()}
     data = [torch.randn(8, 3)]
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
-        repair(a, a, b, 0.5, data)
+        repair(a, None, a, b, data, t=0.5)
     with pytest.raises(TypeError, match="t must be a real number"):
-        repair(model, a, b, "half", data)
+        repair(model, None, a, b, data, t="half")
     with pytest.raises(ValueError, match=r"t must lie in \[0, 1\]"):
-        repair(model, a, b, 1.5, data)
+        repair(model, None, a, b, data, t=1.5)
     with pytest.raises(TypeError, match="data is read several times"):
-        repair(model, a, b, 0.5, iter(data))
+        repair(model, None, a, b, iter(data), t=0.5)
     with pytest.raises(ValueError, match="data yielded no batches"):
-        repair(model, a, b, 0.5, [])
+        repair(model, None, a, b, [], t=0.5)
     with pytest.raises(ValueError, match="'2.bias' is only in state_a"):
-        repair(model, a, {k: v for k, v in b.items() if k != "2.bias"}, 0.5, data)
-    with pytest.raises(TypeError, match="spec must be a PermutationSpec"):
-        repair(model, a, b, 0.5, data, spec={"h": 4})
+        repair(model, None, a, {k: v for k, v in b.items() if k != "2.bias"}, data, t=0.5)
+    with pytest.raises(TypeError, match="spec must be a pyperm.nn.PermutationSpec"):
+        repair(model, {"h": 4}, a, b, data, t=0.5)
+    with pytest.raises(TypeError, match="takes 5 positional arguments"):
+        repair(model, None, a, b, data, 0.5)  # t is keyword-only
     foreign = PermutationSpec(
         {"0.weight": (None, "x"), "0.bias": (None,), "2.weight": (None, None), "2.bias": (None,)}, {"x": 3}
     )
     with pytest.raises(ValueError, match="spec group 'x'"):
-        repair(model, a, b, 0.5, data, spec=foreign)
+        repair(model, foreign, a, b, data, t=0.5)
     functional = _Functional()
     fa = {k: v.clone() for k, v in functional.state_dict().items()}
     with pytest.raises(ValueError, match="repair cannot fold a correction into the pre-activation site"):
-        repair(functional, fa, {k: v + 1 for k, v in fa.items()}, 0.5, data)
+        repair(functional, None, fa, {k: v + 1 for k, v in fa.items()}, data, t=0.5)
 
 
 def test_a_bundled_models_own_spec_names_the_groups():
@@ -218,6 +221,6 @@ def test_a_bundled_models_own_spec_names_the_groups():
     a = {k: v.clone() for k, v in model.state_dict().items()}
     b = {k: v + 0.5 * torch.randn_like(v) for k, v in a.items()}
     data = [torch.randn(25, 6), torch.randn(10, 6)]
-    by_spec = repair(model, a, b, 0.5, data, spec=model.permutation_spec())
-    traced = repair(model, a, b, 0.5, data)
+    by_spec = repair(model, model.permutation_spec(), a, b, data, t=0.5)
+    traced = repair(model, None, a, b, data)  # t defaults to the midpoint
     assert all(torch.equal(by_spec[k], traced[k]) for k in a)

@@ -16,6 +16,7 @@ pytest.importorskip("matplotlib")
 
 from pyperm.cli import main
 from pyperm.reproduce import REPORTS, SCALES, load_report
+from pyperm.testing import one_thread
 
 NEEDS = {
     "curves": "pyperm.nn.align.proximal",
@@ -30,14 +31,10 @@ def _available(name: str) -> bool:
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
+def _one_thread():
     """The smoke models are tiny: one torch thread is fastest, and far faster on a shared machine."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 @pytest.mark.parametrize("name", list(REPORTS))
@@ -91,3 +88,18 @@ def test_quick_and_smoke_are_exclusive(capsys):
     with pytest.raises(SystemExit):
         main(["reproduce", "rebasin", "--quick", "--smoke", "--out", "x"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_reproduce_does_not_import_the_command_line():
+    """The reports sit below the command line: pyperm.commands runs them, never the other way round."""
+    import ast
+    import pathlib
+
+    import pyperm.reproduce
+
+    for path in pathlib.Path(pyperm.reproduce.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n == "pyperm.commands" or n.startswith("pyperm.commands.") for n in names), path.name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -193,10 +194,26 @@ def test_evaluate_curve_adversarial(endpoints, test_data):
     evaluation = batches(xt, yt, 200)
     line = BezierCurve(model, sa, sb)
     result = evaluate_curve(line, evaluation, num_points=3, adversarial=attack)
-    assert result.robust_accuracy is not None and result.robust_accuracy.shape == (3,)
+    assert result.has_robust_accuracy and result.robust_accuracy.shape == (3,)
     assert all(r <= a for r, a in zip(result.robust_accuracy, result.accuracy))
     assert result.robust_accuracy[1] == pytest.approx(_robust_at(line, 0.5, evaluation, attack))
     assert result.to_dict()["robust_accuracy"] == [float(v) for v in result.robust_accuracy]
-    assert evaluate_curve(line, evaluation, num_points=2).robust_accuracy is None
+    assert np.isnan(evaluate_curve(line, evaluation, num_points=2).robust_accuracy).all()  # not measured: NaN
     with pytest.raises(ValueError, match="adversarial"):
         evaluate_curve(line, evaluation, num_points=2, adversarial={"eps": 0.1})
+
+
+def test_numpy_integers_and_numeric_norms_are_accepted(trained, test_data):
+    """The shared checks treat numpy integers as ints and the numbers 2 and inf as the norms' names."""
+    x, y = test_data
+    x, y = x[:16], y[:16]
+    want = pgd_attack(trained, x, y, **ATTACK, seed=3)
+    assert torch.equal(pgd_attack(trained, x, y, **{**ATTACK, "steps": np.int64(10)}, seed=np.int64(3)), want)
+    assert torch.equal(pgd_attack(trained, x, y, **ATTACK, seed=3, norm=float("inf")), want)
+    l2 = pgd_attack(trained, x, y, **ATTACK, seed=3, norm="2")
+    assert torch.equal(pgd_attack(trained, x, y, **ATTACK, seed=3, norm=2), l2)
+    data = batches(x, y, 8)
+    assert robust_accuracy(trained, data, **ATTACK, seed=np.int64(5)) == robust_accuracy(trained, data, **ATTACK,
+                                                                                          seed=5)
+    with pytest.raises(ValueError, match="attack: seed must be non-negative"):
+        robust_accuracy(trained, data, **ATTACK, seed=-1)

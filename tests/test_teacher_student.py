@@ -1,4 +1,4 @@
-"""pyperm.teacher_student (paper 004): exact loss, minima, GD, matchings, barriers, PQ index, sharpness."""
+"""pyperm.teacher_student (Zhan, Li and Wu 2025): loss, minima, GD, matchings, barriers, PQ index, sharpness."""
 
 from __future__ import annotations
 
@@ -240,6 +240,12 @@ def test_sample_minimum_is_seeded_and_batches_equal_single_draws():
     assert torch.equal(sample_minimum(Wt, 3, seed=0).abs().sum(dim=0)[:3], torch.ones(3, dtype=F64))
 
 
+def test_numpy_integers_are_integers():
+    """Counts go through pyperm._checks, which reads numpy integers as ints (as the rest of pyperm does)."""
+    assert teacher_weights(np.int64(3), d=np.int32(4)).shape == (3, 4)
+    assert sample_minimum(teacher_weights(2), np.int64(3), seed=np.uint8(1)).shape == (3, 4)
+
+
 def test_sample_minimum_rejects_widths_below_K_and_bad_seeds():
     Wt = teacher_weights(3)
     with pytest.raises(ValueError, match="m must be >= K"):
@@ -434,7 +440,8 @@ def test_width_sweep_uniform_table_and_plot(tmp_path):
 def test_width_sweep_gd_below_and_above_K():
     sweep = width_sweep(2, [1, 2], source="gd", pairs=2, seed=0, d=3, c=2.0, steps=300, init_scale=0.1)
     assert np.isnan(sweep.barriers["type"][0]).all() and not np.isnan(sweep.barriers["lap"]).any()
-    assert "converged" in sweep.to_markdown()
+    table = sweep.to_markdown()
+    assert "converged" in table and "n/a" in table  # no type matching below K: a missing value, not a number
 
 
 def test_learning_rate_sweep_table_and_plot(tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -10,36 +9,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pyperm.nn import PermutationSpec, TraceError, apply_permutation, models, trace_model
+from pyperm.nn import PermutationSpec, TraceError, models, trace_model
 from pyperm.nn.trace import TraceWarning
-
-
-def random_perms(spec: PermutationSpec, seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {g: torch.randperm(n, generator=gen) for g, n in spec.sizes.items()}
-
-
-def permuted_copy(model: nn.Module, spec: PermutationSpec, seed: int = 0) -> nn.Module:
-    other = copy.deepcopy(model)
-    other.load_state_dict(apply_permutation(spec, random_perms(spec, seed), model.state_dict()))
-    return other
-
-
-def assert_same_function(model: nn.Module, spec: PermutationSpec, *inputs: torch.Tensor, seed: int = 0) -> None:
-    """A random permutation of every group leaves the outputs unchanged, in eval and train mode."""
-    assert spec.sizes, "the spec should have something to permute"
-    other = permuted_copy(model, spec, seed)
-    for train in (False, True):
-        model.train(train)
-        other.train(train)
-        with torch.no_grad():
-            want, got = model(*inputs), other(*inputs)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    # Training-mode BatchNorm updated the running statistics of both models alike.
-    sd_model = apply_permutation(spec, random_perms(spec, seed), model.state_dict())
-    for key, t in other.state_dict().items():
-        torch.testing.assert_close(t, sd_model[key], rtol=1e-4, atol=1e-5)
-    model.eval()
+from pyperm.testing import assert_same_function
 
 
 def randomize_bn(model: nn.Module, seed: int = 0) -> nn.Module:
@@ -285,7 +257,7 @@ def test_mlp_spec_and_function():
     )  # fmt: skip
     assert spec.equivalent(want)
     assert spec.groups == ("P_0", "P_2")
-    assert_same_function(model, spec, torch.randn(5, 6))
+    assert_same_function(model, spec, torch.randn(5, 6), train=True)
 
 
 def test_vgg_with_batchnorm():
@@ -298,7 +270,7 @@ def test_vgg_with_batchnorm():
     assert spec.axes["features.1.num_batches_tracked"] == ()
     assert spec.axes["features.0.weight"] == ("P_features.0", None, None, None)
     assert spec.axes["classifier.1.weight"] == (None, "P_features.4")
-    assert_same_function(model, spec, torch.randn(4, 3, 16, 16))
+    assert_same_function(model, spec, torch.randn(4, 3, 16, 16), train=True)
 
 
 @pytest.mark.parametrize("shortcut", ["A", "B"])
@@ -330,7 +302,7 @@ def test_residual_groups_are_merged(shortcut):
         # padding; neither can be named by a spec, so both streams stay fixed (documented).
         assert stem is None and spec.axes["layer2.0.conv2.weight"][0] is None
         assert len(result.composites) == 1 and "F.pad" in result.composites[0]
-    assert_same_function(model, spec, torch.randn(4, 3, 8, 8))
+    assert_same_function(model, spec, torch.randn(4, 3, 8, 8), train=True)
 
 
 def test_residual_activation_sites():
@@ -369,7 +341,7 @@ def test_concatenation_fixes_the_concatenated_groups():
     assert spec.axes["b2.weight"] == (None, "P_b1")
     assert spec.axes["head1.weight"] == ("P_head1", None)
     assert len(result.composites) == 1 and "torch.cat" in result.composites[0]
-    assert_same_function(model, spec, torch.randn(6, 5))
+    assert_same_function(model, spec, torch.randn(6, 5), train=True)
     with pytest.raises(TraceError, match=r"torch\.cat .*module '<model>'.*composite"):
         trace_model(model, torch.randn(3, 5), composite="raise")
 
@@ -388,7 +360,7 @@ def test_concatenation_along_batch_joins_groups():
     spec = PermutationSpec.from_model(model, torch.randn(3, 4), composite="raise")
     assert spec.axes["a.weight"][0] == spec.axes["b.weight"][0] == spec.axes["out.weight"][1] is not None
     assert len(spec.sizes) == 1
-    assert_same_function(model, spec, torch.randn(3, 4))
+    assert_same_function(model, spec, torch.randn(3, 4), train=True)
 
 
 def test_functional_model():
@@ -402,7 +374,7 @@ def test_functional_model():
     assert spec.axes["lw"] == spec.axes["lb"] == spec.axes["b1"] == ("P_w1",)
     assert spec.axes["w2"] == ("P_w1", "P_w2") and spec.axes["gain"] == ("P_w2",)
     assert spec.axes["w3"] == (None, "P_w2")
-    assert_same_function(model, spec, torch.randn(3, 3, 6, 6))
+    assert_same_function(model, spec, torch.randn(3, 3, 6, 6), train=True)
 
 
 def test_attention_and_layernorm():
@@ -417,7 +389,7 @@ def test_attention_and_layernorm():
     assert spec.axes["q.weight"][0] == spec.axes["k.weight"][0] is not None
     assert spec.axes["v.weight"][0] == spec.axes["o.weight"][1] is not None
     assert len(spec.sizes) == 4
-    assert_same_function(model, spec, torch.randn(3, 4, 5))
+    assert_same_function(model, spec, torch.randn(3, 4, 5), train=True)
 
 
 def test_tied_weights_are_permuted_alike():
@@ -429,7 +401,7 @@ def test_tied_weights_are_permuted_alike():
     assert spec.axes["emb.weight"] == spec.axes["out.weight"] == (None, emb) and emb is not None
     assert spec.axes["hidden.1.0.weight"] == (emb, "P_hidden.0.0")
     assert spec.axes["hidden.0.0.weight"] == ("P_hidden.0.0", emb)
-    assert_same_function(model, spec, torch.randint(0, 11, (3, 5)))
+    assert_same_function(model, spec, torch.randint(0, 11, (3, 5)), train=True)
 
 
 @pytest.mark.parametrize("model", [TiedEmbedding(hidden=1), Recurrent()], ids=["tied", "recurrent"])
@@ -452,7 +424,7 @@ def test_untied_embedding_opens_a_group():
     model = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 3))
     spec = PermutationSpec.from_model(model, torch.randint(0, 11, (2, 5)))
     assert spec.axes["0.weight"] == (None, "P_0") and spec.axes["1.weight"] == (None, "P_0")
-    assert_same_function(model, spec, torch.randint(0, 11, (3, 5)))
+    assert_same_function(model, spec, torch.randint(0, 11, (3, 5)), train=True)
 
 
 def test_depthwise_convolution_keeps_the_group():
@@ -462,7 +434,7 @@ def test_depthwise_convolution_keeps_the_group():
     assert spec.axes["dw.weight"] == ("P_pw1", None, None, None)
     assert spec.axes["dw.bias"] == spec.axes["bn.weight"] == ("P_pw1",)
     assert spec.axes["pw2.weight"] == (None, "P_pw1", None, None)
-    assert_same_function(model, spec, torch.randn(3, 3, 6, 6))
+    assert_same_function(model, spec, torch.randn(3, 3, 6, 6), train=True)
 
 
 def test_conv1d_groupnorm_instancenorm_prelu():
@@ -474,7 +446,7 @@ def test_conv1d_groupnorm_instancenorm_prelu():
     spec = PermutationSpec.from_model(model, torch.randn(2, 2, 9))
     assert spec.axes["n1.weight"] == ("P_c1",) and spec.axes["c2.weight"] == ("P_c2", "P_c1", None)
     assert spec.axes["n2.weight"] == spec.axes["prelu.weight"] == ("P_c2",)
-    assert_same_function(model, spec, torch.randn(3, 2, 9))
+    assert_same_function(model, spec, torch.randn(3, 2, 9), train=True)
 
 
 def test_flatten_larger_than_one_by_one():
@@ -485,7 +457,7 @@ def test_flatten_larger_than_one_by_one():
     assert result.spec.sizes == {"P_features.0": 8}
     assert result.spec.axes["classifier.1.weight"] == (None, None)
     assert "Flatten" in result.composites[0]
-    assert_same_function(model, result.spec, torch.randn(4, 3, 16, 16))
+    assert_same_function(model, result.spec, torch.randn(4, 3, 16, 16), train=True)
     where = r"Flatten \(graph node 'classifier_0', module 'classifier\.0'\)"
     with pytest.raises(TraceError, match=where + r".*sizes \[2, 2\].*blocks of 4"):
         trace_model(model, torch.randn(2, 3, 16, 16), composite="raise")
@@ -499,7 +471,7 @@ def test_kitchen_sink():
     assert spec.axes["pw.weight"] == ("P_pw", "P_conv") and spec.axes["ln.bias"] == ("P_pw",)
     assert spec.axes["gain"] == (None, "P_conv2", None, None)
     assert spec.axes["out.weight"] == (None, "P_fc")
-    assert_same_function(model, spec, torch.randn(3, 3, 8, 8))
+    assert_same_function(model, spec, torch.randn(3, 3, 8, 8), train=True)
 
 
 def test_split_along_channels():
@@ -575,7 +547,7 @@ def test_multiple_inputs():
     x, y = torch.randn(2, 3), torch.randn(2, 4)
     spec = PermutationSpec.from_model(model, (x, y))
     assert spec.axes["a.weight"][0] == spec.axes["b.weight"][0] == "P_a"
-    assert_same_function(model, spec, x, y)
+    assert_same_function(model, spec, x, y, train=True)
 
 
 # --------------------------------------------------------------------------- bundled models
@@ -616,7 +588,7 @@ def test_bundled_traced_spec_preserves_the_function():
         torch.manual_seed(0)
         model = randomize_bn(models.ResNet20(num_classes=5))
     spec = PermutationSpec.from_model(model, torch.randn(1, 3, 16, 16))
-    assert_same_function(model, spec, torch.randn(3, 3, 16, 16))
+    assert_same_function(model, spec, torch.randn(3, 3, 16, 16), train=True)
 
 
 # --------------------------------------------------------------------------- errors
@@ -687,7 +659,7 @@ def test_attention_module_keeps_its_inputs_permutable():
     assert spec.sizes == {"P_fc": 8}
     assert spec.axes["inner.attn.in_proj_weight"] == (None, "P_fc")
     assert spec.axes["inner.attn.out_proj.weight"] == (None, None)  # a model output
-    assert_same_function(model, spec, torch.randn(3, 4, 8))
+    assert_same_function(model, spec, torch.randn(3, 4, 8), train=True)
     with pytest.raises(TraceError, match=r"MultiheadAttention .*keeps its per-head units.*composite='fix'"):
         trace_model(model, torch.randn(2, 3, 8), composite="raise")
 
@@ -740,7 +712,7 @@ def test_order_ops_on_other_axes_are_fine():
     model = nn.Sequential(nn.Linear(4, 8), Lambda(lambda x: torch.sort(x, dim=0).values.cumsum(0)), nn.Linear(8, 2))
     spec = PermutationSpec.from_model(model, torch.randn(3, 4))
     assert spec.sizes == {"P_0": 8}
-    assert_same_function(model, spec, torch.randn(3, 4))
+    assert_same_function(model, spec, torch.randn(3, 4), train=True)
 
 
 def test_error_unknown_function_on_channels():
@@ -763,7 +735,7 @@ def test_channel_groups_fix_their_channels(layer, what):
     with pytest.warns(TraceWarning, match=what):
         spec = PermutationSpec.from_model(model, torch.randn(1, 3, 5, 5))
     assert spec.sizes == {"P_3": 6}
-    assert_same_function(model, spec, torch.randn(2, 3, 5, 5))
+    assert_same_function(model, spec, torch.randn(2, 3, 5, 5), train=True)
     with pytest.raises(TraceError, match=what):
         trace_model(model, torch.randn(1, 3, 5, 5), composite="raise")
 

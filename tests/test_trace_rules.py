@@ -3,8 +3,6 @@ rules that users register for their own modules, functions and methods."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.fx
@@ -12,26 +10,10 @@ import torch.nn.functional as F
 from _vision import import_torchvision
 from torch import nn
 
-from pyperm.nn import PermutationSpec, TraceError, apply_permutation, register_trace_rule, trace_model
+from pyperm.nn import PermutationSpec, TraceError, register_trace_rule, trace_model
 from pyperm.nn.spec import Segments
 from pyperm.nn.trace import Label, Role, TraceCall, TraceWarning, registry, rules
-
-
-def random_perms(spec: PermutationSpec, seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {g: torch.randperm(n, generator=gen) for g, n in spec.sizes.items()}
-
-
-def assert_same_function(model: nn.Module, spec: PermutationSpec, *inputs: torch.Tensor) -> None:
-    """A random permutation of every group leaves the (eval-mode) outputs unchanged."""
-    assert spec.sizes, "the spec should have something to permute"
-    other = copy.deepcopy(model)
-    other.load_state_dict(apply_permutation(spec, random_perms(spec), model.state_dict()))
-    model.eval()
-    other.eval()
-    with torch.no_grad():
-        want, got = model(*inputs), other(*inputs)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+from pyperm.testing import assert_same_function
 
 
 @pytest.fixture

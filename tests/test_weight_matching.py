@@ -3,13 +3,22 @@
 import math
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import pyperm
-from pyperm.testing import reference_weight_matching
-from pyperm.nn import PermutationSpec, WeightMatchingResult, apply_permutation, matching_objective, weight_matching
+from pyperm.testing import random_permutations, reference_weight_matching
+from pyperm.nn import (
+    PermutationSpec,
+    Permutations,
+    WeightMatchingResult,
+    apply_permutation,
+    matching_objective,
+    weight_matching,
+)
+from pyperm.nn.spec import Blocks, Segments, Tiled
 from pyperm.nn.models import MLP, VGG11, VGG16, ResNet20, TinyTen
 
 
@@ -32,7 +41,7 @@ def _make(factory, seed: int) -> nn.Module:
 def _planted(spec: PermutationSpec, state: dict, seed: int, noise: float = 0.01):
     """B = a random permutation of A plus Gaussian noise of ``noise`` times each tensor's std."""
     g = torch.Generator().manual_seed(seed)
-    perms = {name: torch.randperm(n, generator=g) for name, n in spec.sizes.items()}
+    perms = random_permutations(spec, g)
     permuted = apply_permutation(spec, perms, state)
     out = {}
     for k, t in permuted.items():
@@ -95,7 +104,7 @@ def test_matches_plain_implementation(name, seed):
     result = weight_matching(spec, sa, sb, seed=seed, init="identity")
     ref, sweeps = reference_weight_matching(spec, sa, sb, seed=seed, lsa=pyperm.linear_sum_assignment)
     assert result.converged
-    assert result.sweeps == sweeps
+    assert result.iterations == sweeps
     for g in spec.sizes:
         assert torch.equal(result.perms[g], ref[g]), g
     exact = matching_objective(spec, sa, sb, result.perms)
@@ -115,7 +124,7 @@ def test_rebuilds_after_every_correction_give_the_same_answer(name, monkeypatch)
     kept = weight_matching(spec, sa, sb, seed=1)
     monkeypatch.setattr(wm_module, "_MAX_CORRECTIONS", 1)
     rebuilt = weight_matching(spec, sa, sb, seed=1)
-    assert rebuilt.sweeps == kept.sweeps
+    assert rebuilt.iterations == kept.iterations
     for g in spec.sizes:
         assert torch.equal(rebuilt.perms[g], kept.perms[g]), g
 
@@ -126,7 +135,7 @@ def test_history_is_non_decreasing_and_consistent():
     spec = a.permutation_spec()
     result = weight_matching(spec, a.state_dict(), b.state_dict(), seed=5, init="identity")
     hist = result.objective
-    assert len(hist) == result.sweeps + 1
+    assert len(hist) == result.iterations + 1
     assert hist[0] == pytest.approx(matching_objective(spec, a.state_dict(), b.state_dict()), rel=1e-9)
     assert all(y >= x - 1e-9 * abs(x) for x, y in zip(hist, hist[1:]))
     assert hist[-1] > hist[0]
@@ -140,13 +149,40 @@ def test_result_types():
     spec = a.permutation_spec()
     result = weight_matching(spec, a.state_dict(), b.state_dict(), max_iter=2)
     assert isinstance(result, WeightMatchingResult)
+    assert isinstance(result.perms, Permutations) and result.perms.spec is spec
     assert set(result.perms) == set(spec.sizes)
     for g, p in result.perms.items():
         assert p.dtype == torch.int64 and p.device.type == "cpu"
         assert torch.equal(torch.sort(p).values, torch.arange(spec.sizes[g]))
-    assert isinstance(result.sweeps, int) and result.sweeps <= 2
+    assert isinstance(result.iterations, int) and result.iterations <= 2
     assert isinstance(result.converged, bool)
     assert all(isinstance(x, float) for x in result.objective)
+
+
+def test_options_are_keyword_only_and_numpy_ints_are_ints():
+    a = _make(lambda: MLP([8, 12, 3]), 1)
+    b = _make(lambda: MLP([8, 12, 3]), 2)
+    spec = a.permutation_spec()
+    with pytest.raises(TypeError, match="positional"):
+        weight_matching(spec, a.state_dict(), b.state_dict(), 10)  # type: ignore[misc]
+    plain = weight_matching(spec, a.state_dict(), b.state_dict(), max_iter=3, seed=1)
+    numpy = weight_matching(spec, a.state_dict(), b.state_dict(), max_iter=np.int64(3), seed=np.int32(1))
+    assert numpy.perms == plain.perms and numpy.iterations == plain.iterations
+
+
+def test_init_takes_permutations_and_a_structured_spec_returns_them():
+    a = _make(lambda: MLP([8, 12, 10, 3]), 1)
+    b = _make(lambda: MLP([8, 12, 10, 3]), 2)
+    spec = a.permutation_spec()
+    start = Permutations(spec, random_permutations(spec, 3))
+    none = weight_matching(spec, a.state_dict(), b.state_dict(), init=start, max_iter=0)
+    assert none.perms == start and none.iterations == 0
+    # A spec with a structured axis: the same matcher, the same result type.
+    tiled = PermutationSpec({"w1": ("h", None), "w2": (None, Tiled("h", inner=2))}, {"h": 3})
+    sa = {"w1": torch.randn(3, 2), "w2": torch.randn(1, 6)}
+    found = weight_matching(tiled, sa, sa)
+    assert isinstance(found.perms, Permutations) and found.perms.spec is tiled and found.perms.is_identity()
+    assert isinstance(found.iterations, int) and found.converged
 
 
 def test_seed_reproducible_and_generator_accepted():
@@ -170,7 +206,7 @@ def test_identical_models_give_identity(name):
     model = _make(INDEPENDENT[name], 4)
     spec = model.permutation_spec()
     result = weight_matching(spec, model.state_dict(), model.state_dict())
-    assert result.converged and result.sweeps == 1
+    assert result.converged and result.iterations == 1
     for g, n in spec.sizes.items():
         assert torch.equal(result.perms[g], torch.arange(n))
 
@@ -179,7 +215,7 @@ def test_no_groups():
     model = MLP([6, 3])
     spec = model.permutation_spec()
     result = weight_matching(spec, model.state_dict(), model.state_dict())
-    assert result.perms == {} and result.converged and result.sweeps == 1
+    assert result.perms == {} and result.converged and result.iterations == 1
 
 
 def test_duplicate_units_keep_identity():
@@ -200,11 +236,11 @@ def test_init_at_the_answer_stops_after_one_sweep():
     planted, sb = _planted(spec, model.state_dict(), seed=3)
     init = {g: _inverse(p) for g, p in planted.items()}
     result = weight_matching(spec, model.state_dict(), sb, init=init)
-    assert result.sweeps == 1 and result.converged
+    assert result.iterations == 1 and result.converged
     for g in spec.sizes:
         assert torch.equal(result.perms[g], init[g])
     none = weight_matching(spec, model.state_dict(), sb, max_iter=0, init=init)
-    assert none.sweeps == 0 and not none.converged and len(none.objective) == 1
+    assert none.iterations == 0 and not none.converged and len(none.objective) == 1
     assert all(torch.equal(none.perms[g], init[g]) for g in spec.sizes)
 
 
@@ -242,7 +278,7 @@ def test_general_tensor_with_three_groups_and_float64(seed):
     ref, sweeps = reference_weight_matching(spec, sa, sb, seed=seed, lsa=pyperm.linear_sum_assignment)
     for dtype in (torch.float32, torch.float64):
         result = weight_matching(spec, sa, sb, seed=seed, dtype=dtype, init="identity")
-        assert result.sweeps == sweeps
+        assert result.iterations == sweeps
         for name in spec.sizes:
             assert torch.equal(result.perms[name], ref[name])
 
@@ -304,9 +340,9 @@ def small():
 
 def test_error_spec_type(small):
     _, sa, sb = small
-    with pytest.raises(TypeError, match="spec must be a PermutationSpec"):
+    with pytest.raises(TypeError, match="spec must be a pyperm.nn.PermutationSpec"):
         weight_matching({"hidden1": 5}, sa, sb)
-    with pytest.raises(TypeError, match="spec must be a PermutationSpec"):
+    with pytest.raises(TypeError, match="spec must be a pyperm.nn.PermutationSpec"):
         matching_objective(None, sa, sb)
 
 
@@ -367,13 +403,17 @@ def test_error_devices(small):
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        ({"max_iter": -1}, ValueError, "max_iter must be non-negative"),
+        ({"max_iter": -1}, ValueError, "max_iter must be at least 0"),
         ({"max_iter": 2.0}, TypeError, "max_iter must be an int"),
         ({"max_iter": True}, TypeError, "max_iter must be an int"),
         ({"seed": -3}, ValueError, "seed must be non-negative"),
         ({"seed": "0"}, TypeError, "seed must be an int or a torch.Generator"),
-        ({"tol": -1.0}, ValueError, "tol must be a non-negative finite number"),
-        ({"tol": math.nan}, ValueError, "tol must be a non-negative finite number"),
+        ({"tol": -1.0}, ValueError, "tol must be finite and non-negative"),
+        ({"tol": math.nan}, ValueError, "tol must be finite and non-negative"),
+        ({"tol": "0"}, TypeError, "tol must be a real number"),
+        ({"callback": 3}, TypeError, "callback must be a callable or None"),
+        ({"init": "random"}, ValueError, "init must be one of 'best', 'identity', 'signatures', got 'random'"),
+        ({"init": 3}, TypeError, "init must be a mapping of group names to permutations"),
         ({"dtype": torch.float16}, TypeError, "dtype must be torch.float32 or torch.float64"),
         ({"keys": "layers.0.weight"}, TypeError, "keys must be an iterable of state_dict keys"),
         ({"keys": ["layers.0.weight", "nope"]}, ValueError, "keys names 'nope', which is not in the spec"),
@@ -422,9 +462,36 @@ def test_bench_match_runs(capsys, tmp_path):
     assert code == 0
     assert "MLP 784-512-512-512-10" in out and "True" in out  # same permutations as the reference
     assert (tmp_path / "m.png").stat().st_size > 0
-    assert match.run(parser.parse_args(["--models", "mlp512,nope"])) == 2
+    with pytest.raises(SystemExit) as refused:  # an unknown model is refused with the choices
+        parser.parse_args(["--models", "mlp512,nope"])
+    assert refused.value.code == 2 and "nope" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown model 'nope'"):
         match.build_model("nope", 0)
+
+
+def test_bench_match_structured_and_starts_tables(capsys):
+    """The structured table (flat and structured specs of one pair, their sweep flops) and the starts table
+    (identity, signatures, the default) come from one command."""
+    import argparse
+
+    from pyperm.benchmarks import match
+
+    parser = argparse.ArgumentParser()
+    match.add_arguments(parser)
+    args = parser.parse_args(["--no-flat", "--repeat", "1", "--threads", "1", "--clock", "cpu", "--markdown",
+                              "--structured", "mlp512-tiled", "--starts", "mlp512", "--planted"])  # fmt: skip
+    assert match.run(args) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("| MLP 784-512-512-512-10")]
+    flat, structured, independent, planted = lines
+    # Every axis written as Tiled(g): the same groups and products as the flat spec (first sweep, whole run).
+    assert "| flat |" in flat and "| structured |" in structured
+    assert flat.split("|")[3:5] == structured.split("|")[3:5] and flat.split("|")[10:12] == structured.split("|")[10:12]
+    assert structured.split("|")[-3:-1] == [" 1.000x ", " 1.000x "]
+    assert "| independent |" in independent and "| planted |" in planted
+    assert independent.rstrip(" |").endswith("False")  # unrelated models: the signature start is not tried
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--starts", "nope"])
 
 
 @pytest.mark.parametrize("name", ["mlp", "resnet20-B"])
@@ -446,3 +513,120 @@ def test_reused_matcher_equals_fresh_matchings(name):
             matching_objective(spec, sa, b.state_dict(), reused.perms), rel=1e-6
         )
         perms = reused.perms
+
+
+# ------------------------------------------------------------------------------ structured specs
+
+# Every axis form, alone and combined: (axes, sizes, shapes of the unpermuted axes where the spec
+# cannot tell them). The fast matcher must take the plain reference's steps, one by one.
+FORMS = {
+    "segments": (
+        {"w1": ("a", None), "b1": ("a",), "w2": ("b", "a"), "w3": (None, Segments("a", 3, "b", "a"))},
+        {"a": 5, "b": 4},
+    ),
+    "tiled": (
+        {"w1": ("c", None), "w2": ("d", Tiled("c", inner=3)), "w3": (Tiled("e", outer=2), "d"),
+         "w4": (None, Tiled("e", outer=2, inner=2))},
+        {"c": 4, "d": 5, "e": 3},
+    ),
+    "tiled-outer-group": (
+        {"w1": (Tiled("d", outer="h"), None), "w2": (None, Tiled("d", outer="h")), "s": ("h",)},
+        {"h": 3, "d": 4},
+    ),
+    "blocks": (
+        {"q": (Blocks("h", "qk"), None), "k": (Blocks("h", "qk"), "x"), "v": (Blocks("h", "v"), "x"),
+         "o": ("x", Blocks("h", "v")), "s": ("h",), "e": ("x", None)},
+        {"h": 3, "qk": 6, "v": 9, "x": 4},
+    ),
+    "fixed-blocks": (
+        {"w": (Blocks(3, "d"), "x"), "u": (None, Blocks(3, "d")), "e": ("x", None)},
+        {"d": 6, "x": 4},
+    ),
+    "segments-of-blocks": (
+        {"qkv": (Segments(Blocks("h", "qk"), Blocks("h", "qk"), Blocks("h", "v")), "x"),
+         "o": ("x", Blocks("h", "v")), "e": ("x", None)},
+        {"h": 2, "qk": 6, "v": 4, "x": 3},
+    ),
+    "two-axes": ({"w": ("a", "a"), "u": ("a", None), "v": (None, "a")}, {"a": 6}),
+    "recurrent": (
+        {"ih": (Segments("a", "a"), "x"), "hh": (Segments("a", "a"), "a"), "x": ("x", None), "out": (None, "a")},
+        {"a": 5, "x": 4},
+    ),
+}
+
+
+def _form_states(name: str, seed: int, dtype=torch.float32):
+    """The spec of ``FORMS[name]`` and two random state dicts for it (unpermuted axes of length 2)."""
+    axes, sizes = FORMS[name]
+    spec = PermutationSpec(axes, sizes)
+    g = torch.Generator().manual_seed(seed)
+    shapes = {k: tuple(spec.axis_length(k, ax) or 2 for ax in range(len(entries))) for k, entries in spec.axes.items()}
+    return spec, *({k: torch.randn(s, generator=g, dtype=dtype) for k, s in shapes.items()} for _ in range(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("name", sorted(FORMS))
+def test_structured_specs_take_the_reference_steps(name, dtype):
+    """Segments, Tiled (copies in place or moved by a group), Blocks (moved or in place, in Segments) and one
+    group on two axes: the fast matcher finds what the plain reference finds, sweep for sweep, and its
+    objective is the exact one and never decreases."""
+    from pyperm.nn.align._structured import reference_matching
+
+    for seed in range(3):
+        spec, sa, sb = _form_states(name, seed, dtype)
+        assert spec.structured
+        fast = weight_matching(spec, sa, sb, seed=seed, init="identity", dtype=dtype)
+        plain = reference_matching(spec, sa, sb, seed=seed, dtype=dtype)
+        assert fast.perms == plain.perms and fast.iterations == plain.iterations and fast.converged
+        assert fast.objective == sorted(fast.objective)
+        assert fast.objective[-1] == pytest.approx(matching_objective(spec, sa, sb, fast.perms), rel=1e-5)
+        assert fast.objective[-1] > fast.objective[0]  # something moved: the steps were exercised
+
+
+@pytest.mark.parametrize("name", sorted(FORMS))
+def test_structured_specs_recover_a_planted_permutation(name):
+    spec, sa, _ = _form_states(name, 0, torch.float64)
+    planted = Permutations(spec, random_permutations(spec, 1))
+    sb = planted.apply(sa)
+    found = weight_matching(spec, sa, sb, seed=0, dtype=torch.float64)
+    assert found.perms == planted.inverse()
+    assert found.objective[-1] == pytest.approx(matching_objective(spec, sa, sa), rel=1e-12)
+
+
+def test_a_group_on_two_axes_never_lowers_the_objective():
+    """P W P^T is quadratic in P: each step solves its linearisation, and is kept only when the exact
+    objective rises (a tensor of the group alone, where the linearisation misleads most)."""
+    spec = PermutationSpec({"w": ("a", "a")}, {"a": 8})
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        sa, sb = {"w": torch.randn(8, 8, generator=g)}, {"w": torch.randn(8, 8, generator=g)}
+        result = weight_matching(spec, sa, sb, seed=seed, init="identity")
+        assert result.objective == sorted(result.objective)
+        assert result.objective[-1] == pytest.approx(matching_objective(spec, sa, sb, result.perms), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["blocks", "recurrent", "tiled-outer-group"])
+def test_reused_matcher_on_structured_specs_equals_fresh_matchings(name):
+    from pyperm.nn.align.weight import WeightMatcher
+
+    spec, _, sb = _form_states(name, 0)
+    matcher = WeightMatcher(spec, sb)
+    perms = None
+    for seed in (1, 2, 3):
+        sa = _form_states(name, seed)[1]
+        reused = matcher.match(sa, init=perms, seed=seed)
+        fresh = weight_matching(spec, sa, sb, init=perms, seed=seed)
+        assert reused.perms == fresh.perms and reused.objective == pytest.approx(fresh.objective, rel=1e-6)
+        perms = reused.perms
+
+
+def test_a_group_no_key_reads_keeps_its_permutation():
+    """``keys`` can leave a group without any entry: its similarity is zero and it stays where it starts."""
+    spec = PermutationSpec({"w1": ("h", None), "w2": ("k", "h"), "w3": (None, "k")}, {"h": 4, "k": 5})
+    g = torch.Generator().manual_seed(0)
+    sa = {"w1": torch.randn(4, 3, generator=g), "w2": torch.randn(5, 4, generator=g), "w3": torch.randn(2, 5, generator=g)}
+    sb = {k: torch.randn(v.shape, generator=g) for k, v in sa.items()}
+    start = random_permutations(spec, 1)
+    for _ in range(3):
+        result = weight_matching(spec, sa, sb, init=start, keys=["w1"])
+        assert torch.equal(result.perms["k"], start["k"])

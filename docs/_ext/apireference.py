@@ -5,6 +5,10 @@ One page per module (its docstring and a summary table) and one per public name,
 once, under the first module of ``MODULES`` that exports it, so the reference follows the
 package's own public names as they are, with nothing to update by hand when one is added,
 renamed or removed.
+
+A cross-reference may name an object by any path it can be imported from
+(``pyperm.nn.eval.batchnorm.reset_bn_stats``, as the docstrings do): it resolves to the
+page of the same object under its public name (``pyperm.nn.reset_bn_stats``).
 """
 
 from __future__ import annotations
@@ -63,10 +67,44 @@ def _stub(module: str, name: str, kind: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# id(object) -> the public name it is documented under (filled by write_reference).
+DOCUMENTED: dict[int, str] = {}
+
+
+def _import(path: str) -> Any:
+    """The object at a dotted path (a module, then attributes), or None."""
+    parts = path.split(".")
+    for k in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:k]))
+        except Exception:
+            continue
+        try:
+            for name in parts[k:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return None
+        return obj
+    return None
+
+
+def resolve_alias(app: Any, env: Any, node: Any, contnode: Any) -> Any:
+    """A Python cross-reference to another import path of a documented object: link to its page."""
+    if node.get("refdomain") != "py" or not node.get("reftarget", "").startswith("pyperm."):
+        return None
+    obj = _import(node["reftarget"])
+    public = DOCUMENTED.get(id(obj)) if obj is not None else None
+    if public is None or public == node["reftarget"]:
+        return None
+    domain = env.get_domain("py")
+    return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], public, node, contnode)
+
+
 def write_reference(app: Any) -> None:
     out = Path(app.srcdir) / "api" / "generated"
     out.mkdir(parents=True, exist_ok=True)
-    seen: dict[int, str] = {}
+    seen = DOCUMENTED
+    seen.clear()
     keep: set[str] = set()
     for module_name, title, names in MODULES:
         module = importlib.import_module(module_name)
@@ -109,4 +147,5 @@ def write_reference(app: Any) -> None:
 def setup(app: Any) -> dict[str, Any]:
     # Before autosummary's own builder-inited handler (priority 500) reads the sources.
     app.connect("builder-inited", write_reference, priority=400)
+    app.connect("missing-reference", resolve_alias)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

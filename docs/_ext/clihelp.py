@@ -1,7 +1,9 @@
 """``.. program-help:: pyperm align``: the ``--help`` text of a ``pyperm`` sub-command, as a literal block.
 
 Taken from the parser the command itself builds (``pyperm.cli.build_parser``), so the
-command-line page never drifts from the options the command accepts.
+command-line page never drifts from the options the command accepts. With ``:recursive:``,
+the help of the command and of every sub-command below it, each under its own heading, so a
+new sub-command appears on the page without an edit.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 from typing import Any
 
 from docutils import nodes
+from docutils.parsers.rst import directives
 from sphinx.util.docutils import SphinxDirective
 
 WIDTH = "92"  # argparse wraps the help text to $COLUMNS
@@ -23,7 +26,15 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     raise ValueError(f"{parser.prog} has no sub-command {name!r}")
 
 
-def help_text(words: list[str]) -> str:
+def _children(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.ArgumentParser]]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices.items())
+    return []
+
+
+def help_texts(words: list[str], recursive: bool = False) -> list[tuple[str, str]]:
+    """``(command, help text)`` of ``words`` (and, recursively, of its sub-commands)."""
     from pyperm.cli import build_parser
 
     old = os.environ.get("COLUMNS")
@@ -34,7 +45,13 @@ def help_text(words: list[str]) -> str:
             raise ValueError(f"program-help takes a pyperm command, got {' '.join(words)!r}")
         for word in words[1:]:
             parser = _subparser(parser, word)
-        return parser.format_help()
+        out, todo = [], [(" ".join(words), parser)]
+        while todo:
+            name, p = todo.pop(0)
+            out.append((name, p.format_help()))
+            if recursive:
+                todo = [(f"{name} {sub}", q) for sub, q in _children(p)] + todo
+        return out
     finally:
         if old is None:
             del os.environ["COLUMNS"]
@@ -45,15 +62,22 @@ def help_text(words: list[str]) -> str:
 class ProgramHelp(SphinxDirective):
     required_arguments = 1
     final_argument_whitespace = True
+    option_spec = {"recursive": directives.flag}
 
     def run(self) -> list[nodes.Node]:
+        recursive = "recursive" in self.options
         try:
-            text = help_text(self.arguments[0].split())
+            texts = help_texts(self.arguments[0].split(), recursive)
         except ValueError as exc:
             raise self.error(str(exc)) from exc
-        block = nodes.literal_block(text, text)
-        block["language"] = "text"
-        return [block]
+        out: list[nodes.Node] = []
+        for name, text in texts:
+            if recursive:
+                out.append(nodes.rubric(name, "", nodes.literal(name, name)))
+            block = nodes.literal_block(text, text)
+            block["language"] = "text"
+            out.append(block)
+        return out
 
 
 def setup(app: Any) -> dict[str, Any]:

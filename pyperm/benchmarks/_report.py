@@ -1,4 +1,4 @@
-"""Timing and reporting shared by the ``pyperm bench`` sub-commands."""
+"""Timing and plotting shared by the ``pyperm bench`` sub-commands (their tables: :mod:`pyperm._tables`)."""
 
 from __future__ import annotations
 
@@ -54,30 +54,13 @@ def time_call(fn: Callable[[], object], repeat: int, *, clock: str = "wall", war
     return time_calls({"": fn}, repeat, clock=clock, warmup=warmup)[""]
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A plain fixed-width text table."""
-    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(r[k]) for r in cells) for k in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) if k else c.ljust(w) for k, (c, w) in enumerate(zip(r, widths))) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _fmt(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-    return "-" if value is None else str(value)
-
-
 def save_bar_plot(path: str, title: str, groups: Sequence[str], series: dict[str, Sequence[float | None]],
                   ylabel: str) -> None:
     """Grouped bar chart (one group per case, one bar per series), log-scaled, to PNG."""
-    import matplotlib
+    from pyperm._plotting import agg_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) + 2), 4.5))
+    fig = agg_figure(max(6.0, 1.2 * len(groups) + 2), 4.5, layout="tight")
+    ax = fig.add_subplot()
     width = 0.8 / max(1, len(series))
     for k, (name, values) in enumerate(series.items()):
         xs = [g + (k - (len(series) - 1) / 2) * width for g in range(len(groups))]
@@ -90,6 +73,4 @@ def save_bar_plot(path: str, title: str, groups: Sequence[str], series: dict[str
     ax.set_title(title)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.legend(fontsize=8)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)

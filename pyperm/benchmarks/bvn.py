@@ -15,7 +15,7 @@ Three cases, each checked for agreement with the reference before it is timed:
 * ``planted1024-k20-bottleneck``: a convex combination of 20 random permutations of
   n=1024, decomposed by the bottleneck heuristic (exactly 20 terms).
 
-Times are the best of ``--repeats`` runs of the public API (input validation included).
+Times are the best of ``--repeat`` runs of the public API (input validation included).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ import numpy as np
 
 import pyperm
 from pyperm._ext import core
+from pyperm._tables import text_table
 from pyperm.benchmarks._report import time_call
+from pyperm._argtypes import int_at_least, nonnegative_int, positive_int
 from pyperm.testing import (
     dense_doubly_stochastic,
     planted,
@@ -39,27 +41,29 @@ from pyperm.testing import (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (best is reported)")
+    parser.add_argument("--repeat", type=positive_int, default=3, help="timed runs per measurement (best is reported)")
     parser.add_argument(
         "--reference-terms",
-        type=int,
+        type=nonnegative_int,
         default=200,
         help="terms of the dense n=256 case the scipy greedy is timed on (0: skip it)",
     )
     parser.add_argument("--no-reference", action="store_true", help="time pyperm only")
-    parser.add_argument("--matrices", type=int, default=5, help="dense n=1024 matrices the max-weight case runs on")
+    parser.add_argument(
+        "--matrices", type=positive_int, default=5, help="dense n=1024 matrices the max-weight case runs on"
+    )
     parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int_at_least(0), default=0)
 
 
-def best_time(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
-    """Best seconds of ``repeats`` calls (no warm-up: the first call is one of them) and the result."""
-    t = time_call(fn, repeats, warmup=False)
+def best_time(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
+    """Best seconds of ``repeat`` calls (no warm-up: the first call is one of them) and the result."""
+    t = time_call(fn, repeat, warmup=False)
     return t.best, t.result
 
 
-def _fmt_ms(seconds: float | None) -> str:
-    return f"{'-':>10s}" if seconds is None else f"{seconds * 1e3:10.1f}"
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     # 1. dense n=256, full bottleneck decomposition.
     D = dense_doubly_stochastic(256, args.seed, dtype)
     t_full, (coeffs, perms) = best_time(
-        lambda: pyperm.birkhoff_decomposition(D, method="bottleneck", tol=tol), args.repeats
+        lambda: pyperm.birkhoff_decomposition(D, method="bottleneck", tol=tol), args.repeat
     )
     err = float(np.abs(D.astype(np.float64) - reconstruct(coeffs, perms)).max())
     if err > 10 * tol:
@@ -82,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if reference and args.reference_terms > 0:
         k = min(args.reference_terms, len(coeffs))
         t_ours, (c_ours, _) = best_time(
-            lambda: pyperm.birkhoff_decomposition(D, method="bottleneck", tol=tol, max_terms=k), args.repeats
+            lambda: pyperm.birkhoff_decomposition(D, method="bottleneck", tol=tol, max_terms=k), args.repeat
         )
         t_ref, (c_ref, _) = best_time(lambda: scipy_bottleneck_greedy(D, max_terms=k, tol=tol), 1)
         # Ties aside the matchings may differ, but each term's bottleneck value is unique.
@@ -98,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     for s in range(args.matrices):
         D = dense_doubly_stochastic(1024, args.seed + 1 + s, dtype)
         t, (coeffs, perms) = best_time(
-            lambda: pyperm.birkhoff_decomposition(D, method="max-weight", max_terms=10), args.repeats
+            lambda: pyperm.birkhoff_decomposition(D, method="max-weight", max_terms=10), args.repeat
         )
         ours_t.append(t)
         if not reference:
@@ -134,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     # 3. planted k=20, n=1024, bottleneck.
     D, weights, planted_perms = planted(1024, 20, args.seed + 2, dtype)
     t_pl, (coeffs, perms) = best_time(
-        lambda: pyperm.birkhoff_decomposition(D, method="bottleneck", tol=tol), args.repeats
+        lambda: pyperm.birkhoff_decomposition(D, method="bottleneck", tol=tol), args.repeat
     )
     if len(coeffs) != 20:
         failures.append(f"planted1024-k20-bottleneck: {len(coeffs)} terms instead of 20")
@@ -148,13 +152,11 @@ def run(args: argparse.Namespace) -> int:
     rows_out.append(("planted1024-k20-bottleneck", 1024, len(coeffs), t_pl, t_ref, ratio, "< 50 ms", note))
 
     print(f"pyperm {pyperm.__version__}, kernels: {core.best_isa()}, dtype {dtype.name}, "
-          f"best of {args.repeats}")
-    header = f"{'case':28s} {'n':>5s} {'terms':>6s} {'pyperm ms':>10s} {'scipy ms':>10s} {'ratio':>7s}  target"
-    print(header)
-    print("-" * len(header))
-    for name, n, terms, t, tr, r, target, note in rows_out:
-        ratio_s = "-" if r is None else f"{r:6.1f}x"
-        print(f"{name:28s} {n:5d} {terms:6d} {_fmt_ms(t)} {_fmt_ms(tr)} {ratio_s:>7s}  {target}  {note}")
+          f"best of {args.repeat}")
+    rows = [[name, n, terms, _ms(t), _ms(tr), r, target] for name, n, terms, t, tr, r, target, _ in rows_out]
+    print(text_table(["case", "n", "terms", "pyperm ms", "scipy ms", "ratio", "target"], rows))
+    for name, *_, note in rows_out:
+        print(f"{name.strip()}: {note}")
     for f in failures:
         print(f"MISMATCH: {f}", file=sys.stderr)
     return 1 if failures else 0

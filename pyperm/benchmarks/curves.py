@@ -24,7 +24,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pyperm._tables import text_table
 from pyperm.benchmarks._report import time_calls
+from pyperm._argtypes import int_at_least, positive_int
 
 TARGET_RATIO = 1.3
 MODELS = ("digits-cnn", "resnet20x4")
@@ -34,7 +36,7 @@ DEFAULT_BATCH = {("digits-cnn", "cpu"): 128, ("digits-cnn", "cuda"): 128,
                  ("resnet20x4", "cpu"): 16, ("resnet20x4", "cuda"): 128}
 # Timed steps of each kind: many of the millisecond steps (their medians are noisy on a
 # shared machine), a few of the seconds-long ones.
-DEFAULT_REPEATS = {"digits-cnn": 41, "resnet20x4": 7}
+DEFAULT_REPEAT = {"digits-cnn": 41, "resnet20x4": 7}
 
 
 def build_model(name: str, seed: int):
@@ -42,7 +44,7 @@ def build_model(name: str, seed: int):
     import torch
     from torch import nn
 
-    from pyperm.nn.models import ResNet20
+    from pyperm.nn.models import create_model
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -54,7 +56,7 @@ def build_model(name: str, seed: int):
             )  # fmt: skip
             return model, (1, 8, 8)
         if name == "resnet20x4":
-            return ResNet20(width_multiplier=4), (3, 32, 32)
+            return create_model("resnet20:4"), (3, 32, 32)
     raise ValueError(f"unknown model {name!r}; choose from {list(MODELS)}")
 
 
@@ -65,7 +67,7 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(name: str, device: str = "cpu", batch: int | None = None, repeats: int | None = None, seed: int = 0,
+def measure(name: str, device: str = "cpu", batch: int | None = None, repeat: int | None = None, seed: int = 0,
             clock: str = "wall") -> dict[str, Any]:
     """Median and best seconds of a plain and a curve training step, alternated, and their ratios.
 
@@ -82,7 +84,7 @@ def measure(name: str, device: str = "cpu", batch: int | None = None, repeats: i
 
     dev = torch.device(device)
     batch = batch or DEFAULT_BATCH[(name, dev.type)]
-    repeats = repeats or DEFAULT_REPEATS[name]
+    repeat = repeat or DEFAULT_REPEAT[name]
     model, shape = build_model(name, seed)
     model = model.to(dev).train()
     state_a = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -111,19 +113,19 @@ def measure(name: str, device: str = "cpu", batch: int | None = None, repeats: i
         _sync(dev)
 
     # Alternated, after a warm-up call of each (allocators, optimizer state, kernels).
-    t = time_calls({"plain": plain_step, "curve": curve_step}, repeats, clock=clock)
+    t = time_calls({"plain": plain_step, "curve": curve_step}, repeat, clock=clock)
     plain, curve_times = t["plain"].samples, t["curve"].samples
     p, c = t["plain"].median, t["curve"].median
     return {
         "model": name, "device": dev.type, "batch": batch,
         "parameters": sum(q.numel() for q in model.parameters()),
-        "repeats": repeats, "plain_ms": 1e3 * p, "curve_ms": 1e3 * c, "ratio": c / p,
+        "repeat": repeat, "plain_ms": 1e3 * p, "curve_ms": 1e3 * c, "ratio": c / p,
         "best_ratio": min(curve_times) / min(plain), "check": check,
     }  # fmt: skip
 
 
 def bench(models: Sequence[str] = MODELS, devices: Sequence[str] | None = None, batch: int | None = None,
-          repeats: int | None = None, seed: int = 0, report: Callable[[dict[str, Any]], None] | None = None,
+          repeat: int | None = None, seed: int = 0, report: Callable[[dict[str, Any]], None] | None = None,
           clock: str = "wall") -> list[dict[str, Any]]:
     """:func:`measure` for every model and device (CPU, and CUDA when available by default)."""
     import torch
@@ -133,43 +135,36 @@ def bench(models: Sequence[str] = MODELS, devices: Sequence[str] | None = None, 
     rows = []
     for device in devices:
         for name in models:
-            row = measure(name, device, batch, repeats, seed, clock)
+            row = measure(name, device, batch, repeat, seed, clock)
             rows.append(row)
             if report is not None:
                 report(row)
     return rows
 
 
-HEADER = f"{'model':<11} {'device':<6} {'batch':>5} {'params':>9} {'plain ms':>9} {'curve ms':>9} " \
-         f"{'ratio':>6} {'(best)':>6} {'goal':>5}"
+HEADERS = ["model", "device", "batch", "params", "plain ms", "curve ms", "ratio", "(best)", "goal"]
 
 
-def format_row(row: dict[str, Any]) -> str:
-    """One line of the table."""
+def table_row(row: dict[str, Any]) -> list[Any]:
+    """One row of the table, in the order of :data:`HEADERS`."""
     goal = "ok" if row["ratio"] <= TARGET_RATIO else "over"
-    return (f"{row['model']:<11} {row['device']:<6} {row['batch']:>5} {row['parameters']:>9} "
-            f"{row['plain_ms']:>9.2f} {row['curve_ms']:>9.2f} {row['ratio']:>6.2f} {row['best_ratio']:>6.2f} "
-            f"{goal:>5}")
-
-
-def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The whole table, header included."""
-    return "\n".join([HEADER, "-" * len(HEADER)] + [format_row(r) for r in rows])
+    return [row["model"], row["device"], row["batch"], row["parameters"], row["plain_ms"], row["curve_ms"],
+            row["ratio"], row["best_ratio"], goal]  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="models to time")
     parser.add_argument("--devices", nargs="+", choices=["cpu", "cuda"], default=None,
                         help="devices (default: cpu, and cuda when available)")
-    parser.add_argument("--batch", type=int, default=None,
+    parser.add_argument("--batch", type=positive_int, default=None,
                         help="batch size (default: 128; ResNet20x4 on the CPU: 16)")
-    parser.add_argument("--repeats", type=int, default=None,
+    parser.add_argument("--repeat", type=positive_int, default=None,
                         help="timed steps of each kind, median reported (default: 41 digits-cnn, 7 resnet20x4)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: the thread's CPU time (with --threads 1 on a busy CPU machine)")
-    parser.add_argument("--quick", action="store_true", help="5 repeats")
+    parser.add_argument("--quick", action="store_true", help="--repeat 5")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,9 +172,6 @@ def run(args: argparse.Namespace) -> int:
 
     import pyperm
 
-    if (args.repeats is not None and args.repeats < 1) or (args.batch is not None and args.batch < 1):
-        print("repeats and batch must be positive", file=sys.stderr)
-        return 2
     if args.devices and "cuda" in args.devices and not torch.cuda.is_available():
         print("no CUDA device: drop --devices cuda", file=sys.stderr)
         return 2
@@ -188,11 +180,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"pyperm {pyperm.__version__}  torch {torch.__version__}  threads {torch.get_num_threads()}  "
           f"clock {args.clock}  goal: curve step <= {TARGET_RATIO} x plain step")
     print("plain = SGD step of the model; curve = CurveTrainer.step of a 1-bend Bezier curve of the same model "
-          "on the same batch;\nmedian ms of alternating runs; ratio = curve / plain; (best) = fastest / fastest")
-    print(HEADER)
-    print("-" * len(HEADER), flush=True)
-    bench(args.models, args.devices, args.batch, 5 if args.quick else args.repeats, args.seed,
-          report=lambda row: print(format_row(row), flush=True), clock=args.clock)
+          "on the same batch;\nmedian ms of alternating runs; ratio = curve / plain; (best) = fastest / fastest",
+          flush=True)
+    rows = bench(args.models, args.devices, args.batch, 5 if args.quick else args.repeat, args.seed,
+                 report=lambda row: print(f"{row['model']} on {row['device']}: ratio {row['ratio']:.2f}",
+                                          file=sys.stderr, flush=True),
+                 clock=args.clock)
+    print(text_table(HEADERS, [table_row(r) for r in rows]))
     return 0
 
 

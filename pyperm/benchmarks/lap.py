@@ -17,7 +17,9 @@ import numpy as np
 
 import pyperm
 from pyperm._ext import core
-from pyperm.benchmarks._report import format_table, save_bar_plot, time_call
+from pyperm._tables import text_table
+from pyperm.benchmarks._report import save_bar_plot, time_call
+from pyperm._argtypes import choices_list, int_at_least, positive_int
 
 Solver = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
 
@@ -183,22 +185,22 @@ def run_case(case: Case, rng: np.random.Generator, repeat: int, threads: int | N
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated cases (default: all): {', '.join(CASES)}")
+    parser.add_argument("--cases", type=choices_list(list(CASES)), default=list(CASES),
+                        help=f"comma-separated cases (default: all): {', '.join(CASES)}")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
-    parser.add_argument("--repeat", type=int, default=5, help="timed calls per solver and case (median reported)")
-    parser.add_argument("--threads", type=int, default=None, help="threads for the batch solvers (default: all cores)")
+    parser.add_argument("--repeat", type=positive_int, default=5,
+                        help="timed calls per solver and case (median reported)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="threads for the batch solvers (default: all cores)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall time, or the calling thread's CPU time (steadier on a busy machine; "
                              "single-threaded solvers only)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int_at_least(0), default=0)
     parser.add_argument("--plot", metavar="PNG", help="also save a bar chart of time / scipy per case")
 
 
 def run(args: argparse.Namespace) -> int:
-    names = QUICK if args.quick else [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        raise SystemExit(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+    names = QUICK if args.quick else args.cases
     print(f"pyperm {pyperm.__version__}, kernels: {core.best_isa()}, "
           f"threads: {args.threads or core.hardware_threads()}, clock: {args.clock}, medians of {args.repeat}")
     rng = np.random.default_rng(args.seed)
@@ -218,9 +220,9 @@ def run(args: argparse.Namespace) -> int:
             plot_series.setdefault(solver.replace(" (loop)", "").replace("_batch", "").replace(".batch", ""), {})[name] = vs_scipy
         if ours in times and fastest:
             summary.append([name, times[ours] / times.get(scipy_key, float("nan")), fastest, times[ours] / peers[fastest]])
-    print(format_table(["case", "solver", "median ms", "/ scipy", "/ fastest peer", "note"], table))
+    print(text_table(["case", "solver", "median ms", "/ scipy", "/ fastest peer", "note"], table))
     print()
-    print(format_table(["case", "pyperm / scipy", "fastest peer", "pyperm / fastest peer"], summary))
+    print(text_table(["case", "pyperm / scipy", "fastest peer", "pyperm / fastest peer"], summary))
     if args.plot:
         series = {s: [vals.get(n) for n in names] for s, vals in plot_series.items()}
         save_bar_plot(args.plot, "assignment solvers: time relative to scipy (lower is faster)", names, series,

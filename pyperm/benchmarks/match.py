@@ -1,58 +1,104 @@
 """``pyperm bench match``: weight matching (Git Re-Basin Algorithm 1), pyperm against a reference.
 
-Four cases, each a pair of independently initialised models (seeded): MLP
-784-512-512-512-10, MLP 784-[2048]x4-10, ResNet20 x16 (shortcut B, widths 256/512/1024)
-and VGG16 with BatchNorm. ``pyperm.nn.weight_matching`` is timed against
-:func:`reference_weight_matching`, a straightforward implementation in the style of the
-public PyTorch port of Git Re-Basin: every step rebuilds its group's similarity from all
-its weights (float32 torch matmuls) and solves it with
-``scipy.optimize.linear_sum_assignment``. Both visit the groups in the same seeded order,
-so their objectives are comparable; pyperm's must be at least the reference's.
+Three tables, each from pairs of independently initialised models (seeded):
+
+- The flat cases (``--models``): MLP 784-512-512-512-10, MLP 784-[2048]x4-10, ResNet20 x16
+  (shortcut B, widths 256/512/1024) and VGG16 with BatchNorm. ``pyperm.nn.weight_matching`` from
+  the identity is timed against :func:`reference_weight_matching`, a straightforward
+  implementation in the style of the public PyTorch port of Git Re-Basin: every step rebuilds its
+  group's similarity from all its weights (float32 torch matmuls) and solves it with
+  ``scipy.optimize.linear_sum_assignment``. Both visit the groups in the same seeded order, so
+  their objectives are comparable; pyperm's must be at least the reference's (exit status 1).
+- Structured specs (``--structured``): torchvision's AlexNet and VGG11-BN with the flat traced
+  spec and the structured one (``PermutationSpec.from_model(..., structured=True)``, which adds
+  the flattened classifier input), and ResNet20 x16 with its spec written in structured forms
+  (the same groups). Each row gives the similarity products of one sweep in which every
+  similarity is computed whole (2 n^2 K flops per group and tensor), the arithmetic behind the
+  structured/flat ratio.
+- The starts (``--starts``): ``init="identity"``, ``"signatures"`` and the default ``"best"``
+  on the bundled models, torchvision's MobileNetV2 and timm's ViT-Tiny (``--planted``: also on a
+  model and a permuted copy of it, where the identity start stalls on MobileNetV2 and ViT).
 
 Times are medians (and the best) of ``--repeat`` runs of the public API (validation
-included), after one untimed run of pyperm per model; the speedup and the target check
-use the medians. The objectives are both
-computed by ``pyperm.nn.matching_objective``; ``same perms`` says whether the two found
-identical permutations. Exit status 1 when pyperm's objective is below the reference's.
+included), the contenders of a row alternating round by round, after one untimed run each;
+``--clock cpu`` with ``--threads 1`` measures the thread's CPU time, steady on a busy machine.
+The objectives of the flat table are both computed by ``pyperm.nn.matching_objective``;
+``same perms`` says whether the two found identical permutations.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from pyperm.benchmarks._report import time_call
+from pyperm._argtypes import choices_list, int_at_least, positive_int
+from pyperm._tables import markdown_table, text_table
+from pyperm.benchmarks._match_starts import MODELS as START_MODELS
+from pyperm.benchmarks._match_structured import CASES as STRUCTURED_CASES
+from pyperm.benchmarks._report import time_calls
 from pyperm.testing import reference_weight_matching
 
-# Target seconds on the 2-core development machine (the pyperm.nn issue).
-TARGETS = {"mlp512": 0.04, "mlp2048": 3.0, "resnet20x16": 1.0, "vgg16": 2.0}
-DESCRIPTIONS = {
-    "mlp512": "MLP 784-512-512-512-10",
-    "mlp2048": "MLP 784-[2048]x4-10",
-    "resnet20x16": "ResNet20 x16 (shortcut B)",
-    "vgg16": "VGG16-BN (CIFAR)",
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark model: its registry name, what the table calls it, and its target seconds."""
+
+    model: str
+    description: str
+    target: float
+
+
+# Targets: seconds on the 2-core development machine.
+CASES = {
+    "mlp512": Case("mlp:784,512,512,512,10", "MLP 784-512-512-512-10", 0.04),
+    "mlp2048": Case("mlp:784,2048,2048,2048,2048,10", "MLP 784-[2048]x4-10", 3.0),
+    "resnet20x16": Case("resnet20:16", "ResNet20 x16 (shortcut B)", 1.0),
+    "vgg16": Case("vgg16", "VGG16-BN (CIFAR)", 2.0),
 }
 
 
+# The structured table's cases without --structured CASES.
+STRUCTURED_DEFAULT = ["alexnet", "vgg11_bn", "resnet20x16-tiled"]
+
+
 def build_model(name: str, seed: int):
-    """One of the benchmark models, initialised from ``seed`` without touching the global RNG."""
+    """The benchmark model ``name`` (a key of :data:`CASES`), initialised from ``seed`` (global RNG untouched)."""
     import torch
 
-    from pyperm.nn.models import MLP, VGG16, ResNet20
+    from pyperm.nn.models import create_model
 
-    factories: dict[str, Callable[[], torch.nn.Module]] = {
-        "mlp512": lambda: MLP([784, 512, 512, 512, 10]),
-        "mlp2048": lambda: MLP([784, 2048, 2048, 2048, 2048, 10]),
-        "resnet20x16": lambda: ResNet20(width_multiplier=16),
-        "vgg16": lambda: VGG16(),
-    }
-    if name not in factories:
-        raise ValueError(f"unknown model {name!r}; choose from {sorted(factories)}")
+    if name not in CASES:
+        raise ValueError(f"unknown model {name!r}; choose from {sorted(CASES)}")
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        return factories[name]()
+        return create_model(CASES[name].model)
+
+
+# torchvision and timm models: the input that traces them (their specs do not depend on its size).
+LIBRARY_INPUTS = {"alexnet": (1, 3, 64, 64), "vgg11_bn": (1, 3, 64, 64), "mobilenet_v2": (1, 3, 64, 64),
+                  "vit_tiny": (1, 3, 224, 224)}  # fmt: skip
+
+
+def library_model(name: str, seed: int):
+    """A torchvision model (or ``vit_tiny``: timm's vit_tiny_patch16_224) initialised from ``seed`` in
+    eval mode, and an input that traces it. ModuleNotFoundError when the library is missing."""
+    import torch
+
+    from pyperm.testing import import_torchvision
+
+    if name not in LIBRARY_INPUTS:
+        raise ValueError(f"unknown library model {name!r}; choose from {sorted(LIBRARY_INPUTS)}")
+    tv = import_torchvision()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        if name == "vit_tiny":
+            import timm
+
+            model = timm.create_model("vit_tiny_patch16_224", pretrained=False)
+        else:
+            model = getattr(tv.models, name)(weights=None)
+    return model.eval(), torch.zeros(LIBRARY_INPUTS[name])
 
 
 @dataclass
@@ -62,56 +108,106 @@ class Row:
     groups: int
     ours_s: float
     ours_best: float
-    ours_sweeps: int
+    ours_iterations: int
     ours_obj: float
     ref_s: float | None = None
-    ref_sweeps: int | None = None
+    ref_iterations: int | None = None
     ref_obj: float | None = None
     same_perms: bool | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs of pyperm per model (median reported)")
     parser.add_argument(
-        "--reference-repeat", type=int, default=1, help="timed runs of the (slow) reference per model (median)"
+        "--repeat", type=positive_int, default=3, help="timed runs of pyperm per model (median reported)"
+    )
+    parser.add_argument(
+        "--reference-repeat", type=positive_int, default=1, help="timed runs of the (slow) reference per model (median)"
     )
     parser.add_argument(
         "--models",
-        default=",".join(TARGETS),
-        help=f"comma-separated subset of {','.join(TARGETS)} (default: all)",
+        type=choices_list(list(CASES)),
+        default=list(CASES),
+        help=f"comma-separated subset of {','.join(CASES)} (default: all)",
     )
     parser.add_argument("--no-reference", action="store_true", help="time pyperm only")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the visiting order")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the visiting order")
     parser.add_argument("--model-seeds", type=int, nargs=2, default=(1, 2), metavar=("A", "B"))
     parser.add_argument("--plot", metavar="PNG", help="save a bar chart of the times to this file")
+    parser.add_argument("--structured", nargs="?", type=choices_list(list(STRUCTURED_CASES)),
+                        const=STRUCTURED_DEFAULT, default=None, metavar="CASES",
+                        help="also the flat and structured specs of one pair, side by side (cases: "
+                             f"{','.join(STRUCTURED_CASES)}; default {','.join(STRUCTURED_DEFAULT)}; "
+                             "AlexNet and VGG need torchvision)")
+    parser.add_argument("--starts", nargs="?", type=choices_list(list(START_MODELS)), const=list(START_MODELS),
+                        default=None, metavar="MODELS",
+                        help="also the starts table: identity, signatures and the default (default models: "
+                             f"{','.join(START_MODELS)}; the last two need torchvision and timm)")
+    parser.add_argument("--planted", action="store_true",
+                        help="the starts table also on a model and a permuted copy of it")
+    parser.add_argument("--no-flat", action="store_true", help="skip the flat table (--models)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: the thread's CPU time (with --threads 1 on a busy machine)")
+    parser.add_argument("--markdown", action="store_true", help="print the tables as markdown")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     import pyperm
-    from pyperm.nn import matching_objective, weight_matching
 
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in names if m not in TARGETS]
-    if unknown:
-        print(f"unknown models {unknown}; choose from {','.join(TARGETS)}", file=sys.stderr)
-        return 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     print(
         f"pyperm {pyperm.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"model seeds {tuple(args.model_seeds)}, order seed {args.seed}"
+        f"model seeds {tuple(args.model_seeds)}, order seed {args.seed}, clock {args.clock}"
     )
-    rows: list[Row] = []
     failures: list[str] = []
-    for name in names:
+    if not args.no_flat:
+        rows = _flat_rows(args, failures)
+        _print_table(rows, args.markdown)
+        if args.plot:
+            _plot(rows, args.plot)
+            print(f"plot saved to {args.plot}")
+    if args.structured:
+        from pyperm.benchmarks import _match_structured
+
+        print("\nflat and structured specs of one pair, from the identity (first sweep Gflop: every similarity "
+              "computed whole; run Gflop: the products the run needed, from the units that moved)", flush=True)  # fmt: skip
+        table = _match_structured.rows(args.structured, tuple(args.model_seeds), args.repeat, args.clock, args.seed,
+                                       _report)  # fmt: skip
+        _print(_match_structured.HEADERS, table, args.markdown)
+    if args.starts:
+        from pyperm.benchmarks import _match_starts
+
+        print("\nthe starts: identity, signatures and the default (best)", flush=True)
+        kinds = ["independent", "planted"] if args.planted else ["independent"]
+        table, failed = _match_starts.rows(args.starts, kinds, tuple(args.model_seeds), args.repeat, args.clock,
+                                           args.seed, _report)  # fmt: skip
+        failures += failed
+        _print(_match_starts.HEADERS, table, args.markdown)
+    for f in failures:
+        print("FAIL:", f, file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _flat_rows(args: argparse.Namespace, failures: list[str]) -> list[Row]:
+    """The flat table: pyperm from the identity against the reference, model by model."""
+    import torch
+
+    from pyperm.nn import matching_objective, weight_matching
+
+    rows: list[Row] = []
+    for name in args.models:
         model_a = build_model(name, args.model_seeds[0])
         model_b = build_model(name, args.model_seeds[1])
         spec = model_a.permutation_spec()
         sa, sb = model_a.state_dict(), model_b.state_dict()
         # One untimed run first: the process's first call of weight matching pays about 12 ms
         # of one-time costs, a third of MLP-512's time. The identity start: Algorithm 1 as the
-        # reference (and every other library) runs it; the default "best" also runs a second start.
-        ours = time_call(lambda: weight_matching(spec, sa, sb, seed=args.seed, init="identity"), args.repeat)
+        # reference (and every other library) runs it; the starts table times the default.
+        ours = time_calls({"": lambda: weight_matching(spec, sa, sb, seed=args.seed, init="identity")}, args.repeat,
+                          clock=args.clock)[""]  # fmt: skip
         t_ours, best, res = ours.median, ours.best, ours.result
         row = Row(
             name=name,
@@ -119,82 +215,73 @@ def run(args: argparse.Namespace) -> int:
             groups=len(spec.sizes),
             ours_s=t_ours,
             ours_best=best,
-            ours_sweeps=res.sweeps,
+            ours_iterations=res.iterations,
             ours_obj=matching_objective(spec, sa, sb, res.perms),
         )
         if not args.no_reference:
             # The reference's runs last seconds, where one-time costs do not show: no warm-up.
-            ref = time_call(
-                lambda: reference_weight_matching(spec, sa, sb, seed=args.seed), args.reference_repeat, warmup=False
-            )
+            ref = time_calls({"": lambda: reference_weight_matching(spec, sa, sb, seed=args.seed)},
+                             args.reference_repeat, clock=args.clock, warmup=False)[""]  # fmt: skip
             t_ref, (perm_ref, sweeps_ref) = ref.median, ref.result
-            row.ref_s, row.ref_sweeps = t_ref, sweeps_ref
+            row.ref_s, row.ref_iterations = t_ref, sweeps_ref
             row.ref_obj = matching_objective(spec, sa, sb, perm_ref)
             row.same_perms = all(torch.equal(perm_ref[g], res.perms[g]) for g in spec.sizes)
             if row.ours_obj < row.ref_obj - 1e-6 * abs(row.ref_obj):
                 failures.append(f"{name}: objective {row.ours_obj:.9g} below the reference's {row.ref_obj:.9g}")
         rows.append(row)
         _print_row(row)
-    _print_table(rows)
-    if args.plot:
-        _plot(rows, args.plot)
-        print(f"plot saved to {args.plot}")
-    for f in failures:
-        print("FAIL:", f, file=sys.stderr)
-    return 1 if failures else 0
+    return rows
+
+
+def _report(line: str) -> None:
+    print(line, flush=True)
+
+
+def _print(headers: list[str], table: list[list], markdown: bool) -> None:
+    print()
+    print(markdown_table(headers, table) if markdown else text_table(headers, table), flush=True)
 
 
 def _print_row(row: Row) -> None:
-    msg = f"  {row.name}: pyperm {row.ours_s:.3f} s, best {row.ours_best:.3f} s ({row.ours_sweeps} sweeps)"
+    msg = f"  {row.name}: pyperm {row.ours_s:.3f} s, best {row.ours_best:.3f} s ({row.ours_iterations} sweeps)"
     if row.ref_s is not None:
-        msg += f", reference {row.ref_s:.3f} s ({row.ref_sweeps} sweeps)"
+        msg += f", reference {row.ref_s:.3f} s ({row.ref_iterations} sweeps)"
     print(msg, flush=True)
 
 
-def _print_table(rows: list[Row]) -> None:
-    head = (
-        f"{'model':<28}{'params':>11}{'groups':>7}{'sweeps':>9}{'pyperm s':>10}{'best s':>9}{'ref s':>9}{'speedup':>9}"
-        f"{'target s':>9}{'met':>5}{'objective (pyperm)':>21}{'objective (ref)':>19}{'same perms':>11}"
-    )
-    print()
-    print(head)
-    print("-" * len(head))
+def _print_table(rows: list[Row], markdown: bool) -> None:
+    headers = ["model", "params", "groups", "sweeps", "pyperm s", "best s", "ref s", "speedup", "target s", "met",
+               "objective (pyperm)", "objective (ref)", "same perms"]  # fmt: skip
+    table = []
     for r in rows:
-        sweeps = f"{r.ours_sweeps}" + (f"/{r.ref_sweeps}" if r.ref_sweeps is not None else "")
-        ref_s = f"{r.ref_s:9.3f}" if r.ref_s is not None else f"{'-':>9}"
-        speed = f"{r.ref_s / r.ours_s:8.1f}x" if r.ref_s is not None else f"{'-':>9}"
-        ref_obj = f"{r.ref_obj:19.6f}" if r.ref_obj is not None else f"{'-':>19}"
-        same = f"{str(r.same_perms):>11}" if r.same_perms is not None else f"{'-':>11}"
-        target = TARGETS[r.name]
-        met = "yes" if r.ours_s <= target else "no"
-        print(
-            f"{DESCRIPTIONS[r.name]:<28}{r.params:>11,}{r.groups:>7}{sweeps:>9}"
-            f"{r.ours_s:10.3f}{r.ours_best:9.3f}{ref_s}{speed}"
-            f"{target:9.2f}{met:>5}{r.ours_obj:21.6f}{ref_obj}{same}"
-        )
+        case = CASES[r.name]
+        sweeps = f"{r.ours_iterations}" + (f"/{r.ref_iterations}" if r.ref_iterations is not None else "")
+        speedup = f"{r.ref_s / r.ours_s:.1f}x" if r.ref_s is not None else None
+        table.append([
+            case.description, f"{r.params:,}", r.groups, sweeps, r.ours_s, r.ours_best, r.ref_s, speedup, case.target,
+            "yes" if r.ours_s <= case.target else "no", f"{r.ours_obj:.6f}",
+            None if r.ref_obj is None else f"{r.ref_obj:.6f}", r.same_perms,
+        ])  # fmt: skip
+    _print(headers, table, markdown)
 
 
 def _plot(rows: list[Row], path: str) -> None:
-    import matplotlib
+    from pyperm._plotting import agg_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [DESCRIPTIONS[r.name] for r in rows]
+    labels = [CASES[r.name].description for r in rows]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(1.8 + 2.2 * len(rows), 4))
+    fig = agg_figure(1.8 + 2.2 * len(rows), 4, layout="tight")
+    ax = fig.add_subplot()
     ax.bar([i - 0.2 for i in x], [r.ours_s for r in rows], width=0.4, label="pyperm")
     if any(r.ref_s is not None for r in rows):
         ax.bar([i + 0.2 for i in x], [r.ref_s or 0 for r in rows], width=0.4, label="reference (scipy LSA)")
-    ax.scatter(list(x), [TARGETS[r.name] for r in rows], marker="_", s=600, color="k", label="target", zorder=3)
+    ax.scatter(list(x), [CASES[r.name].target for r in rows], marker="_", s=600, color="k", label="target", zorder=3)
     ax.set_yscale("log")
     ax.set_ylabel("seconds (median)")
     ax.set_xticks(list(x), labels, rotation=10)
     ax.set_title("weight matching, two independently initialised models")
     ax.legend()
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":  # python -m pyperm.benchmarks.match

@@ -8,9 +8,14 @@ on the same batches in one run:
 
 - ``plain``: a training step (forward, backward, Adam) of the model alone;
 - ``sweep``: one sweep of similarity products (every group's similarity computed once);
-- ``ste``: a step of :func:`pyperm.nn.ste_matching` (the time of a run over ``k`` batches
-  minus a run over one batch, divided by ``k - 1``, so the starting weight matching is
-  not counted);
+- ``ste``: a step of :func:`pyperm.nn.ste_matching` with its defaults (the time of a run
+  over ``k`` batches minus a run over one batch, divided by ``k - 1``, so the starting
+  weight matching and the judging of the start and of the last permutations are not
+  counted). ``k - 1`` is a multiple of ``judge_every`` (by default ``k = 1 +
+  judge_every``) and both runs judge on the same batches (the default number of the
+  ``k`` training batches), so the periodic judging of the candidates (a forward pass
+  over the judging batches) is counted at its rate per step: in these runs the
+  permutations change at every step, the costliest case;
 - ``scratch``: a plain step plus pyperm's weight matching from scratch on the free
   weights: how the published implementation projects at every step, with pyperm's solver;
 - ``published``: a plain step plus :func:`pyperm.testing.reference_weight_matching`, a
@@ -30,7 +35,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from pyperm.benchmarks._report import format_table, time_call
+from pyperm._tables import text_table
+from pyperm.benchmarks._report import time_call
+from pyperm._argtypes import choices_list, int_at_least, positive_int
 
 MODELS = ("digits-mlp512", "resnet20x4")
 TARGET_FLOOR_RATIO = 1.5
@@ -38,10 +45,24 @@ TARGET_SCRATCH_RATIO = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
-    parser.add_argument("--steps", type=int, default=8, help="STE steps per timed run (at least 2)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs of each contender (median reported)")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--models", type=choices_list(MODELS), default=list(MODELS),
+                        help=f"comma-separated subset of {','.join(MODELS)}")
+    # The default is resolved in run(): reading ste_matching's signature here would import torch
+    # whenever the command line builds its parser.
+    parser.add_argument("--steps", type=int_at_least(2), default=None,
+                        help="STE steps per timed run (at least 2; default 1 + ste_matching's judge_every, so that "
+                             "the periodic judging is counted at its rate)")
+    parser.add_argument("--repeat", type=positive_int, default=3, help="timed runs of each contender (median reported)")
+    parser.add_argument("--batch-size", type=positive_int, default=64)
+
+
+def _judge_every() -> int:
+    """:func:`~pyperm.nn.ste_matching`'s default ``judge_every`` (read from its signature: one source)."""
+    import inspect
+
+    from pyperm.nn.align.ste import ste_matching
+
+    return inspect.signature(ste_matching).parameters["judge_every"].default
 
 
 def _median_time(fn: Callable[[], object], repeat: int) -> float:
@@ -51,9 +72,9 @@ def _median_time(fn: Callable[[], object], repeat: int) -> float:
 def _setup(name: str, batch_size: int, steps: int):
     """The model, two endpoint state dicts and ``steps`` batches."""
     import torch
-    import torch.nn.functional as F
 
-    from pyperm.nn.models import MLP, ResNet20
+    from pyperm.nn._training import train_classifier
+    from pyperm.nn.models import create_model
 
     g = torch.Generator().manual_seed(0)
     if name == "digits-mlp512":
@@ -62,24 +83,19 @@ def _setup(name: str, batch_size: int, steps: int):
         x, y = load_digits(return_X_y=True)
         x = torch.tensor(x / 16.0, dtype=torch.float32)
         y = torch.tensor(y, dtype=torch.int64)
-        states = []
-        for seed in (1, 2):
-            torch.manual_seed(seed)
-            model = MLP([64, 512, 512, 512, 10])
-            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-            for _ in range(2):
-                for i in range(0, len(x), batch_size):
-                    opt.zero_grad()
-                    F.cross_entropy(model(x[i : i + batch_size]), y[i : i + batch_size]).backward()
-                    opt.step()
-            states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        model = create_model("mlp:64,512,512,512,10")
+        epoch = [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]
+        # Two epochs of Adam: endpoints that classify.
+        states = [train_classifier(model, epoch, epochs=2, lr=1e-3, seed=seed) for seed in (1, 2)]
         order = torch.randperm(len(x), generator=g)[: steps * batch_size]
-        batches = [(x[order[i : i + batch_size]], y[order[i : i + batch_size]]) for i in range(0, len(order), batch_size)]
+        batches = [(x[order[i : i + batch_size]], y[order[i : i + batch_size]])
+                   for i in range(0, len(order), batch_size)]  # fmt: skip
     elif name == "resnet20x4":
         states = []
         for seed in (1, 2):
-            torch.manual_seed(seed)
-            model = ResNet20(width_multiplier=4)
+            with torch.random.fork_rng():  # untrained endpoints: the timing does not depend on the weights
+                torch.manual_seed(seed)
+                model = create_model("resnet20:4")
             states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         batches = [
             (torch.randn(batch_size, 3, 32, 32, generator=g), torch.randint(10, (batch_size,), generator=g))
@@ -135,21 +151,19 @@ def run(args: argparse.Namespace) -> int:
     from pyperm.nn import ste_matching, weight_matching
     from pyperm.testing import reference_weight_matching
 
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in names if m not in MODELS]
-    if unknown or args.steps < 2 or args.repeat < 1:
-        print(f"choose models from {','.join(MODELS)}; --steps >= 2 and --repeat >= 1")
-        return 2
     rows = []
     failed = False
-    for name in names:
-        model, sa, sb, batches = _setup(name, args.batch_size, args.steps)
+    steps = 1 + _judge_every() if args.steps is None else args.steps
+    for name in args.models:
+        model, sa, sb, batches = _setup(name, args.batch_size, steps)
         spec = model.permutation_spec()
         k = len(batches)
         plain = _median_time(_plain_steps(model, sa, batches), args.repeat) / k
         sweep = _median_time(_one_sweep(spec, sa, sb), args.repeat)
-        ste_k = _median_time(lambda: ste_matching(model, spec, sa, sb, batches), args.repeat)
-        ste_1 = _median_time(lambda: ste_matching(model, spec, sa, sb, batches[:1]), args.repeat)
+        # Both runs judge on the same batches (by default each would judge on its own data's
+        # first batches, and the difference would count the start's judging as steps).
+        ste_k = _median_time(lambda: ste_matching(model, spec, sa, sb, batches, judge_data=batches), args.repeat)
+        ste_1 = _median_time(lambda: ste_matching(model, spec, sa, sb, batches[:1], judge_data=batches), args.repeat)
         ste = (ste_k - ste_1) / (k - 1)
         scratch = plain + _median_time(lambda: weight_matching(spec, sa, sb, init="identity"), args.repeat)
         published = plain + _median_time(lambda: reference_weight_matching(spec, sa, sb), 1)
@@ -163,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         "model", "plain ms", "sweep ms", "floor ms", "ste ms", "scratch ms", "published ms",
         "ste/floor", "scratch/ste", "published/ste",
     ]
-    print(format_table(headers, rows))
+    print(text_table(headers, rows))
     print(
         f"targets: ste/floor <= {TARGET_FLOOR_RATIO}, published/ste >= {TARGET_SCRATCH_RATIO} "
         "(medians of --repeat runs; the reference runs once)"

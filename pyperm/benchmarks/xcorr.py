@@ -15,23 +15,25 @@ from typing import Any
 
 import numpy as np
 
+from pyperm._tables import text_table
 from pyperm.benchmarks._report import time_calls
+from pyperm._argtypes import int_at_least, positive_int
 
 DEFAULT_DIMS = (512, 1024, 2048, 4096)
 DEFAULT_BATCHES = (256, 1024, 4096)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dims", type=int, nargs="+", default=list(DEFAULT_DIMS),
+    parser.add_argument("--dims", type=positive_int, nargs="+", default=list(DEFAULT_DIMS),
                         help="channels of both streams (dim_a = dim_b)")
-    parser.add_argument("--batches", type=int, nargs="+", default=list(DEFAULT_BATCHES),
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=list(DEFAULT_BATCHES),
                         help="samples per update")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="input precision")
-    parser.add_argument("--repeats", type=int, default=7, help="timed runs of each (median reported)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--repeat", type=positive_int, default=7, help="timed runs of each (median reported)")
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="threads of pyperm's kernels (default: all cores; BLAS uses its own setting)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="dims 512 1024, batches 256 1024, 3 repeats")
+    parser.add_argument("--seed", type=int_at_least(0), default=0)
+    parser.add_argument("--quick", action="store_true", help="dims 512 1024, batches 256 1024, --repeat 3")
     parser.add_argument("--plot", metavar="PNG", default=None, help="also save a plot of the ratios")
 
 
@@ -46,7 +48,7 @@ def _check(acc_cls: Any, xa: np.ndarray, xb: np.ndarray, threads: int | None) ->
     return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-300))
 
 
-def measure(dim: int, batch: int, dtype: np.dtype, repeats: int, threads: int | None,
+def measure(dim: int, batch: int, dtype: np.dtype, repeat: int, threads: int | None,
             rng: np.random.Generator) -> dict[str, float]:
     from pyperm import CrossCorrelation
 
@@ -55,7 +57,7 @@ def measure(dim: int, batch: int, dtype: np.dtype, repeats: int, threads: int | 
     error = _check(CrossCorrelation, xa[: min(batch, 512)], xb[: min(batch, 512)], threads)
     acc = CrossCorrelation(dim, dim, threads=threads)
     # The warm-up update allocates the accumulator and the workspace.
-    t = time_calls({"update": lambda: acc.update(xa, xb), "blas": lambda: xa.T @ xb}, repeats)
+    t = time_calls({"update": lambda: acc.update(xa, xb), "blas": lambda: xa.T @ xb}, repeat)
     upd, blas = t["update"].samples, t["blas"].samples
     u, b = 1e3 * t["update"].median, 1e3 * t["blas"].median
     return {"dim": dim, "batch": batch, "update_ms": u, "blas_ms": b, "ratio": u / b,
@@ -68,28 +70,22 @@ def run(args: argparse.Namespace) -> int:
 
     dims = [512, 1024] if args.quick else args.dims
     batches = [256, 1024] if args.quick else args.batches
-    repeats = 3 if args.quick else args.repeats
-    if repeats < 1 or min(dims) < 1 or min(batches) < 1:
-        print("dims, batches and repeats must be positive", file=sys.stderr)
-        return 2
+    repeat = 3 if args.quick else args.repeat
     dtype = np.dtype(args.dtype)
     rng = np.random.default_rng(args.seed)
     print(f"pyperm {pyperm.__version__}  numpy {np.__version__}  hardware threads {core.hardware_threads()}  "
-          f"kernel threads {args.threads or 'all'}  dtype {dtype}  repeats {repeats}")
+          f"kernel threads {args.threads or 'all'}  dtype {dtype}  repeat {repeat}")
     print("update = CrossCorrelation.update(xa, xb); blas = xa.T @ xb on the same (batch, dim) data; "
           "median ms, alternating runs;\nratio = median update / median blas; (min) = fastest update / fastest "
           "blas, steadier on a busy machine; GFLOP/s of the update")
-    header = (f"{'dim':>6} {'batch':>6} {'update ms':>10} {'blas ms':>10} {'ratio':>6} {'(min)':>6} "
-              f"{'GFLOP/s':>8} {'check':>9}")
-    print(header)
-    print("-" * len(header))
     results = []
     for dim in dims:
         for batch in batches:
-            r = measure(dim, batch, dtype, repeats, args.threads, rng)
-            results.append(r)
-            print(f"{dim:>6} {batch:>6} {r['update_ms']:>10.2f} {r['blas_ms']:>10.2f} {r['ratio']:>6.2f} "
-                  f"{r['min_ratio']:>6.2f} {r['gflops']:>8.1f} {r['check']:>9.1e}", flush=True)
+            results.append(measure(dim, batch, dtype, repeat, args.threads, rng))
+            print(f"dim {dim}, batch {batch}: ratio {results[-1]['ratio']:.2f}", file=sys.stderr, flush=True)
+    keys = ("dim", "batch", "update_ms", "blas_ms", "ratio", "min_ratio", "gflops", "check")
+    print(text_table(["dim", "batch", "update ms", "blas ms", "ratio", "(min)", "GFLOP/s", "check"],
+                     [[r[k] for k in keys] for r in results]))  # fmt: skip
     worst = max(results, key=lambda r: r["ratio"])
     print(f"worst ratio {worst['ratio']:.2f} at dim {worst['dim']}, batch {worst['batch']} "
           f"(check: max relative error of the co-moment against float64 numpy)")
@@ -101,12 +97,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _plot(results: list[dict[str, float]], dims: list[int], batches: list[int], path: str,
           dtype: np.dtype) -> None:
-    import matplotlib
+    from pyperm._plotting import agg_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = agg_figure(6, 4, layout="tight")
+    ax = fig.add_subplot()
     for batch in batches:
         rows = [r for r in results if r["batch"] == batch]
         ax.plot([r["dim"] for r in rows], [r["ratio"] for r in rows], marker="o", label=f"batch {batch}")
@@ -118,9 +112,7 @@ def _plot(results: list[dict[str, float]], dims: list[int], batches: list[int], 
     ax.set_ylabel("update time / (xa.T @ xb) time")
     ax.set_title(f"CrossCorrelation.update overhead over BLAS ({dtype})")
     ax.legend()
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

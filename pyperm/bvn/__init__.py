@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from pyperm._arrays import is_cuda_input, like
-from pyperm._checks import check_int, check_nonnegative_real, numpy_generator
+from pyperm._checks import check_choice, check_int, check_nonnegative_real, numpy_generator
 from pyperm._progress import ProgressArg, progress_callback
 from pyperm.bvn import _cpu
 from pyperm.bvn.doubly_stochastic import project_doubly_stochastic, sinkhorn
@@ -170,10 +170,7 @@ def birkhoff_decomposition(
     >>> bool(np.allclose(recon, D))
     True
     """
-    if not isinstance(method, str):
-        raise TypeError(f"method must be a str, got {type(method).__name__}")
-    if method not in _METHODS:
-        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    method = check_choice(method, "method", _METHODS)
     max_terms = check_int(max_terms, "max_terms", 1, allow_none=True)
     tol = check_nonnegative_real(tol, "tol")
     if is_cuda_input(D) and method == "max-weight":
@@ -208,7 +205,10 @@ def sample_permutations(
     method: str = "max-weight",
     atol: float | None = None,
 ) -> Any:
-    """Random permutations near a doubly stochastic matrix (Tatro et al., appendix E.4).
+    """Random permutations near a doubly stochastic matrix (Tatro et al., 2020, appendix E.4).
+
+    The sampling of PAM in N. J. Tatro et al., "Optimizing Mode Connectivity via Neuron
+    Alignment" (NeurIPS 2020).
 
     Decomposes ``D`` (:func:`birkhoff_decomposition`, max-weight by default), keeps the
     first ``max_terms`` terms, renormalises their coefficients to sum to 1 and draws
@@ -254,6 +254,7 @@ def sample_permutations(
     """
     num_samples = check_int(num_samples, "num_samples", 0)
     max_terms = check_int(max_terms, "max_terms", 1)
+    method = check_choice(method, "method", _METHODS)  # before D may be copied to the host for it
     rng = numpy_generator(generator)
     on_device = is_cuda_input(D) and method == "max-weight"
     source = D if on_device else _cpu.host_matrix(D, "D")

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from pyperm._arrays import is_cuda_input, is_torch_tensor, real_float_array
+from pyperm._arrays import check_finite, check_square, is_cuda_input, is_torch_tensor, real_float_array
 from pyperm._ext import core
 
 __all__ = ["decompose", "defects", "host_matrix"]
@@ -24,10 +24,8 @@ def host_matrix(D: Any, name: str) -> np.ndarray:
     elif is_cuda_input(D):
         raise TypeError(f"{name} is a device array; pass a numpy array or a torch tensor")
     arr = real_float_array(D, name, 2)
-    if arr.shape[0] != arr.shape[1]:
-        raise ValueError(f"{name} must be square, got shape {arr.shape}")
-    if not np.isfinite(arr).all():
-        raise ValueError(f"{name} contains NaN or infinite entries")
+    check_square(arr.shape, name)
+    check_finite(arr, name)
     return arr
 
 

@@ -1,4 +1,5 @@
-"""The CUDA backend of the Birkhoff-von Neumann decomposition (max-weight, Tatro et al. eq. 54).
+"""The CUDA backend of the Birkhoff-von Neumann decomposition (max-weight: Tatro et al.,
+"Optimizing Mode Connectivity via Neuron Alignment", 2020, eq. 54).
 
 Each term is the perfect matching of largest total weight on the support of the residual
 :math:`R`: a warm-started assignment solve on the device with cost :math:`-R` on the
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from pyperm._arrays import check_finite, check_square, real_float_tensor
 from pyperm._cuda_arrays import as_device_array, dtype_name, torch_launch
 from pyperm._ext import cuda_module
 from pyperm._progress import keep_going
@@ -27,13 +29,9 @@ def device_matrix(D: Any, name: str) -> Any:
     src = as_device_array(D, name, 2)
     torch = sys.modules["torch"]
     t = src.owner if torch.is_tensor(src.owner) else torch.as_tensor(src.owner, device=f"cuda:{src.device}")
-    if t.dtype not in (torch.float32, torch.float64):
-        t = t.to(torch.float64)
-    t = t.detach()
-    if t.shape[0] != t.shape[1]:
-        raise ValueError(f"{name} must be square, got shape {tuple(t.shape)}")
-    if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{name} contains NaN or infinite entries")
+    t = real_float_tensor(t.detach(), name)
+    check_square(t.shape, name)
+    check_finite(t, name)
     return t
 
 

@@ -11,12 +11,21 @@ from typing import Any
 
 import numpy as np
 
-from pyperm._arrays import is_cuda_input, is_torch_tensor, real_float_array, to_numpy
+from pyperm._arrays import (
+    check_finite,
+    check_square,
+    is_cuda_input,
+    is_torch_tensor,
+    real_float_array,
+    real_float_tensor,
+    to_numpy,
+)
 from pyperm._checks import check_int, check_nonnegative_real
 
 __all__ = ["project_doubly_stochastic", "sinkhorn"]
 
 logger = logging.getLogger("pyperm")
+
 
 class _Ops:
     """The handful of array operations the iterations need, for numpy or torch."""
@@ -46,37 +55,20 @@ class _Ops:
     def max_abs(self, x) -> float:
         return float(x.abs().max()) if self.torch else float(np.abs(x).max())
 
-    def all_finite(self, x) -> bool:
-        if self.torch:
-            import torch
-
-            return bool(torch.isfinite(x).all())
-        return bool(np.isfinite(x).all())
-
 
 def _square_batch(M: Any, name: str):
     """Validates a (..., n, n) real array; returns it as float32/float64 (torch stays torch)."""
     if is_torch_tensor(M):
-        import torch
-
-        if M.is_complex():
-            raise ValueError(f"{name} must be real, got complex dtype {M.dtype}")
-        if M.dtype not in (torch.float32, torch.float64):
-            M = M.to(torch.float64)
-        arr = M
+        arr = real_float_tensor(M, name)
+    elif is_cuda_input(M):
+        raise TypeError(f"{name} is a device array; pass a numpy array or a torch tensor")
     else:
-        if is_cuda_input(M):
-            raise TypeError(f"{name} is a device array; pass a numpy array or a torch tensor")
         arr = to_numpy(M, name)
-        if arr.ndim < 2:
-            raise ValueError(f"{name} must be a 2-D (n, n) or batched (..., n, n) array, got shape {arr.shape}")
         arr = real_float_array(arr, name, arr.ndim)
     if arr.ndim < 2:
         raise ValueError(f"{name} must be a 2-D (n, n) or batched (..., n, n) array, got shape {tuple(arr.shape)}")
-    if arr.shape[-1] != arr.shape[-2]:
-        raise ValueError(f"{name} must be square in its last two dimensions, got shape {tuple(arr.shape)}")
-    if not _Ops(arr).all_finite(arr):
-        raise ValueError(f"{name} contains NaN or infinite entries")
+    check_square(arr.shape, name)
+    check_finite(arr, name)
     return arr
 
 
@@ -94,10 +86,11 @@ def project_doubly_stochastic(M: Any, iters: int = 20) -> Any:
             + \tfrac{\mathbf{1}^\top X \mathbf{1} + n}{n^2}\,\mathbf{1}\mathbf{1}^\top,
 
     then onto the second, :math:`X \leftarrow \max(X, 0)`. This is the projection step of
-    the projected gradient descent in Tatro et al. (appendix E.2, 20 iterations). The
-    result is non-negative; its row and column sums approach 1 as ``iters`` grows (von
-    Neumann's alternating projections converge to a point of the intersection, not
-    necessarily the nearest one). A doubly stochastic input is returned unchanged.
+    the projected gradient descent of PAM in Tatro et al., "Optimizing Mode Connectivity
+    via Neuron Alignment" (NeurIPS 2020), appendix E.2, with 20 iterations. The result is
+    non-negative; its row and column sums approach 1 as ``iters`` grows (von Neumann's
+    alternating projections converge to a point of the intersection, not necessarily the
+    nearest one). A doubly stochastic input is returned unchanged.
 
     Parameters
     ----------

@@ -9,9 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
 import logging
-import math
 import os
 import sys
 import time
@@ -19,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pyperm._argtypes import int_at_least, model_name, positive_int, shape
 
 __all__ = [
     "CommandError",
@@ -31,22 +31,13 @@ __all__ = [
     "load_data",
     "prepare_out",
     "resolve_device",
-    "write_json",
 ]
 
-# One line per bundled model: the positional argument (if any) and the keyword arguments it takes.
-BUNDLED_MODELS = {
-    "mlp": "mlp:IN,HIDDEN...,OUT (e.g. mlp:784,512,512,10)",
-    "resnet20": "resnet20[:WIDTH_MULTIPLIER] (e.g. resnet20:4)",
-    "vgg16": "vgg16[:WIDTH_MULTIPLIER]",
-    "vgg11": "vgg11[:WIDTH_MULTIPLIER]",
-    "tinyten": "tinyten[:WIDTH_MULTIPLIER]",
-}
+# The names themselves are the registry's (pyperm.nn.models.create_model); a malformed one is
+# refused with the list of them all. Listing them here would import torch for `pyperm --help`.
 MODEL_HELP = (
-    "the architecture: "
-    + ", ".join(BUNDLED_MODELS.values())
-    + ", or path/to/file.py:ClassName (constructed without arguments); conv models take keyword options after the name,"
-    " e.g. resnet20:4,in_channels=1,num_classes=10"
+    "a bundled model by name, as pyperm.nn.models.create_model reads it: e.g. mlp:784,512,512,10, resnet20:4, "
+    "vgg16, tinyten:2,in_channels=1; or path/to/file.py:ClassName (constructed without arguments)"
 )
 
 
@@ -59,10 +50,11 @@ class CommandError(Exception):
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """``--model`` and ``--example-input-shape``."""
-    parser.add_argument("--model", required=True, metavar="SPEC", help=MODEL_HELP)
+    parser.add_argument("--model", required=True, metavar="SPEC", type=model_name, help=MODEL_HELP)
     parser.add_argument(
         "--example-input-shape",
         metavar="N,C,H,W",
+        type=shape,
         help="shape of an input batch, for tracing a user model that has no permutation_spec() method (e.g. 1,3,32,32)",
     )
 
@@ -86,11 +78,11 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = False) 
         "--std", metavar="S[,S...]", help="the std of --mean's normalisation (e.g. 0.2470,0.2435,0.2616)"
     )
     parser.add_argument(
-        "--batch-size", type=int, default=256, help="batch size of every pass over the data (default 256)"
+        "--batch-size", type=positive_int, default=256, help="batch size of every pass over the data (default 256)"
     )
     parser.add_argument(
         "--max-samples",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="use the first N training and N test samples only (default: all)",
@@ -102,7 +94,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="folder for the outputs (created if missing)")
     parser.add_argument("--force", action="store_true", help="overwrite existing output files")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of every random choice (default 0)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
@@ -159,22 +151,6 @@ def prepare_out(out: str | Path, names: list[str], force: bool) -> Path:
     return out
 
 
-def write_json(path: Path, obj: Any) -> Path:
-    """``obj`` as indented json (NaN written as null, which json parsers accept)."""
-    path.write_text(json.dumps(_finite(obj), indent=2) + "\n")
-    return path
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 class Timer:
     """Wall time of a block: ``with Timer() as t: ...; t.seconds``."""
 
@@ -229,37 +205,6 @@ class LoadedModel:
         return torch.randn(self.input_shape, generator=torch.Generator().manual_seed(0)).to(device)
 
 
-def _parse_shape(text: str | None, option: str = "--example-input-shape") -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    try:
-        shape = tuple(int(s) for s in text.split(","))
-    except ValueError:
-        raise CommandError(f"{option} {text!r}: expected comma-separated positive integers (e.g. 1,3,32,32)") from None
-    if not shape or min(shape) < 1:
-        raise CommandError(f"{option} {text!r}: expected comma-separated positive integers (e.g. 1,3,32,32)")
-    return shape
-
-
-def _parse_options(name: str, text: str) -> tuple[list[int], dict[str, int]]:
-    """``"4,in_channels=1"`` -> ([4], {"in_channels": 1})."""
-    positional: list[int] = []
-    keywords: dict[str, int] = {}
-    for part in filter(None, text.split(",")):
-        key, eq, value = part.partition("=")
-        try:
-            number = int(value if eq else key)
-        except ValueError:
-            raise CommandError(f"--model {name}: {part!r} is not an integer or key=integer") from None
-        if eq:
-            keywords[key.strip()] = number
-        elif keywords:
-            raise CommandError(f"--model {name}: positional {part!r} after a key=value option")
-        else:
-            positional.append(number)
-    return positional, keywords
-
-
 def _user_model(spec_text: str, shape: tuple[int, ...] | None) -> LoadedModel:
     file_name, _, class_name = spec_text.rpartition(":")
     path = Path(file_name)
@@ -297,46 +242,23 @@ def _user_model(spec_text: str, shape: tuple[int, ...] | None) -> LoadedModel:
     return LoadedModel(spec_text, model, PermutationSpec.from_model(model, example), shape)
 
 
-def build_model(spec_text: str, example_input_shape: str | None = None) -> LoadedModel:
-    """The model named by ``--model`` and its permutation spec.
+def build_model(spec_text: str, shape: tuple[int, ...] | None = None) -> LoadedModel:
+    """The model named by ``--model`` and its permutation spec; ``shape`` is ``--example-input-shape``.
 
     Raises
     ------
     CommandError
-        An unknown name, bad options, or a user model file that cannot be used.
+        A model name whose options are out of range, or a user model file that cannot be used.
     """
-    shape = _parse_shape(example_input_shape)
     if ".py:" in spec_text:
         return _user_model(spec_text, shape)
-    from pyperm.nn import models
+    from pyperm.nn.models import create_model, input_shape
 
-    name, _, options = spec_text.partition(":")
-    name = name.lower()
-    if name not in BUNDLED_MODELS:
-        raise CommandError(f"--model {spec_text!r}: unknown model {name!r}; expected {MODEL_HELP}")
-    positional, keywords = _parse_options(spec_text, options)
     try:
-        if name == "mlp":
-            if keywords or len(positional) < 2:
-                raise CommandError(f"--model {spec_text!r}: expected mlp:IN,HIDDEN...,OUT (e.g. mlp:784,512,512,10)")
-            model = models.MLP(positional)
-            default_shape: tuple[int, ...] = (2, positional[0])
-        else:
-            if len(positional) > 1:
-                raise CommandError(f"--model {spec_text!r}: takes one positional option, the width multiplier")
-            if positional:
-                keywords["width_multiplier"] = positional[0]
-            cls = {
-                "resnet20": models.ResNet20,
-                "vgg16": models.VGG16,
-                "vgg11": models.VGG11,
-                "tinyten": models.TinyTen,
-            }[name]
-            model = cls(**keywords)
-            default_shape = (2, keywords.get("in_channels", 3), 32, 32)
-    except TypeError as exc:
-        raise CommandError(f"--model {spec_text!r}: {exc}") from exc
-    return LoadedModel(spec_text, model, model.permutation_spec(), shape or default_shape)
+        model = create_model(spec_text)
+    except ValueError as exc:
+        raise CommandError(f"--model: {exc}") from exc
+    return LoadedModel(spec_text, model, model.permutation_spec(), shape or input_shape(spec_text))
 
 
 # ------------------------------------------------------------------------------ data
@@ -359,10 +281,6 @@ def load_data(args: argparse.Namespace, device: Any) -> Data | None:
         return None
     from pyperm.datasets import load_dataset, to_batches
 
-    if args.batch_size < 1:
-        raise CommandError(f"--batch-size must be positive, got {args.batch_size}")
-    if args.max_samples is not None and args.max_samples < 1:
-        raise CommandError(f"--max-samples must be positive, got {args.max_samples}")
     ds = load_dataset(args.data, seed=args.seed).subset(args.max_samples, args.max_samples)
     if args.mean is not None or args.std is not None:
         ds = ds.normalized(_floats(args.mean or "0", "--mean"), _floats(args.std or "1", "--std"))
@@ -412,16 +330,3 @@ def has_batchnorm(model: Any) -> bool:
 def float_state(state: dict, device: Any) -> dict:
     """The state with floating tensors in float32 on ``device`` (the methods compute in float32)."""
     return {k: (v.float() if v.is_floating_point() else v).to(device) for k, v in state.items()}
-
-
-def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
-    """A Markdown table; floats with 4 significant digits."""
-
-    def cell(v: Any) -> str:
-        if isinstance(v, float):
-            return "n/a" if math.isnan(v) else f"{v:.4g}"
-        return "n/a" if v is None else str(v)
-
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)

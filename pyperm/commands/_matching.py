@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from pyperm._argtypes import nonnegative_int, positive_float, positive_int
 from pyperm.commands._common import CommandError, Data, LoadedModel, Timer
 
 __all__ = ["METHODS", "add_matching_arguments", "match"]
@@ -15,7 +16,10 @@ METHODS = ("weight", "activation", "ste")
 def add_matching_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of the matching methods (each ignored by the methods it does not concern)."""
     parser.add_argument(
-        "--max-iter", type=int, default=100, help="weight matching: most sweeps over the groups (default 100)"
+        "--max-iter",
+        type=nonnegative_int,
+        default=100,
+        help="weight matching: most sweeps over the groups (default 100; 0: the start as it is)",
     )
     parser.add_argument(
         "--init",
@@ -26,14 +30,16 @@ def add_matching_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-batches",
-        type=int,
+        type=positive_int,
         default=None,
         help="activation/STE matching: most training batches to read (default: all)",
     )
     parser.add_argument(
-        "--ste-epochs", type=int, default=1, help="STE matching: passes over the training data (default 1)"
+        "--ste-epochs", type=positive_int, default=1, help="STE matching: passes over the training data (default 1)"
     )
-    parser.add_argument("--ste-lr", type=float, default=1e-3, help="STE matching: Adam's learning rate (default 1e-3)")
+    parser.add_argument(
+        "--ste-lr", type=positive_float, default=1e-3, help="STE matching: Adam's learning rate (default 1e-3)"
+    )
 
 
 def match(
@@ -44,7 +50,7 @@ def match(
     data: Data | None,
     args: argparse.Namespace,
     device: Any,
-) -> tuple[dict, dict[str, Any]]:
+) -> tuple[Any, dict[str, Any]]:
     """Permutations of B's groups into A's basin by ``method``, and what to report about the search.
 
     Parameters
@@ -65,8 +71,8 @@ def match(
 
     Returns
     -------
-    perms : dict of str to torch.Tensor
-        One permutation per group of the spec (CPU int64).
+    perms : pyperm.nn.Permutations
+        One permutation per group of the spec.
     info : dict
         ``method``, ``seconds`` and the method's own record (objective per sweep, similarities, losses).
     """
@@ -76,8 +82,6 @@ def match(
         raise CommandError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
     if method != "weight" and data is None:
         raise CommandError(f"--method {method} reads activations: it needs --data")
-    if args.max_batches is not None and args.max_batches < 1:
-        raise CommandError(f"--max-batches must be positive, got {args.max_batches}")
     info: dict[str, Any] = {"method": method}
     with Timer() as timer:
         if method == "weight":
@@ -85,15 +89,15 @@ def match(
                 loaded.spec, state_a, state_b, max_iter=args.max_iter, seed=args.seed, init=args.init,
                 progress=args.progress,
             )
-            perms = dict(result.perms)
-            info.update(objective_per_sweep=list(result.objective), sweeps=result.sweeps, converged=result.converged)
+            info.update(
+                objective_per_sweep=list(result.objective), iterations=result.iterations, converged=result.converged
+            )
         elif method == "activation":
             model_a = _model_with(loaded, state_a, device)
             model_b = _model_with(loaded, state_b, device)
             result = pnn.activation_matching(
-                model_a, model_b, data.train, spec=loaded.spec, max_batches=args.max_batches, progress=args.progress
+                model_a, model_b, loaded.spec, data.train, max_batches=args.max_batches, progress=args.progress
             )
-            perms = dict(result.perms)
             info.update(
                 similarity=dict(result.similarity),
                 identity_similarity=dict(result.identity_similarity),
@@ -113,12 +117,11 @@ def match(
                 max_batches=args.max_batches,
                 progress=args.progress,
             )
-            perms = dict(result.perms)
             info.update(midpoint_loss_per_step=list(result.loss), best_step=result.best_step)
     info["seconds"] = timer.seconds
-    info["objective"] = pnn.matching_objective(loaded.spec, state_a, state_b, perms)
+    info["objective"] = pnn.matching_objective(loaded.spec, state_a, state_b, result.perms)
     info["identity_objective"] = pnn.matching_objective(loaded.spec, state_a, state_b)
-    return {g: p.cpu() for g, p in perms.items()}, info
+    return result.perms, info
 
 
 def _model_with(loaded: LoadedModel, state: dict, device: Any) -> Any:

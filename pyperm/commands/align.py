@@ -12,14 +12,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pyperm.commands._common import (
-    add_common_arguments,
-    add_data_arguments,
-    add_model_arguments,
-    cli_errors,
-    markdown_table,
-    write_json,
-)
+from pyperm._json import write_json
+from pyperm._tables import markdown_table
+from pyperm._argtypes import int_at_least
+from pyperm.commands._common import add_common_arguments, add_data_arguments, add_model_arguments, cli_errors
 from pyperm.commands._matching import METHODS, add_matching_arguments
 
 HELP = "permute checkpoint B into checkpoint A's basin (weight, activation or STE matching)"
@@ -45,23 +41,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_data_arguments(parser)
     add_matching_arguments(parser)
-    parser.add_argument("--num-points", type=int, default=11, help="points on each path for the barriers (default 11)")
+    parser.add_argument(
+        "--num-points", type=int_at_least(2), default=11, help="points on each path for the barriers (default 11)"
+    )
     add_common_arguments(parser)
 
 
 def path_barriers(
     loaded: Any, state_a: dict, paths: dict[str, dict], data: Any, num_points: int, device: Any, progress: bool
 ) -> dict:
-    """``barrier`` of A with each state of ``paths`` on the test batches (BatchNorm reset on the training batches)."""
+    """``barrier`` of A with each state of ``paths`` on the test batches (BatchNorm reset on the training batches).
+
+    Shared with ``pyperm barrier``.
+    """
     import copy
 
     from pyperm import nn as pnn
     from pyperm.commands._common import has_batchnorm
 
     model = copy.deepcopy(loaded.module).to(device)
-    reset = data.train if has_batchnorm(model) else None
+    bn_data = data.train if has_batchnorm(model) else None
     return {
-        label: pnn.barrier(model, state_a, state_b, data.test, num_points=num_points, reset_bn=reset, progress=progress)
+        label: pnn.barrier(
+            model, state_a, state_b, data.test, num_points=num_points, bn_data=bn_data, progress=progress
+        )
         for label, state_b in paths.items()
     }
 
@@ -70,27 +73,12 @@ def path_barriers(
 def run(args: argparse.Namespace) -> int:
     """Align, write the permuted checkpoint and the reports; print where they are."""
     from pyperm.checkpoints import default_name, output_paths, save_checkpoint
-    from pyperm.commands._checkpoint_pair import (
-        function_gap,
-        load_for_model,
-        refuse_inputs,
-    )
-    from pyperm.commands._common import (
-        CommandError,
-        build_model,
-        check_inputs,
-        float_state,
-        load_data,
-        prepare_out,
-        resolve_device,
-    )
+    from pyperm.commands._checkpoint_pair import function_gap, load_for_model, refuse_inputs
+    from pyperm.commands._common import build_model, check_inputs, float_state, load_data, prepare_out, resolve_device
     from pyperm.commands._matching import match
-    from pyperm.commands._plots import plot_paths
-    from pyperm.nn import apply_permutation
+    from pyperm.nn import apply_permutation, plot_paths
 
     device = resolve_device(args.device)
-    if args.num_points < 2:
-        raise CommandError(f"--num-points must be at least 2, got {args.num_points}")
     loaded = build_model(args.model, args.example_input_shape)
     ckpt_a, ckpt_b = load_for_model([args.a, args.b], loaded)
     out = Path(args.out)
@@ -122,9 +110,7 @@ def run(args: argparse.Namespace) -> int:
         "b": str(ckpt_b.path),
         "model": loaded.name,
         "format": ckpt_b.format,
-        "groups": [
-            {"name": g, "size": int(p.numel()), "units_moved": int((p != _arange(p)).sum())} for g, p in perms.items()
-        ],
+        "groups": [{"name": g, "size": p.numel(), "units_moved": _moved(p)} for g, p in perms.items()],
         "matching": info,
         "max_output_change_of_b": gap,
         "dropped_wrapper_entries": ckpt_b.dropped,
@@ -139,10 +125,10 @@ def run(args: argparse.Namespace) -> int:
         report["barriers"] = {label: r.to_dict() for label, r in barriers.items()}
 
     written = save_checkpoint(ckpt_b, permuted, ckpt_files[0], force=args.force)
-    write_json(out / "permutations.json", {g: [int(i) for i in p] for g, p in perms.items()})
+    write_json(out / "permutations.json", perms.to_dict())
     write_json(out / "report.json", report)
     if barriers is not None:
-        plot_paths(out / "barrier.png", barriers, f"{loaded.name}: naive vs {args.method} matching")
+        plot_paths(barriers, out / "barrier.png", title=f"{loaded.name}: naive vs {args.method} matching")
     (out / "report.md").write_text(_markdown(report, barriers))
 
     print(f"B permuted into A's basin by {args.method} matching in {info['seconds']:.2f} s: {written[0]}")
@@ -156,10 +142,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _arange(p: Any) -> Any:
+def _moved(p: Any) -> int:
+    """How many units a permutation moves."""
     import torch
 
-    return torch.arange(p.numel(), device=p.device)
+    return int((p != torch.arange(p.numel())).sum())
 
 
 def _markdown(report: dict[str, Any], barriers: dict | None) -> str:
@@ -192,7 +179,7 @@ def _markdown(report: dict[str, Any], barriers: dict | None) -> str:
         rows = [[i if i else "0 (B as is)", v] for i, v in enumerate(info["objective_per_sweep"])]
         lines += [
             "",
-            f"## Objective per sweep ({info['sweeps']} sweeps, converged: {info['converged']})",
+            f"## Objective per sweep ({info['iterations']} sweeps, converged: {info['converged']})",
             "",
             markdown_table(["sweep", "objective"], rows),
         ]

@@ -10,14 +10,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pyperm.commands._common import (
-    add_common_arguments,
-    add_data_arguments,
-    add_model_arguments,
-    cli_errors,
-    markdown_table,
-    write_json,
-)
+from pyperm._json import write_json
+from pyperm._tables import markdown_table
+from pyperm._argtypes import int_at_least
+from pyperm.commands._common import add_common_arguments, add_data_arguments, add_model_arguments, cli_errors
 from pyperm.commands._matching import METHODS, add_matching_arguments
 
 HELP = "loss and accuracy along the linear path between two checkpoints, naive and (with --align) matched"
@@ -42,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also the path to B matched by this method (repeatable)",
     )
     add_matching_arguments(parser)
-    parser.add_argument("--num-points", type=int, default=11, help="evenly spaced points on each path (default 11)")
+    parser.add_argument(
+        "--num-points", type=int_at_least(2), default=11, help="evenly spaced points on each path (default 11)"
+    )
     add_common_arguments(parser)
 
 
@@ -50,23 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Evaluate the paths, write the reports and the plot, print the barriers."""
     from pyperm.commands._checkpoint_pair import load_for_model
-    from pyperm.commands._common import (
-        CommandError,
-        build_model,
-        check_inputs,
-        float_state,
-        load_data,
-        prepare_out,
-        resolve_device,
-    )
+    from pyperm.commands._common import build_model, check_inputs, float_state, load_data, prepare_out, resolve_device
     from pyperm.commands._matching import match
-    from pyperm.commands._plots import plot_paths
     from pyperm.commands.align import path_barriers
-    from pyperm.nn import apply_permutation
+    from pyperm.nn import apply_permutation, plot_paths
 
     device = resolve_device(args.device)
-    if args.num_points < 2:
-        raise CommandError(f"--num-points must be at least 2, got {args.num_points}")
     loaded = build_model(args.model, args.example_input_shape)
     ckpt_a, ckpt_b = load_for_model([args.a, args.b], loaded)
     out = prepare_out(Path(args.out), ["report.json", "report.md", "barrier.png"], args.force)
@@ -93,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         "matching": matchings,
     }
     write_json(out / "report.json", report)
-    plot_paths(out / "barrier.png", results, f"{loaded.name} on {data.name} (test split)")
+    plot_paths(results, out / "barrier.png", title=f"{loaded.name} on {data.name} (test split)")
     (out / "report.md").write_text(_markdown(report, results))
     for label, r in results.items():
         print(

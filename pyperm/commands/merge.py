@@ -11,14 +11,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pyperm.commands._common import (
-    add_common_arguments,
-    add_data_arguments,
-    add_model_arguments,
-    cli_errors,
-    markdown_table,
-    write_json,
-)
+from pyperm._json import write_json
+from pyperm._tables import markdown_table
+from pyperm._argtypes import positive_int
+from pyperm.commands._common import add_common_arguments, add_data_arguments, add_model_arguments, cli_errors
 
 HELP = "align several checkpoints to each other and average them (merge_many, Git Re-Basin Algorithm 3)"
 
@@ -31,7 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoints", nargs="+", metavar="CKPT", help="two or more checkpoints of one architecture")
     add_model_arguments(parser)
     add_data_arguments(parser)
-    parser.add_argument("--max-iter", type=int, default=100, help="most rounds over the models (default 100)")
+    parser.add_argument(
+        "--max-iter", type=positive_int, default=100, help="most rounds over the models (default 100)"
+    )
     add_common_arguments(parser)
 
 
@@ -74,8 +72,6 @@ def run(args: argparse.Namespace) -> int:
 
     if len(args.checkpoints) < 2:
         raise CommandError(f"merge needs at least two checkpoints, got {len(args.checkpoints)}")
-    if args.max_iter < 1:
-        raise CommandError(f"--max-iter must be positive, got {args.max_iter}")
     device = resolve_device(args.device)
     loaded = build_model(args.model, args.example_input_shape)
     ckpts = load_for_model(args.checkpoints, loaded)
@@ -96,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         "command": "merge",
         "inputs": [str(c.path) for c in ckpts],
         "model": loaded.name,
-        "rounds": result.rounds,
+        "iterations": result.iterations,
         "converged": result.converged,
         "changed_per_round": list(result.history),
         "seconds": timer.seconds,
@@ -111,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     written = save_checkpoint(ckpts[0], merged, ckpt_files[0], force=args.force)
     write_json(out / "report.json", report)
     (out / "report.md").write_text(_markdown(report))
-    print(f"merged {len(ckpts)} checkpoints in {result.rounds} rounds ({timer.seconds:.2f} s): {written[0]}")
+    print(f"merged {len(ckpts)} checkpoints in {result.iterations} rounds ({timer.seconds:.2f} s): {written[0]}")
     if data is not None:
         for name, e in report["evaluation"].items():
             print(f"  {name}: test loss {e['loss']:.4f}, accuracy {100 * e['accuracy']:.2f}%")
@@ -125,7 +121,7 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         f"- inputs: {', '.join(f'`{p}`' for p in report['inputs'])}",
         (
-            f"- {report['rounds']} rounds of merge_many (converged: {report['converged']}), {report['seconds']:.3f} s;"
+            f"- {report['iterations']} rounds of merge_many (converged: {report['converged']}), {report['seconds']:.3f} s;"
             f" permutations changed per round: {report['changed_per_round']}"
         ),
         f"- written: {', '.join(f'`{p}`' for p in report['outputs'])}",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from pyperm._argtypes import int_at_least
 from pyperm.commands._common import cli_errors
 from pyperm.reproduce import REPORTS
 
@@ -16,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``pyperm reproduce``."""
     parser.epilog = (
         "rebasin: Git Re-Basin Fig. 2 and 4 with MLPs on digits; curves: Tatro et al. Tables 1-2 and Fig. 1; "
-        "teacher-student: paper 004's barrier vs width and PQ index; robust: Tatro et al. Fig. 4. "
+        "teacher-student: Zhan, Li and Wu (2025)'s barrier vs width and PQ index; robust: Tatro et al. Fig. 4. "
         "example: pyperm reproduce rebasin --quick --out rebasin/"
     )
     parser.add_argument("name", choices=list(REPORTS), metavar="NAME", help="the report: " + ", ".join(REPORTS))
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="folder for report.md, report.json and the PNGs")
     parser.add_argument("--force", action="store_true", help="overwrite existing output files")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of every random choice (default 0)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 

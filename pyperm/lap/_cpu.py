@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from pyperm._arrays import like, real_float_array
+from pyperm._arrays import check_finite, like, real_float_array
 from pyperm._ext import core
 
 __all__ = ["batch_linear_sum_assignment", "incremental_solver", "linear_sum_assignment", "solve_square_warm"]
@@ -29,7 +29,8 @@ def batch_linear_sum_assignment(costs: Any, maximize: bool, threads: int) -> tup
 def _check_square(cost: Any, contiguous: bool) -> None:
     """The warm solvers' cost: a square float32/float64 numpy matrix (C-contiguous if asked)."""
     if not isinstance(cost, np.ndarray) or cost.dtype not in (np.float32, np.float64):
-        raise TypeError("cost must be a float32 or float64 numpy array")
+        got = f"dtype {cost.dtype}" if isinstance(cost, np.ndarray) else type(cost).__name__
+        raise TypeError(f"cost must be a float32 or float64 array, got {got}")
     if cost.ndim != 2 or cost.shape[0] != cost.shape[1] or (contiguous and not cost.flags.c_contiguous):
         what = "square C-contiguous matrix" if contiguous else "square matrix"
         raise ValueError(f"cost must be a {what}, got shape {cost.shape}")
@@ -59,8 +60,7 @@ def solve_square_warm(cost: np.ndarray, duals: np.ndarray) -> np.ndarray:
         raise ValueError(f"duals must be a ({cost.shape[0]},) numpy array of dtype {cost.dtype}")
     if not (duals.flags.c_contiguous and duals.flags.writeable):
         raise ValueError("duals must be a writeable C-contiguous array (it is updated in place)")
-    if not np.isfinite(duals).all():
-        raise ValueError("duals must be finite")
+    check_finite(duals, "duals")
     return core.lap_solve_warm(np.ascontiguousarray(cost), duals)
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from pyperm._arrays import is_torch_tensor
-from pyperm._checks import check_bool
+from pyperm._arrays import check_finite, check_ndim, check_square, is_torch_tensor
+from pyperm._checks import check_bool, check_choice, check_int
 from pyperm._cuda_arrays import as_device_array, dtype_name, empty_int64_like, torch_launch
 from pyperm._ext import cuda_module
 
@@ -19,16 +19,10 @@ __all__ = ["batch_linear_sum_assignment", "linear_sum_assignment", "solve_square
 
 
 def _tuning(method: str, threads: int, stage: int, state_smem: int, max_rounds: int, patience: int) -> dict:
-    if method not in ("auto", "block", "device"):
-        raise ValueError(f"method must be 'auto', 'block' or 'device', got {method!r}")
-    return {
-        "method": method,
-        "threads": int(threads),
-        "stage": int(stage),
-        "state_smem": int(state_smem),
-        "max_rounds": int(max_rounds),
-        "patience": int(patience),
-    }
+    """The kernels' options, type-checked here; the bindings check their ranges (which depend on the kernel)."""
+    ints = dict(threads=threads, stage=stage, state_smem=state_smem, max_rounds=max_rounds, patience=patience)
+    checked = {name: check_int(value, name) for name, value in ints.items()}
+    return {"method": check_choice(method, "method", ("auto", "block", "device")), **checked}
 
 
 def _solve(costs: Any, maximize: bool, name: str, batched: bool, tuning: dict[str, Any], return_stats: bool):
@@ -139,8 +133,8 @@ def solve_square_warm(
         raise TypeError("solve_square_warm takes torch tensors for cost and v")
     torch = sys.modules["torch"]
     batched = cost.dim() == 3
-    if cost.dim() not in (2, 3) or cost.shape[-1] != cost.shape[-2]:
-        raise ValueError(f"cost must be (n, n) or (B, n, n), got shape {tuple(cost.shape)}")
+    check_ndim(tuple(cost.shape), (2, 3), "cost")
+    check_square(cost.shape, "cost")
     if cost.device.type != "cuda" or v.device != cost.device:
         raise ValueError(f"cost and v must be on the same CUDA device, got {cost.device} and {v.device}")
     if cost.dtype not in (torch.float32, torch.float64) or v.dtype != cost.dtype:
@@ -149,8 +143,7 @@ def solve_square_warm(
         raise ValueError(f"v must have shape {tuple(cost.shape[:-1])}, got {tuple(v.shape)}")
     if not v.is_contiguous():
         raise ValueError("v must be contiguous (it is updated in place)")
-    if not bool(torch.isfinite(v).all()):
-        raise ValueError("v must be finite")
+    check_finite(v, "v")
     cost = cost.detach().contiguous()
     n = cost.shape[-1]
     batch = cost.shape[0] if batched else 1

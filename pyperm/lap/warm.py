@@ -16,7 +16,7 @@ import numpy as np
 
 from pyperm._arrays import is_cuda_input, is_torch_tensor, like
 from pyperm._checks import check_positive_int
-from pyperm.lap._cpu import incremental_solver, solve_square_warm
+from pyperm.lap._cpu import _check_square, incremental_solver, solve_square_warm
 
 __all__ = ["WarmAssigner", "incremental_solver", "solve_square_warm"]
 
@@ -61,10 +61,7 @@ class WarmAssigner:
         if is_cuda_input(cost):
             return self._solve_cuda(cost)
         arr = cost.detach().numpy() if is_torch_tensor(cost) else cost
-        if not isinstance(arr, np.ndarray) or arr.dtype not in (np.float32, np.float64):
-            raise TypeError("cost must be a float32 or float64 numpy array or torch tensor")
-        if arr.ndim != 2 or arr.shape[0] != arr.shape[1]:
-            raise ValueError(f"cost must be a square matrix, got shape {arr.shape}")
+        _check_square(arr, contiguous=False)
         n = arr.shape[0]
         if n <= self._incremental_up_to and arr.flags.c_contiguous:
             key = (arr.__array_interface__["data"][0], arr.shape, arr.dtype.str)

@@ -30,10 +30,24 @@ from pyperm.nn.curves import (
     connect,
     correlation_signature,
     evaluate_curve,
+    garipov_schedule,
+    load_curve,
+    load_garipov_curve,
     loss_plane,
+    save_curve,
     train_curve,
 )
-from pyperm.nn.eval import BarrierResult, barrier, pgd_attack, plot_paths, repair, reset_bn_stats, robust_accuracy
+from pyperm.nn.eval import (
+    BarrierResult,
+    PathResult,
+    barrier,
+    pgd_attack,
+    plot_paths,
+    repair,
+    reset_bn_stats,
+    robust_accuracy,
+    summary_table,
+)
 from pyperm.nn.permutations import Permutations, apply_permutation
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.state import average, interpolate
@@ -50,6 +64,7 @@ __all__ = [
     "CurveTrainer",
     "MergeResult",
     "PAMResult",
+    "PathResult",
     "PermutationSpec",
     "Permutations",
     "PlaneResult",
@@ -66,7 +81,10 @@ __all__ = [
     "connect",
     "correlation_signature",
     "evaluate_curve",
+    "garipov_schedule",
     "interpolate",
+    "load_curve",
+    "load_garipov_curve",
     "loss_plane",
     "matching_objective",
     "merge_many",
@@ -78,7 +96,9 @@ __all__ = [
     "repair",
     "reset_bn_stats",
     "robust_accuracy",
+    "save_curve",
     "ste_matching",
+    "summary_table",
     "trace_model",
     "train_curve",
     "weight_matching",

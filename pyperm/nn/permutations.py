@@ -14,11 +14,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from pyperm.nn._checks import check_spec
 from pyperm.nn.spec import PermutationSpec
 
 
 def as_permutations(spec: PermutationSpec, perms: Mapping[str, Any], name: str = "perms") -> dict[str, torch.Tensor]:
     """Validates ``perms`` (one permutation per group) and returns int64 CPU tensors."""
+    if isinstance(perms, Permutations) and perms.spec is spec:
+        return dict(perms._perms)  # validated when it was built
     if not isinstance(perms, Mapping):
         raise TypeError(f"{name} must be a mapping of group names to permutations, got {type(perms).__name__}")
     missing = [g for g in spec.sizes if g not in perms]
@@ -161,12 +164,8 @@ class Permutations(Mapping):
     """
 
     def __init__(self, spec: PermutationSpec, perms: Mapping[str, Any]) -> None:
-        if not isinstance(spec, PermutationSpec):
-            raise TypeError(f"spec must be a PermutationSpec, got {type(spec).__name__}")
-        self.spec = spec
-        self._perms = perms._perms if isinstance(perms, Permutations) and perms.spec is spec else as_permutations(
-            spec, perms
-        )
+        self.spec = check_spec(spec)
+        self._perms = as_permutations(spec, perms)
 
     @classmethod
     def identity(cls, spec: PermutationSpec) -> Permutations:
@@ -196,7 +195,12 @@ class Permutations(Mapping):
             return NotImplemented
         if set(self) != set(other):
             return False
-        return all(torch.equal(p, torch.as_tensor(np.asarray(other[g])).to(torch.int64)) for g, p in self.items())
+        for g, p in self.items():
+            q = other[g]
+            q = q.detach().cpu() if isinstance(q, torch.Tensor) else torch.as_tensor(np.asarray(q))
+            if not torch.equal(p, q.to(torch.int64)):
+                return False
+        return True
 
     __hash__ = None  # type: ignore[assignment]  # mutable-looking mapping semantics, as dict
 

@@ -38,19 +38,16 @@ supports them all. Methods that need a flat spec say so (:meth:`PermutationSpec.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pyperm._checks import check_positive_int
+
+__all__ = ["AxisEntry", "Blocks", "PermutationSpec", "Segments", "Tiled", "entry_groups", "rename_entry"]
+
 AxisGroups = tuple  # tuple[AxisEntry, ...], one entry per tensor axis
-
-
-def _check_count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -102,8 +99,17 @@ class Tiled:
             if self.outer == self.group:
                 raise ValueError(f"Tiled outer must be another group than {self.group!r}")
         else:
-            _check_count(self.outer, "Tiled outer")
-        _check_count(self.inner, "Tiled inner")
+            object.__setattr__(self, "outer", check_positive_int(self.outer, "Tiled outer"))
+        object.__setattr__(self, "inner", check_positive_int(self.inner, "Tiled inner"))
+
+    def groups(self) -> tuple[str, ...]:
+        """The groups this form names: its group, then its outer group if it has one."""
+        return (self.group,) + ((self.outer,) if isinstance(self.outer, str) else ())
+
+    def renamed(self, mapping: Mapping[str, str]) -> Tiled:
+        """The same form over the groups ``mapping`` gives for its own (every one must be there)."""
+        outer = mapping[self.outer] if isinstance(self.outer, str) else self.outer
+        return Tiled(mapping[self.group], outer, self.inner)
 
 
 @dataclass(frozen=True)
@@ -156,11 +162,19 @@ class Blocks:
         if not isinstance(self.inner, str):
             raise TypeError(f"Blocks inner must be a group name, got {type(self.inner).__name__}")
         if not isinstance(self.outer, str):
-            if isinstance(self.outer, bool) or not isinstance(self.outer, int):
+            if isinstance(self.outer, bool) or not isinstance(self.outer, numbers.Integral):
                 raise TypeError(f"Blocks outer must be a group name or an int, got {type(self.outer).__name__}")
-            _check_count(self.outer, "Blocks outer")
+            object.__setattr__(self, "outer", check_positive_int(self.outer, "Blocks outer"))
         if self.outer == self.inner:
             raise ValueError(f"Blocks outer and inner must be different groups, got {self.outer!r} for both")
+
+    def groups(self) -> tuple[str, ...]:
+        """The groups this form names: its outer group if it names one, then its inner group."""
+        return (self.outer, self.inner) if isinstance(self.outer, str) else (self.inner,)
+
+    def renamed(self, mapping: Mapping[str, str]) -> Blocks:
+        """The same form over the groups ``mapping`` gives for its own (every one must be there)."""
+        return Blocks(mapping[self.outer] if isinstance(self.outer, str) else self.outer, mapping[self.inner])
 
 
 @dataclass(frozen=True, init=False)
@@ -194,30 +208,39 @@ class Segments:
         for part in parts:
             if isinstance(part, (str, Tiled, Blocks)):
                 continue
-            if isinstance(part, int) and not isinstance(part, bool):
-                _check_count(part, "a fixed Segments part")
+            if isinstance(part, numbers.Integral) and not isinstance(part, bool):
+                check_positive_int(part, "a fixed Segments part")
                 continue
             raise TypeError(f"Segments parts must be group names, ints, Tiled or Blocks, got {type(part).__name__}")
-        object.__setattr__(self, "parts", tuple(parts))
+        # Fixed parts as Python ints: the rest of the spec tells them from groups with isinstance(part, int).
+        object.__setattr__(self, "parts", tuple(p if isinstance(p, (str, Tiled, Blocks)) else int(p) for p in parts))
 
     def __repr__(self) -> str:
         return f"Segments({', '.join(map(repr, self.parts))})"
+
+    def groups(self) -> tuple[str, ...]:
+        """The groups the parts name, in axis order, each once."""
+        return tuple(dict.fromkeys(g for part in self.parts if not isinstance(part, int) for g in entry_groups(part)))
+
+    def renamed(self, mapping: Mapping[str, str]) -> Segments:
+        """The same parts over the groups ``mapping`` gives for their own (every one must be there)."""
+        return Segments(*[part if isinstance(part, int) else rename_entry(part, mapping) for part in self.parts])
 
 
 AxisEntry = str | Tiled | Blocks | Segments | None
 
 
-def _entry_groups(entry: Any) -> list[str]:
-    """The groups an axis entry names, in order, each once."""
+def entry_groups(entry: AxisEntry) -> tuple[str, ...]:
+    """The groups an axis entry names, in order, each once (none for ``None``).
+
+    Examples
+    --------
+    >>> entry_groups("h"), entry_groups(None), entry_groups(Segments("a", 2, Tiled("b", outer="c")))
+    (('h',), (), ('a', 'b', 'c'))
+    """
     if entry is None:
-        return []
-    if isinstance(entry, str):
-        return [entry]
-    if isinstance(entry, Tiled):
-        return [entry.group] + ([entry.outer] if isinstance(entry.outer, str) else [])
-    if isinstance(entry, Blocks):
-        return [entry.outer, entry.inner] if isinstance(entry.outer, str) else [entry.inner]
-    return list(dict.fromkeys(g for part in entry.parts if not isinstance(part, int) for g in _entry_groups(part)))
+        return ()
+    return (entry,) if isinstance(entry, str) else entry.groups()
 
 
 def _entry_blocks(entry: Any) -> list[Blocks]:
@@ -229,16 +252,17 @@ def _entry_blocks(entry: Any) -> list[Blocks]:
     return []
 
 
-def _rename(entry: Any, mapping: Mapping[str, str]) -> Any:
+def rename_entry(entry: AxisEntry, mapping: Mapping[str, str]) -> AxisEntry:
+    """The axis entry with every group it names replaced by ``mapping[group]`` (``None`` stays ``None``).
+
+    Examples
+    --------
+    >>> rename_entry(Segments("a", 2, Tiled("b", inner=4)), {"a": "P_0", "b": "P_1"})
+    Segments('P_0', 2, Tiled(group='P_1', outer=1, inner=4))
+    """
     if entry is None:
         return None
-    if isinstance(entry, str):
-        return mapping[entry]
-    if isinstance(entry, Tiled):
-        return Tiled(mapping[entry.group], mapping.get(entry.outer, entry.outer), entry.inner)
-    if isinstance(entry, Blocks):
-        return Blocks(mapping.get(entry.outer, entry.outer), mapping[entry.inner])
-    return Segments(*[part if isinstance(part, int) else _rename(part, mapping) for part in entry.parts])
+    return mapping[entry] if isinstance(entry, str) else entry.renamed(mapping)
 
 
 @dataclass(frozen=True)
@@ -283,10 +307,7 @@ class PermutationSpec:
 
     def __post_init__(self) -> None:
         axes = {str(k): tuple(v) for k, v in self.axes.items()}
-        sizes = {str(k): int(v) for k, v in self.sizes.items()}
-        for name, n in sizes.items():
-            if n < 1:
-                raise ValueError(f"group {name!r} has size {n}; sizes must be positive")
+        sizes = {str(k): check_positive_int(v, f"sizes[{k!r}]") for k, v in self.sizes.items()}
         used: dict[str, list[tuple[str, int]]] = {g: [] for g in sizes}
         structured = False
         for key, groups in axes.items():
@@ -299,7 +320,7 @@ class PermutationSpec:
                         f"None, got {type(entry).__name__}"
                     )
                 structured = structured or isinstance(entry, (Tiled, Blocks, Segments))
-                for g in _entry_groups(entry):
+                for g in entry_groups(entry):
                     if g not in sizes:
                         raise ValueError(f"tensor {key!r} axis {axis} names unknown group {g!r}")
                     used[g].append((key, axis))
@@ -331,7 +352,7 @@ class PermutationSpec:
                 # Tiled or Segments part, an outer group) would permute across its blocks.
                 parts = entry.parts if isinstance(entry, Segments) else (entry,)
                 for part in parts:
-                    named = [part] if isinstance(part, str) else _entry_groups(part) if isinstance(part, Tiled) else []
+                    named = [part] if isinstance(part, str) else list(part.groups()) if isinstance(part, Tiled) else []
                     named += [part.outer] if isinstance(part, Blocks) and isinstance(part.outer, str) else []
                     for g in named:
                         if g in outer_of:
@@ -589,10 +610,11 @@ class PermutationSpec:
         >>> spec.axes["0.weight"], spec.axes["2.weight"], spec.axes["2.bias"]
         (('P_0', None), (None, 'P_0'), (None,))
         """
-        # Imported here: the tracer needs torch.fx, which a spec itself never does.
-        from pyperm.nn.trace.tracer import _trace
+        # Imported here, not at the top: the tracer builds specs (pyperm.nn.trace imports this
+        # module) and needs torch.fx, which a spec itself never does.
+        from pyperm.nn.trace import trace_model
 
-        return _trace(model, example_input, composite, stacklevel=2, structured=structured).spec
+        return trace_model(model, example_input, composite=composite, structured=structured).spec
 
     def groups_in(self, other: PermutationSpec, name: str = "spec") -> dict[str, str]:
         """Map each group to the group of ``other`` acting on exactly the same axes.
@@ -651,7 +673,7 @@ class PermutationSpec:
         if len(mapping) != len(other.sizes):
             return None
         if (self.structured or other.structured) and any(
-            _rename(entry, mapping) != other.axes[key][axis]
+            rename_entry(entry, mapping) != other.axes[key][axis]
             for key, groups in self.axes.items()
             for axis, entry in enumerate(groups)
         ):

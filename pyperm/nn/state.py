@@ -9,13 +9,11 @@ modifies its inputs: every result holds new tensors.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from numbers import Real
-from typing import Any
 
 import torch
 
+from pyperm._checks import check_finite_real, check_nonnegative_real
 from pyperm.nn._checks import check_pair, check_state
 
 __all__ = ["average", "interpolate", "is_mixable"]
@@ -24,15 +22,6 @@ __all__ = ["average", "interpolate", "is_mixable"]
 def is_mixable(tensor: torch.Tensor) -> bool:
     """Whether an entry mixes linearly (floating or complex) rather than being copied (integers, booleans)."""
     return tensor.is_floating_point() or tensor.is_complex()
-
-
-def _check_real(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
 
 
 def interpolate(
@@ -81,7 +70,7 @@ def interpolate(
     (tensor([0.2500, 0.2500]), tensor(3))
     """
     check_pair(state_a, state_b)
-    t = _check_real(t, "t")
+    t = check_finite_real(t, "t")
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for key, a in state_a.items():
@@ -148,9 +137,7 @@ def average(
             weights = weights.tolist()
         if len(weights) != len(states):
             raise ValueError(f"weights has {len(weights)} entries for {len(states)} states")
-        raw = [_check_real(x, f"weights[{i}]") for i, x in enumerate(weights)]
-        if any(x < 0 for x in raw):
-            raise ValueError(f"weights must be non-negative, got {raw}")
+        raw = [check_nonnegative_real(x, f"weights[{i}]") for i, x in enumerate(weights)]
         total = sum(raw)
         if total <= 0:
             raise ValueError("weights must have a positive sum")

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pyperm.commands._common import markdown_table, write_json
+from pyperm._json import write_json
+from pyperm._tables import markdown_table
 
 __all__ = ["Finding", "findings_section", "settings_section", "write_report"]
 

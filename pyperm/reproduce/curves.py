@@ -74,20 +74,21 @@ def _midpoint_model(model: Any, curve: Any, data: dict) -> Any:
 
 def _one_pair(cfg: dict, data: dict, device: Any, seed: int, pair: int, progress: bool) -> dict[str, Any]:
     """Train two endpoints and the four curves between them; evaluate everything."""
-    from pyperm.nn.curves import connect, correlation_signature, evaluate_curve
-    from pyperm.nn.align.proximal import pam
-    from pyperm.reproduce._train import train_classifier
+    from pyperm.nn import connect, correlation_signature, evaluate_curve, pam
+    from pyperm.nn._training import train_classifier
+    from pyperm.reproduce._train import SGD_COSINE, evaluate
 
     model = cnn(cfg["width"]).to(device)
     seeds = (100 * seed + 2 * pair + 1, 100 * seed + 2 * pair + 2)
+    train = (data["x_train"], data["y_train"])
     sa, sb = (
-        train_classifier(model, data["x_train"], data["y_train"], seed=s, epochs=cfg["epochs"], batch_size=BATCH)
-        for s in seeds
+        train_classifier(model, train, batch_size=BATCH, epochs=cfg["epochs"], seed=s, **SGD_COSINE) for s in seeds
     )
     spec = _spec(model, data)
     common = {
         "epochs": cfg["curve_epochs"],
         "lr": CURVE_LR,
+        "recipe": "garipov",  # the papers' curve training: Garipov et al.'s regulariser and schedule
         "seed": seed,
         "test_data": data["test"],
         "bn_data": data["train_eval"],
@@ -96,7 +97,7 @@ def _one_pair(cfg: dict, data: dict, device: Any, seed: int, pair: int, progress
     for kind, align in (("unaligned", None), ("aligned", "activation")):
         t = time.perf_counter()
         res = connect(
-            model, sa, sb, data["train"], align=align, spec=spec, num_points=cfg["points"], progress=progress, **common
+            model, spec, sa, sb, data["train"], align=align, num_points=cfg["points"], progress=progress, **common
         )
         seconds[kind] = time.perf_counter() - t
         curves[kind], test[kind] = res.curve, res.result
@@ -104,10 +105,10 @@ def _one_pair(cfg: dict, data: dict, device: Any, seed: int, pair: int, progress
         t = time.perf_counter()
         res = pam(
             model,
+            spec,
             sa,
             sb,
             data["train"],
-            spec,
             init=init,
             perm_steps=cfg["perm_steps"],
             curve_epochs=cfg["curve_epochs"],
@@ -124,13 +125,11 @@ def _one_pair(cfg: dict, data: dict, device: Any, seed: int, pair: int, progress
         for k, c in curves.items()
     }
     model_a, model_b = _loaded(model, sa).eval(), _loaded(model, sb).eval()
-    endpoints = correlation_signature(model_a, model_b, data["train_eval"], spec)
+    endpoints = correlation_signature(model_a, model_b, spec, data["train_eval"])
     midpoints = {
-        k: correlation_signature(model_a, _midpoint_model(model, curves[k], data), data["train_eval"], spec)
+        k: correlation_signature(model_a, _midpoint_model(model, curves[k], data), spec, data["train_eval"])
         for k in ("unaligned", "aligned")
     }
-    from pyperm.reproduce._train import evaluate
-
     return {
         "test": test,
         "train": train,
@@ -251,9 +250,8 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     pathlib.Path
         ``out / "report.md"``.
     """
-    from pyperm.commands._common import markdown_table
-    from pyperm.nn.curves import plot_curve_results
-    from pyperm.reproduce._report import findings_section, settings_section, write_report
+    from pyperm.nn import plot_paths
+    from pyperm.reproduce._report import write_report
 
     cfg = SETTINGS[scale]
     start = time.perf_counter()
@@ -262,101 +260,13 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     findings = _findings(pairs)
     seconds = time.perf_counter() - start
 
-    plot_curve_results(
-        pairs[0]["test"], out / "curves_test.png", title="test accuracy and loss along the curves (first pair)"
-    )
+    plot_paths(pairs[0]["test"], out / "curves_test.png", title="test accuracy and loss along the curves (first pair)")
     _plot_signature(out / "signature.png", pairs[0])
-
-    def row(kind: str) -> list[Any]:
-        a = [100 * p["test"][kind].average_accuracy for p in pairs]
-        m = [100 * p["test"][kind].min_accuracy for p in pairs]
-        tl = [p["train"][kind].average_loss for p in pairs]
-        return [
-            kind,
-            _mean(a),
-            _std(a),
-            _mean(m),
-            _std(m),
-            _mean(tl),
-            _std(tl),
-            _mean([p["seconds"][kind] for p in pairs]),
-        ]
-
-    endpoint_acc = [100 * a for p in pairs for a in p["endpoint_accuracy"]]
-    sig = pairs[0]["signature"]
-    settings = {
-        "data": f"scikit-learn digits, {data['num_train']} training / {data['num_test']} test 8x8 images",
-        "model": f"CNN 1-{cfg['width']}-{2 * cfg['width']}-{2 * cfg['width']} channels, BatchNorm, ReLU, global average pool, linear 10",
-        "endpoints": f"{cfg['pairs']} pair(s), SGD momentum 0.9, lr 0.05 cosine, batch {BATCH}, {cfg['epochs']} epochs",
-        "curves": f"quadratic Bezier, SGD lr {CURVE_LR} momentum 0.9, {cfg['curve_epochs']} epochs, batch {BATCH}; "
-        f"alignment: activation matching (correlation of post-activations) on the training split",
-        "PAM": f"one outer iteration, {cfg['perm_steps']} projected SGD steps on the relaxed permutations, 32 BvN samples, "
-        f"{cfg['curve_epochs']} curve epochs",
-        "evaluation": f"{cfg['points']} evenly spaced points, BatchNorm statistics recomputed on the training split at each",
-    }
-    scaled = [
-        "CIFAR-10/100 and Tiny ImageNet -> digits; TinyTen/ResNet32/GoogLeNet -> a 3-layer CNN (TinyTen needs 16x16 inputs or more)",
-        f"curve training {cfg['curve_epochs']} epochs (paper: 250), {cfg['pairs']} pair(s) of endpoints (paper: several)",
-    ]
-    if scale != "full":
-        scaled.append(f"`--{scale}`: narrower CNN, fewer epochs and PAM steps than the default")
-    lines = [
-        "# Tatro et al. on digits: mode connectivity via neuron alignment",
-        "",
-        TITLE + ".",
-        "",
-        findings_section(findings),
-        "",
-        "## Tables 1-2: accuracy and training loss along the curves",
-        "",
-        f"Endpoints' test accuracy: {_mean(endpoint_acc):.2f}% ± {_std(endpoint_acc):.2f}.",
-        "",
-        markdown_table(
-            [
-                "curve",
-                "average test accuracy (%)",
-                "± std",
-                "minimum test accuracy (%)",
-                "± std",
-                "average training loss",
-                "± std",
-                "seconds",
-            ],
-            [row(k) for k in KINDS],
-        ),
-        "",
-        "![curves](curves_test.png)",
-        "",
-        "## Figure 1: correlation signature",
-        "",
-        "![signature](signature.png)",
-        "",
-        markdown_table(
-            [
-                "layer (group)",
-                "endpoints before",
-                "endpoints after",
-                "A vs unaligned midpoint",
-                "A vs aligned midpoint",
-            ],
-            [
-                [
-                    g,
-                    float(sig.before[i]),
-                    float(sig.after[i]),
-                    float(pairs[0]["midpoint_signature"]["unaligned"].before[i]),
-                    float(pairs[0]["midpoint_signature"]["aligned"].before[i]),
-                ]
-                for i, g in enumerate(sig.groups)
-            ],
-        ),
-        "",
-        settings_section(scale, settings, scaled, seconds, device),
-    ]
+    settings = _settings(scale, cfg, data, seconds, device)
     return write_report(
         out,
         "curves",
-        lines,
+        _markdown(pairs, findings, settings),
         findings,
         scale=scale,
         seed=seed,
@@ -376,8 +286,85 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     )
 
 
+def _settings(scale: str, cfg: dict, data: dict, seconds: float, device: Any) -> str:
+    """The report's Settings section: what ran, and where it is smaller than the paper."""
+    from pyperm.reproduce._report import settings_section
+
+    settings = {
+        "data": f"scikit-learn digits, {data['num_train']} training / {data['num_test']} test 8x8 images",
+        "model": f"CNN 1-{cfg['width']}-{2 * cfg['width']}-{2 * cfg['width']} channels, BatchNorm, ReLU, global average pool, linear 10",
+        "endpoints": f"{cfg['pairs']} pair(s), SGD momentum 0.9, lr 0.05 cosine, batch {BATCH}, {cfg['epochs']} epochs",
+        "curves": f"quadratic Bezier, Garipov et al.'s recipe (SGD lr {CURVE_LR} momentum 0.9, point decay 5e-4, "
+                  f"their lr schedule), {cfg['curve_epochs']} epochs, batch {BATCH}; "
+        f"alignment: activation matching (correlation of post-activations) on the training split",
+        "PAM": f"one outer iteration, {cfg['perm_steps']} projected SGD steps on the relaxed permutations, 32 BvN samples, "
+        f"{cfg['curve_epochs']} curve epochs",
+        "evaluation": f"{cfg['points']} evenly spaced points, BatchNorm statistics recomputed on the training split at each",
+    }
+    scaled = [
+        "CIFAR-10/100 and Tiny ImageNet -> digits; TinyTen/ResNet32/GoogLeNet -> a 3-layer CNN (TinyTen needs 16x16 inputs or more)",
+        f"curve training {cfg['curve_epochs']} epochs (paper: 250), {cfg['pairs']} pair(s) of endpoints (paper: several)",
+    ]
+    if scale != "full":
+        scaled.append(f"`--{scale}`: narrower CNN, fewer epochs and PAM steps than the default")
+    return settings_section(scale, settings, scaled, seconds, device)
+
+
+def _markdown(pairs: list[dict], findings: list, settings: str) -> list[str]:
+    """The lines of report.md: the findings, Tables 1-2 and Figure 1 with their plots, the settings."""
+    from pyperm._tables import markdown_table
+    from pyperm.reproduce._report import findings_section
+
+    def row(kind: str) -> list[Any]:
+        a = [100 * p["test"][kind].average_accuracy for p in pairs]
+        m = [100 * p["test"][kind].min_accuracy for p in pairs]
+        tl = [p["train"][kind].average_loss for p in pairs]
+        return [kind, _mean(a), _std(a), _mean(m), _std(m), _mean(tl), _std(tl),
+                _mean([p["seconds"][kind] for p in pairs])]  # fmt: skip
+
+    endpoint_acc = [100 * a for p in pairs for a in p["endpoint_accuracy"]]
+    sig = pairs[0]["signature"]
+    mids = pairs[0]["midpoint_signature"]
+    signature_rows = [
+        [g, float(sig.before[i]), float(sig.after[i]), float(mids["unaligned"].before[i]),
+         float(mids["aligned"].before[i])]
+        for i, g in enumerate(sig.groups)
+    ]  # fmt: skip
+    return [
+        "# Tatro et al. on digits: mode connectivity via neuron alignment",
+        "",
+        TITLE + ".",
+        "",
+        findings_section(findings),
+        "",
+        "## Tables 1-2: accuracy and training loss along the curves",
+        "",
+        f"Endpoints' test accuracy: {_mean(endpoint_acc):.2f}% ± {_std(endpoint_acc):.2f}.",
+        "",
+        markdown_table(
+            ["curve", "average test accuracy (%)", "± std", "minimum test accuracy (%)", "± std",
+             "average training loss", "± std", "seconds"],
+            [row(k) for k in KINDS],
+        ),  # fmt: skip
+        "",
+        "![curves](curves_test.png)",
+        "",
+        "## Figure 1: correlation signature",
+        "",
+        "![signature](signature.png)",
+        "",
+        markdown_table(
+            ["layer (group)", "endpoints before", "endpoints after", "A vs unaligned midpoint",
+             "A vs aligned midpoint"],
+            signature_rows,
+        ),  # fmt: skip
+        "",
+        settings,
+    ]
+
+
 def _plot_signature(path: Path, pair: dict) -> Path:
-    from pyperm.commands._plots import plot_lines
+    from pyperm._plotting import plot_lines
 
     sig = pair["signature"]
     layers = list(range(1, len(sig.groups) + 1))
@@ -385,15 +372,13 @@ def _plot_signature(path: Path, pair: dict) -> Path:
     return plot_lines(
         path,
         layers,
-        {},
-        xlabel="layer",
-        ylabel="",
-        title="correlation signature (cf. Tatro et al. Fig. 1)",
-        panels=[
+        [
             ("mean correlation, A vs B", {"before alignment": sig.before, "after alignment": sig.after}),
             (
                 "mean correlation, A vs curve midpoint",
                 {"unaligned curve": mids["unaligned"].before, "aligned curve": mids["aligned"].before},
             ),
         ],
+        xlabel="layer",
+        title="correlation signature (cf. Tatro et al. Fig. 1)",
     )

@@ -50,21 +50,22 @@ EVAL_BATCH = 512
 
 
 def _mlp(width: int, depth: int) -> Any:
-    from pyperm.nn.models import MLP
+    from pyperm.nn.models import create_model
 
-    return MLP([64] + [width] * depth + [10])
+    return create_model("mlp:" + ",".join(map(str, [64] + [width] * depth + [10])))
 
 
 def _pair(
     width: int, depth: int, epochs: int, seeds: tuple[int, int], data: dict, device: Any
 ) -> tuple[Any, dict, dict]:
     """Two MLPs trained from different seeds (initialisation and batch order)."""
-    from pyperm.reproduce._train import train_classifier
+    from pyperm.nn._training import train_classifier
+    from pyperm.reproduce._train import SGD_COSINE
 
     model = _mlp(width, depth).to(device)
+    train = (data["x_train"], data["y_train"])
     states = [
-        train_classifier(model, data["x_train"], data["y_train"], seed=s, epochs=epochs, batch_size=BATCH)
-        for s in seeds
+        train_classifier(model, train, batch_size=BATCH, epochs=epochs, seed=s, **SGD_COSINE) for s in seeds
     ]
     return model, states[0], states[1]
 
@@ -88,7 +89,7 @@ def _figure2(cfg: dict, data: dict, device: Any, seed: int, progress: bool) -> d
     model_a.load_state_dict(state_a)
     model_b.load_state_dict(state_b)
     t = time.perf_counter()
-    perms["activation"] = pnn.activation_matching(model_a, model_b, data["train"], spec=spec).perms
+    perms["activation"] = pnn.activation_matching(model_a, model_b, spec, data["train"]).perms
     seconds["activation"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -104,7 +105,7 @@ def _figure2(cfg: dict, data: dict, device: Any, seed: int, progress: bool) -> d
         results[split] = {
             label: pnn.barrier(model, state_a, sb, data[split], num_points=cfg["points"]) for label, sb in paths.items()
         }
-    return {"results": results, "seconds": seconds, "ste_steps": len(ste.loss)}
+    return {"results": results, "seconds": seconds, "ste_steps": ste.iterations}
 
 
 def _figure4(cfg: dict, data: dict, device: Any, seed: int, progress: bool) -> dict[str, Any]:
@@ -257,9 +258,7 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     """
     import torch
 
-    from pyperm.commands._common import markdown_table
-    from pyperm.commands._plots import plot_lines, plot_paths
-    from pyperm.reproduce._report import findings_section, settings_section, write_report
+    from pyperm.reproduce._report import write_report
     from pyperm.reproduce._train import digits_data
 
     cfg = SETTINGS[scale]
@@ -271,56 +270,63 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     findings = _findings(fig2, fig4)
     seconds = time.perf_counter() - start
 
-    arch = "64-" + "-".join([str(cfg["width"])] * cfg["depth"]) + "-10"
+    _plot(out, cfg, fig2, fig4)
+    settings = _settings(scale, cfg, data, fig2, seed, seconds, device)
+    return write_report(
+        out,
+        "rebasin",
+        _markdown(cfg, fig2, fig4, findings, settings),
+        findings,
+        scale=scale,
+        seed=seed,
+        seconds=seconds,
+        settings=cfg,
+        figure2={
+            split: {label: r.to_dict() for label, r in res.items()} for split, res in fig2["results"].items()
+        }
+        | {"matching_seconds": fig2["seconds"]},
+        figure4=fig4["rows"],
+    )
+
+
+def _arch(cfg: dict) -> str:
+    return "64-" + "-".join([str(cfg["width"])] * cfg["depth"]) + "-10"
+
+
+def _plot(out: Path, cfg: dict, fig2: dict, fig4: dict) -> None:
+    """fig2_test.png, fig2_train.png (the four paths) and fig4_width.png (barriers against width)."""
+    from pyperm._plotting import plot_lines
+    from pyperm.nn import plot_paths
+
     for split in ("test", "train"):
         plot_paths(
-            out / f"fig2_{split}.png",
             fig2["results"][split],
-            f"MLP {arch} on digits, {split} split (cf. Git Re-Basin Fig. 2)",
+            out / f"fig2_{split}.png",
+            title=f"MLP {_arch(cfg)} on digits, {split} split (cf. Git Re-Basin Fig. 2)",
         )
     rows = fig4["rows"]
+
+    def both(key: str, scale: float = 1.0) -> dict[str, list[float]]:
+        return {
+            "naive": [scale * r[f"naive_{key}"] for r in rows],
+            "weight matching": [scale * r[f"weight_matching_{key}"] for r in rows],
+        }
+
     plot_lines(
         out / "fig4_width.png",
         [r["width"] for r in rows],
-        {},
+        [("test loss barrier", both("loss_barrier")), ("test accuracy barrier (pp)", both("accuracy_barrier", 100))],
         xlabel="hidden width",
-        ylabel="",
         title=f"loss barrier vs width, {cfg['depth']} hidden layers on digits (cf. Git Re-Basin Fig. 4)",
         logx=True,
-        panels=[
-            (
-                "test loss barrier",
-                {
-                    "naive": [r["naive_loss_barrier"] for r in rows],
-                    "weight matching": [r["weight_matching_loss_barrier"] for r in rows],
-                },
-            ),
-            (
-                "test accuracy barrier (pp)",
-                {
-                    "naive": [100 * r["naive_accuracy_barrier"] for r in rows],
-                    "weight matching": [100 * r["weight_matching_accuracy_barrier"] for r in rows],
-                },
-            ),
-        ],
     )
 
-    path_rows = []
-    for split in ("test", "train"):
-        for label, r in fig2["results"][split].items():
-            mid = len(r.ts) // 2
-            path_rows.append(
-                [
-                    split,
-                    label,
-                    r.loss_barrier,
-                    100 * r.accuracy_barrier,
-                    float(r.loss[mid]),
-                    100 * float(r.accuracy[mid]),
-                    float(r.loss[0]),
-                    float(r.loss[-1]),
-                ]
-            )
+
+def _settings(scale: str, cfg: dict, data: dict, fig2: dict, seed: int, seconds: float, device: Any) -> str:
+    """The report's Settings section: what ran, and where it is smaller than the paper."""
+    from pyperm.reproduce._report import settings_section
+
+    arch = _arch(cfg)
     settings = {
         "data": f"scikit-learn digits, 8x8 images, {data['num_train']} training / {data['num_test']} test images (fixed shuffle, seed 0)",
         "Fig. 2 models": f"MLP {arch}, ReLU, SGD momentum 0.9, lr 0.05 cosine-decayed, batch {BATCH}, {cfg['epochs']} epochs, seeds {2 * seed + 1} and {2 * seed + 2}",
@@ -337,8 +343,28 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         scaled.append(
             f"`--{scale}`: fewer epochs ({cfg['epochs']}), STE epochs ({cfg['ste_epochs']}), widths and pairs than the default"
         )
+    return settings_section(scale, settings, scaled, seconds, device)
 
-    lines = [
+
+def _markdown(cfg: dict, fig2: dict, fig4: dict, findings: list, settings: str) -> list[str]:
+    """The lines of report.md: the findings, Figure 2's and Figure 4's tables and plots, the settings."""
+    from pyperm._tables import markdown_table
+    from pyperm.reproduce._report import findings_section
+
+    path_rows = []
+    for split in ("test", "train"):
+        for label, r in fig2["results"][split].items():
+            mid = len(r.ts) // 2
+            path_rows.append([
+                split, label, r.loss_barrier, 100 * r.accuracy_barrier, float(r.loss[mid]),
+                100 * float(r.accuracy[mid]), float(r.loss[0]), float(r.loss[-1]),
+            ])  # fmt: skip
+    width_rows = [
+        [r["width"], r["naive_loss_barrier"], r["weight_matching_loss_barrier"], 100 * r["naive_accuracy_barrier"],
+         100 * r["weight_matching_accuracy_barrier"]]
+        for r in fig4["rows"]
+    ]  # fmt: skip
+    return [
         "# Git Re-Basin on digits: linear mode connectivity after permuting",
         "",
         TITLE + ".",
@@ -352,18 +378,10 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         "![training split](fig2_train.png)",
         "",
         markdown_table(
-            [
-                "split",
-                "path",
-                "loss barrier",
-                "accuracy barrier (pp)",
-                "midpoint loss",
-                "midpoint accuracy (%)",
-                "loss at A",
-                "loss at B",
-            ],
+            ["split", "path", "loss barrier", "accuracy barrier (pp)", "midpoint loss", "midpoint accuracy (%)",
+             "loss at A", "loss at B"],
             path_rows,
-        ),
+        ),  # fmt: skip
         "",
         "Matching time: " + ", ".join(f"{m} {s:.3f} s" for m, s in fig2["seconds"].items()),
         "",
@@ -372,39 +390,10 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         "![width](fig4_width.png)",
         "",
         markdown_table(
-            [
-                "hidden width",
-                "naive loss barrier",
-                "weight-matching loss barrier",
-                "naive accuracy barrier (pp)",
-                "weight-matching accuracy barrier (pp)",
-            ],
-            [
-                [
-                    r["width"],
-                    r["naive_loss_barrier"],
-                    r["weight_matching_loss_barrier"],
-                    100 * r["naive_accuracy_barrier"],
-                    100 * r["weight_matching_accuracy_barrier"],
-                ]
-                for r in rows
-            ],
-        ),
+            ["hidden width", "naive loss barrier", "weight-matching loss barrier", "naive accuracy barrier (pp)",
+             "weight-matching accuracy barrier (pp)"],
+            width_rows,
+        ),  # fmt: skip
         "",
-        settings_section(scale, settings, scaled, seconds, device),
+        settings,
     ]
-    return write_report(
-        out,
-        "rebasin",
-        lines,
-        findings,
-        scale=scale,
-        seed=seed,
-        seconds=seconds,
-        settings=cfg,
-        figure2={
-            split: {label: r.to_dict() for label, r in res.items()} for split, res in fig2["results"].items()
-        }
-        | {"matching_seconds": fig2["seconds"]},
-        figure4=rows,
-    )

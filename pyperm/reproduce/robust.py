@@ -51,6 +51,7 @@ SETTINGS = {
         "test_samples": 397,
     },
 }
+BATCH = 64  # training batch size of the endpoints
 EPS = 0.1  # L-inf radius on [0, 1] pixels (the digits' 17 grey levels are 1/16 apart)
 CURVE_LR = 0.01
 
@@ -147,19 +148,11 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     pathlib.Path
         ``out / "report.md"``.
     """
-    import copy
-
     import torch
 
-    from pyperm import nn as pnn
-    from pyperm._progress import progress_bar
-    from pyperm.commands._common import markdown_table
-    from pyperm.commands._plots import plot_lines
-    from pyperm.nn.curves import BezierCurve, train_curve
-    from pyperm.nn.eval.robust import pgd_attack
-    from pyperm.reproduce._report import findings_section, settings_section, write_report
-    from pyperm.reproduce._train import evaluate, train_classifier
-    from pyperm.reproduce.curves import cnn, digits_batches
+    from pyperm.reproduce._report import write_report
+    from pyperm.reproduce._train import evaluate
+    from pyperm.reproduce.curves import digits_batches
 
     cfg = SETTINGS[scale]
     start = time.perf_counter()
@@ -167,31 +160,78 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     # The attacked test samples, in one batch (PGD on every point is the costly part).
     n = cfg["test_samples"]
     data["test"] = [(torch.cat([x for x, _ in data["test"]])[:n], torch.cat([y for _, y in data["test"]])[:n])]
+    model, models, ends = _endpoints(cfg, data, device, seed)
+    paths, history, seconds = _curves(cfg, data, model, ends, device, seed, progress)
+    endpoint = {name: {"clean": evaluate(m, data["test"])[1]} for name, m in models.items()}
+    findings = _findings(paths)
+    total = time.perf_counter() - start
+
+    _plot(out / "robust_curves.png", paths)
+    return write_report(
+        out,
+        "robust",
+        _markdown(cfg, data, paths, endpoint, seconds, findings, _settings(scale, cfg, data, total, device)),
+        findings,
+        scale=scale,
+        seed=seed,
+        seconds=total,
+        settings=cfg | {"eps": EPS},
+        paths=paths,
+        curve_training_loss=history,
+        endpoints=endpoint,
+    )
+
+
+def _endpoints(cfg: dict, data: dict, device: Any, seed: int) -> tuple[Any, dict[str, Any], dict[str, dict]]:
+    """Two adversarially trained CNNs: the architecture, the two models (eval mode), and B's state unaligned
+    and aligned to A by activation matching (each curve's far end), with A's state under ``"A"``."""
+    import copy
+
+    from pyperm import nn as pnn
+    from pyperm.nn._training import train_classifier
+    from pyperm.nn.eval.robust import pgd_attack
+    from pyperm.reproduce._train import SGD_COSINE
+    from pyperm.reproduce.curves import cnn
+
     train_attack = _attack(EPS, cfg["train_steps"], seed)
-    eval_attack = _attack(EPS, cfg["eval_steps"], 10_000 + seed)
 
     def perturb(model: Any, x: Any, y: Any, step: int) -> Any:
         return pgd_attack(model, x, y, **dict(train_attack, seed=train_attack["seed"] + step))
 
     model = cnn(cfg["width"]).to(device)
+    train = (data["x_train"], data["y_train"])
     sa, sb = (
         train_classifier(
-            model, data["x_train"], data["y_train"], seed=100 * seed + s, epochs=cfg["epochs"], perturb=perturb
+            model, train, batch_size=BATCH, epochs=cfg["epochs"], seed=100 * seed + s, perturb=perturb, **SGD_COSINE
         )
         for s in (1, 2)
     )
     spec = pnn.PermutationSpec.from_model(model, data["test"][0][0][:2])
-    a_model = copy.deepcopy(model)
-    a_model.load_state_dict(sa)
-    b_model = copy.deepcopy(model)
-    b_model.load_state_dict(sb)
-    perms = pnn.activation_matching(a_model.eval(), b_model.eval(), data["train_eval"], spec=spec).perms
-    ends = {"unaligned": sb, "aligned": pnn.apply_permutation(spec, perms, sb)}
+    models = {}
+    for name, state in (("A", sa), ("B", sb)):
+        models[name] = copy.deepcopy(model)
+        models[name].load_state_dict(state)
+        models[name].eval()
+    perms = pnn.activation_matching(models["A"], models["B"], spec, data["train_eval"]).perms
+    return model, models, {"A": sa, "unaligned": sb, "aligned": pnn.apply_permutation(spec, perms, sb)}
+
+
+def _curves(
+    cfg: dict, data: dict, model: Any, ends: dict[str, dict], device: Any, seed: int, progress: bool
+) -> tuple[dict, dict, dict]:
+    """Train the unaligned and the aligned robust curve; clean and robust accuracy along each, training
+    losses and seconds, by kind."""
+    from pyperm._progress import progress_bar
+    from pyperm.nn.curves import BezierCurve, train_curve
+
+    train_attack = _attack(EPS, cfg["train_steps"], seed)
+    eval_attack = _attack(EPS, cfg["eval_steps"], 10_000 + seed)
     paths, history, seconds = {}, {}, {}
-    bar = progress_bar(progress, len(ends), "robust curves", "curve")
-    for kind, end in ends.items():
+    kinds = ("unaligned", "aligned")
+    bar = progress_bar(progress, len(kinds), "robust curves", "curve")
+    for kind in kinds:
         t0 = time.perf_counter()
-        curve = BezierCurve(model, sa, end).to(device)
+        curve = BezierCurve(model, ends["A"], ends[kind]).to(device)
         # Algorithm 2 on the robust loss: every batch attacked at its point t (Tatro et al. section 5).
         history[kind] = train_curve(
             curve, data["train"], epochs=cfg["curve_epochs"], lr=CURVE_LR, seed=seed, adversarial=train_attack
@@ -202,24 +242,28 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
             bar.update(1)
     if bar is not None:
         bar.close()
-    endpoint = {name: {"clean": evaluate(m.eval(), data["test"])[1]} for name, m in (("A", a_model), ("B", b_model))}
-    findings = _findings(paths)
-    total = time.perf_counter() - start
+    return paths, history, seconds
 
-    ts = paths["aligned"]["ts"]
+
+def _plot(path: Path, paths: dict[str, dict]) -> None:
+    from pyperm._plotting import plot_lines
+
     plot_lines(
-        out / "robust_curves.png",
-        ts,
-        {},
-        xlabel="t",
-        ylabel="",
-        title=f"robust curves, PGD L-inf eps {EPS} (cf. Tatro et al. Fig. 4)",
-        panels=[
+        path,
+        paths["aligned"]["ts"],
+        [
             ("clean test accuracy (%)", {k: [100 * v for v in p["clean"]] for k, p in paths.items()}),
             ("robust test accuracy (%)", {k: [100 * v for v in p["robust"]] for k, p in paths.items()}),
         ],
+        xlabel="t",
+        title=f"robust curves, PGD L-inf eps {EPS} (cf. Tatro et al. Fig. 4)",
     )
-    rows = [[f"{t:.2f}"] + [100 * paths[k][m][i] for k in paths for m in ("clean", "robust")] for i, t in enumerate(ts)]
+
+
+def _settings(scale: str, cfg: dict, data: dict, seconds: float, device: Any) -> str:
+    """The report's Settings section: what ran, and where it is smaller than the paper."""
+    from pyperm.reproduce._report import settings_section
+
     settings = {
         "data": f"scikit-learn digits, {data['num_train']} training images; {cfg['test_samples']} test images attacked",
         "model": f"CNN 1-{cfg['width']}-{2 * cfg['width']}-{2 * cfg['width']} channels with BatchNorm",
@@ -232,7 +276,19 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         "CIFAR-100 and TinyTen/ResNet32/GoogLeNet -> digits and a 3-layer CNN",
         f"PGD {cfg['train_steps']} training steps, curves {cfg['curve_epochs']} epochs (paper: longer)",
     ]
-    lines = [
+    return settings_section(scale, settings, scaled, seconds, device)
+
+
+def _markdown(
+    cfg: dict, data: dict, paths: dict, endpoint: dict, seconds: dict, findings: list, settings: str
+) -> list[str]:
+    """The lines of report.md: the findings, the accuracies along the curves, the settings."""
+    from pyperm._tables import markdown_table
+    from pyperm.reproduce._report import findings_section
+
+    ts = paths["aligned"]["ts"]
+    rows = [[f"{t:.2f}"] + [100 * paths[k][m][i] for k in paths for m in ("clean", "robust")] for i, t in enumerate(ts)]
+    return [
         "# Tatro et al. on digits: robust mode connectivity",
         "",
         TITLE + ".",
@@ -250,18 +306,5 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         "(the table recomputes every point's statistics on clean training data, t = 0 and 1 included). "
         f"Curve training time: " + ", ".join(f"{k} {s:.1f} s" for k, s in seconds.items()),
         "",
-        settings_section(scale, settings, scaled, total, device),
+        settings,
     ]
-    return write_report(
-        out,
-        "robust",
-        lines,
-        findings,
-        scale=scale,
-        seed=seed,
-        seconds=total,
-        settings=cfg | {"eps": EPS},
-        paths=paths,
-        curve_training_loss=history,
-        endpoints=endpoint,
-    )

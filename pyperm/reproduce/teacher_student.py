@@ -1,4 +1,4 @@
-"""Paper 004 ("Analyzing the Role of Permutation Invariance in Linear Mode Connectivity") in its own setting.
+"""Zhan, Li and Wu, "Analyzing the Role of Permutation Invariance in Linear Mode Connectivity" (2025), in its setting.
 
 A two-layer ReLU teacher with ``K`` neurons and students of width ``m``, the exact population
 loss (:mod:`pyperm.teacher_student`): the barrier between two solutions with and without
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-TITLE = "Paper 004: barrier modulo permutation against student width (GD and uniform minima), double descent, PQ index against learning rate"
+TITLE = "Zhan et al. (2025): barrier modulo permutation against student width (GD and uniform minima), double descent, PQ index against learning rate"
 OUTPUTS = ("report.md", "report.json", "width_uniform.png", "width_gd.png", "pq_index.png")
 
 __all__ = ["OUTPUTS", "TITLE", "run"]
@@ -74,7 +74,7 @@ def _findings(gd: Any, uniform: Any, lr: Any, K: int) -> list:
     worst = max(ratios) if ratios else math.nan
     findings.append(
         Finding(
-            "Paper 004, Fig. 2",
+            "Zhan et al. Fig. 2",
             "The barrier significantly decreases after the optimal permutation.",
             f"permuted/direct barrier at m >= K: at most {worst:.3f} (median {float(np.median(ratios)):.3f}) over GD and uniform widths",
             bool(worst < 0.5),
@@ -88,7 +88,7 @@ def _findings(gd: Any, uniform: Any, lr: Any, K: int) -> list:
     rises_then_falls = 0 < peak < len(widths) - 1 and type_mean[-1] < 0.5 * type_mean[peak]
     findings.append(
         Finding(
-            "Paper 004, Fig. 2-3, Thm. 6",
+            "Zhan et al. Fig. 2-3, Thm. 6",
             "With uniform minima the barrier after permutation first increases with m, peaks, then decreases to 0.",
             f"type-matched barrier {type_mean[0]:.2e} at m={widths[0]}, peak {type_mean[peak]:.2e} at m={widths[peak]} "
             f"(K={K}, 2K={2 * K}), {type_mean[-1]:.2e} at m={widths[-1]}",
@@ -98,7 +98,7 @@ def _findings(gd: Any, uniform: Any, lr: Any, K: int) -> list:
     )
     findings.append(
         Finding(
-            "Paper 004, Thm. 6 (peak position)",
+            "Zhan et al. Thm. 6 (peak position)",
             "The peak sits at a width fixed by K (the exact position is lost in our text copy of the paper; pyperm.teacher_student marks 2K).",
             f"peak at m={widths[peak]}, K={K}",
             bool(K < widths[peak] <= 3 * K),
@@ -113,7 +113,7 @@ def _findings(gd: Any, uniform: Any, lr: Any, K: int) -> list:
         u = float(uniform.mean("lap")[widths.index(m)])
         findings.append(
             Finding(
-                "Paper 004, Fig. 2",
+                "Zhan et al. Fig. 2",
                 "For relatively large m the permuted barrier of GD solutions is slightly smaller than of uniform samples.",
                 f"m={m}: GD {g:.2e}, uniform {u:.2e}",
                 bool(g < u - 1e-9),
@@ -132,7 +132,7 @@ def _findings(gd: Any, uniform: Any, lr: Any, K: int) -> list:
         second = v_peak > at_k + 1e-9 and above[-1][1] < v_peak - 1e-9
         findings.append(
             Finding(
-                "Paper 004, Fig. 4",
+                "Zhan et al. Fig. 4",
                 "Double descent: the permuted barrier falls as m grows to K, rises to a peak above K, then falls again.",
                 f"GD, LAP-matched: max {max(v for _, v in below):.2e} below K, {at_k:.2e} at m=K={K}, peak {v_peak:.2e} at m={m_peak}, "
                 f"{above[-1][1]:.2e} at m={above[-1][0]}",
@@ -148,7 +148,7 @@ def _findings(gd: Any, uniform: Any, lr: Any, K: int) -> list:
     if len(pq_ok) >= 2:
         findings.append(
             Finding(
-                "Paper 004, Fig. 5-6",
+                "Zhan et al. Fig. 5-6",
                 "GD solutions get sparser (higher PQ index) as the learning rate grows, sharply past a threshold.",
                 f"m={lr.m}: PQI {pq_ok[0]:.3f} at c={cs[0]:g} -> {pq_ok[-1]:.3f} at c={cs[-1]:g} (largest c that did not diverge); "
                 f"largest jump between neighbouring c: {float(np.max(np.diff(pq_ok))):.3f}",
@@ -158,7 +158,7 @@ def _findings(gd: Any, uniform: Any, lr: Any, K: int) -> list:
         )
         findings.append(
             Finding(
-                "Paper 004, Fig. 5",
+                "Zhan et al. Fig. 5",
                 "Uniformly sampled minima have the smallest PQI (least sparse).",
                 f"uniform PQI {lr.uniform_pq:.3f}; GD PQI {float(np.min(pq_ok)):.3f} to {float(np.max(pq_ok)):.3f}",
                 bool(lr.uniform_pq <= np.min(pq_ok)),
@@ -234,7 +234,7 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     if scale != "full":
         scaled.append(f"`--{scale}`: K={K}, fewer widths and pairs than the default (K=5, 10-30 pairs)")
     lines = [
-        "# Paper 004: linear mode connectivity modulo permutation, teacher-student",
+        "# Zhan, Li and Wu (2025): linear mode connectivity modulo permutation, teacher-student",
         "",
         TITLE + ".",
         "",
@@ -278,7 +278,7 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
         learning_rate={
             "m": lr.m,
             "cs": [float(c) for c in lr.cs],
-            "pq": [float(np.nanmean(r)) if np.isfinite(r).any() else None for r in lr.pq],
+            "pq": [float(np.nanmean(r)) if np.isfinite(r).any() else math.nan for r in lr.pq],  # NaN: null in json
             "uniform_pq": lr.uniform_pq,
         },
     )

@@ -1,7 +1,7 @@
-r"""Linear mode connectivity modulo permutation in a two-layer ReLU teacher-student model (paper 004).
+r"""Linear mode connectivity modulo permutation in a two-layer ReLU teacher-student model.
 
-The model of "Analyzing the Role of Permutation Invariance in Linear Mode Connectivity"
-(../shared/papers/004_*): a teacher :math:`f^*(x) = \sum_{k=1}^K \sigma(w_k^{*\top} x)` and a
+The model of Zhan, Li and Wu, "Analyzing the Role of Permutation Invariance in Linear Mode
+Connectivity" (AISTATS 2025) [1]_: a teacher :math:`f^*(x) = \sum_{k=1}^K \sigma(w_k^{*\top} x)` and a
 student :math:`f(x) = \sum_{j=1}^m \sigma(w_j^\top x)`, :math:`\sigma(z) = \max(z, 0)`, output
 weights fixed at one, inputs :math:`x \sim \mathcal N(0, I_d)`, and the population loss
 :math:`L(W) = \mathbb E (f(x) - f^*(x))^2`, computed exactly through the arc-cosine kernel.
@@ -22,7 +22,7 @@ explicit seeds (one ``torch.Generator`` per run), never from the global random s
 What was reconstructed (the paper's formulas were partly lost in the text extraction)
 -------------------------------------------------------------------------------------
 - **Loss (eq. 3).** :math:`L(W) = \mathbb E_x(\sum_j \sigma(w_j^\top x) - \sum_k
-  \sigma(w_k^{*\top} x))^2` with no factor 1/2, as in the issue. The teacher of Assumption 1
+  \sigma(w_k^{*\top} x))^2` with no factor 1/2 (the paper's eq. 3 as printed). The teacher of Assumption 1
   is :math:`w^*_k = e_k` in :math:`\mathbb R^d` (default :math:`d = 2K`).
 - **Closed form (eqs. 7-8).** :math:`\mathbb E\,\sigma(u^\top x)\sigma(v^\top x) =
   \frac{\lVert u\rVert\lVert v\rVert}{2\pi}(\sin\theta + (\pi - \theta)\cos\theta)` (Cho and
@@ -54,7 +54,8 @@ What was reconstructed (the paper's formulas were partly lost in the text extrac
 
 References
 ----------
-.. [1] Analyzing the Role of Permutation Invariance in Linear Mode Connectivity (paper 004).
+.. [1] K. Zhan, P. Li and L. Wu, "Analyzing the Role of Permutation Invariance in Linear Mode
+   Connectivity", AISTATS 2025.
 .. [2] Z. Lin, P. Li and L. Wu, "Exploring neural network landscapes: star-shaped and geodesic
    connectivity", 2024 (the manifold of minima).
 .. [3] Y. Cho and L. Saul, "Kernel methods for deep learning", NeurIPS 2009.

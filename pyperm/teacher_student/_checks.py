@@ -1,4 +1,7 @@
-"""Argument checks shared by the teacher-student functions (each error names its argument)."""
+"""The teacher-student functions' own argument checks: weights, teachers, seeds (each error names its argument).
+
+Plain numbers go through :mod:`pyperm._checks`; these are the checks only this model needs.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import numbers
 from collections.abc import Sequence
 
 import torch
+
+from pyperm._checks import check_int
 
 DTYPE = torch.float64
 
@@ -56,24 +61,6 @@ def check_same_shape(a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str)
         raise ValueError(f"{name_a} is on {a.device} but {name_b} is on {b.device}")
 
 
-def positive_int(x: object, name: str, minimum: int = 1) -> int:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if int(x) < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {int(x)}")
-    return int(x)
-
-
-def positive_float(x: object, name: str, *, allow_zero: bool = False) -> float:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
-    value = float(x)
-    if not (value >= 0 if allow_zero else value > 0) or value == float("inf"):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be finite and {bound}, got {value}")
-    return value
-
-
 def seed_list(seed: object, name: str = "seed") -> tuple[list[int], bool]:
     """The seeds of a call and whether it was a sequence (a batch of runs) or one int."""
     if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
@@ -89,11 +76,10 @@ def seed_list(seed: object, name: str = "seed") -> tuple[list[int], bool]:
 
 
 def _one_seed(s: object, name: str) -> int:
-    if isinstance(s, bool) or not isinstance(s, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(s).__name__}")
-    if not 0 <= int(s) < 2**63:
-        raise ValueError(f"{name} must be in [0, 2**63), got {int(s)}")
-    return int(s)
+    s = check_int(s, name, 0)
+    if s >= 2**63:  # within int64, so a seed reads the same given as an int or in a tensor of seeds
+        raise ValueError(f"{name} must be below 2**63, got {s}")
+    return s
 
 
 def generator(seed: int, device: torch.device) -> torch.Generator:

@@ -7,7 +7,7 @@ Definition 2.2 of Git Re-Basin, with the exact population loss:
     B(W_A, W_B) = \max_{t \in [0, 1]} \Big( L\big((1 - t) W_A + t W_B\big)
                   - \big((1 - t) L(W_A) + t L(W_B)\big) \Big),
 
-evaluated on ``num_points`` evenly spaced values of :math:`t` (paper 004 uses steps of 0.1,
+evaluated on ``num_points`` evenly spaced values of :math:`t` (Zhan et al. use steps of 0.1,
 i.e. 11 points, and finds the path smooth enough for that). Between two global minima the
 endpoint losses are zero and the barrier is the largest loss on the path.
 """
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from pyperm.teacher_student._checks import as_teacher, as_weights, check_pair, check_same_shape, positive_int
+from pyperm._checks import check_int
+from pyperm.teacher_student._checks import as_teacher, as_weights, check_pair, check_same_shape
 from pyperm.teacher_student.loss import loss_unchecked
 
 __all__ = ["interpolation_losses", "path_barrier"]
@@ -62,7 +63,7 @@ def interpolation_losses(
     check_same_shape(A, B, "W_a", "W_b")
     wt = as_teacher(W_teacher)
     check_pair(A, "W_a", wt)
-    num_points = positive_int(num_points, "num_points", minimum=2)
+    num_points = check_int(num_points, "num_points", 2)
     return _path_losses(A, B, wt, num_points)
 
 
@@ -118,7 +119,7 @@ def path_barrier(W_a: torch.Tensor, W_b: torch.Tensor, W_teacher: torch.Tensor, 
 
     References
     ----------
-    Ainsworth, Hayase and Srinivasa, "Git Re-Basin", ICLR 2023, Definition 2.2; paper 004,
+    Ainsworth, Hayase and Srinivasa, "Git Re-Basin", ICLR 2023, Definition 2.2; Zhan, Li and Wu (2025),
     Section 2 (the linear barrier between two minima).
     """
     t, losses = interpolation_losses(W_a, W_b, W_teacher, num_points)

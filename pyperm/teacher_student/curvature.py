@@ -38,7 +38,7 @@ the second (curvature) term cancels type by type and the Hessian is the Gauss-Ne
 
 References
 ----------
-Paper 004, Section 5 (sharpness and the edge of stability, learning rates ``c / m``).
+Zhan, Li and Wu (2025), Section 5 (sharpness and the edge of stability, learning rates ``c / m``).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def sharpness(W: torch.Tensor, W_teacher: torch.Tensor, *, gauss_newton: bool = 
         \quad \text{or, with } \texttt{gauss\_newton=True}, \quad \lambda_{\max}(G).
 
     Gradient descent with step ``lr`` cannot stay at a minimum sharper than ``2 / lr``: the
-    edge of stability that paper 004 (Section 5) relates to the jump in the sparsity of GD
+    edge of stability that Zhan et al. (2025, Section 5) relates to the jump in the sparsity of GD
     solutions. Near a minimum with near-zero neurons the full Hessian has large eigenvalues
     along those neurons' directions (its curvature term grows like :math:`1/\lVert w_j\rVert`
     off the manifold), which GD hardly feels; the Gauss-Newton sharpness is the one that sits
@@ -185,7 +185,7 @@ def sharpness(W: torch.Tensor, W_teacher: torch.Tensor, *, gauss_newton: bool = 
 
     References
     ----------
-    Paper 004, Section 5 and Figure 6.
+    Zhan, Li and Wu (2025), Section 5 and Figure 6.
     """
     H = hessian(W, W_teacher, gauss_newton=gauss_newton)
     return torch.linalg.eigvalsh(H)[..., -1]

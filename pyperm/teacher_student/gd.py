@@ -19,15 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pyperm._checks import check_nonnegative_real, check_positive_int, check_positive_real
 from pyperm._progress import progress_bar
-from pyperm.teacher_student._checks import (
-    DTYPE,
-    as_teacher,
-    generator,
-    positive_float,
-    positive_int,
-    seed_list,
-)
+from pyperm.teacher_student._checks import DTYPE, as_teacher, generator, seed_list
 from pyperm.teacher_student.loss import signed_stack, stack_loss_and_grad
 
 __all__ = ["GDResult", "train_gd"]
@@ -79,8 +73,8 @@ def _step_size(lr: object, c: object, m: int) -> float:
     if (lr is None) == (c is None):
         raise ValueError("give exactly one of lr (the step) and c (the step is c / m)")
     if lr is not None:
-        return positive_float(lr, "lr")
-    return positive_float(c, "c") / m
+        return check_positive_real(lr, "lr")
+    return check_positive_real(c, "c") / m
 
 
 def initial_weights(seeds: list[int], m: int, d: int, scale: float, device: torch.device) -> torch.Tensor:
@@ -117,11 +111,11 @@ def train_gd(
     lr : float, optional
         Step size :math:`\eta`. Give exactly one of ``lr`` and ``c``.
     c : float, optional
-        Width-scaled step: :math:`\eta = c / m` (paper 004, Section 5).
+        Width-scaled step: :math:`\eta = c / m` (Zhan et al. 2025, Section 5).
     steps : int, default 20000
         Maximum number of gradient steps.
     init_scale : float, default 1e-2
-        Standard deviation :math:`\sigma` of the Gaussian initialisation (paper 004, B.1).
+        Standard deviation :math:`\sigma` of the Gaussian initialisation (Zhan et al. 2025, B.1).
     seed : int or sequence of int, default 0
         One seed per run. A sequence of ``R`` seeds trains ``R`` runs at once on one
         ``(R, m, d)`` tensor; run ``r`` equals the single run with ``seed=seeds[r]``.
@@ -147,15 +141,15 @@ def train_gd(
 
     References
     ----------
-    Paper 004, Section 4 (GD solutions), Section 5 (learning rate ``c / m``) and Appendix B.1.
+    Zhan, Li and Wu (2025), Section 4 (GD solutions), Section 5 (learning rate ``c / m``) and Appendix B.1.
     """
     wt = as_teacher(W_teacher).detach()
-    m = positive_int(m, "m")
+    m = check_positive_int(m, "m")
     eta = _step_size(lr, c, m)
-    steps = positive_int(steps, "steps")
-    scale = positive_float(init_scale, "init_scale")
-    tol = positive_float(tol, "tol")
-    grad_tol = positive_float(grad_tol, "grad_tol", allow_zero=True)
+    steps = check_positive_int(steps, "steps")
+    scale = check_positive_real(init_scale, "init_scale")
+    tol = check_positive_real(tol, "tol")
+    grad_tol = check_nonnegative_real(grad_tol, "grad_tol")
     seeds, batched = seed_list(seed)
 
     W = initial_weights(seeds, m, wt.shape[1], scale, wt.device)

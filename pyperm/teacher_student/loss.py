@@ -41,8 +41,8 @@ exact gradient is the limit of the Monte Carlo one, and GD never revives a dead 
 References
 ----------
 .. [1] Y. Cho and L. Saul, "Kernel methods for deep learning", NeurIPS 2009.
-.. [2] Analyzing the Role of Permutation Invariance in Linear Mode Connectivity (paper 004 in
-   ../shared/papers), eqs. (3), (7), (8) and Appendix A.2.
+.. [2] K. Zhan, P. Li and L. Wu, "Analyzing the Role of Permutation Invariance in Linear
+   Mode Connectivity", AISTATS 2025, eqs. (3), (7), (8) and Appendix A.2.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from pyperm.teacher_student._checks import as_teacher, as_weights, check_pair, generator, positive_int, seed_list
+from pyperm._checks import check_int
+from pyperm.teacher_student._checks import as_teacher, as_weights, check_pair, generator, seed_list
 
 __all__ = ["monte_carlo_loss", "population_loss"]
 
@@ -179,7 +180,7 @@ def population_loss(W: torch.Tensor, W_teacher: torch.Tensor) -> torch.Tensor:
 
     References
     ----------
-    Paper 004, eqs. (3), (7) and (8); Cho and Saul (2009).
+    Zhan, Li and Wu (2025), eqs. (3), (7) and (8); Cho and Saul (2009).
 
     Examples
     --------
@@ -239,12 +240,12 @@ def monte_carlo_loss(
 
     References
     ----------
-    Paper 004, eq. (3).
+    Zhan, Li and Wu (2025), eq. (3).
     """
     W = as_weights(W, "W")
     wt = as_teacher(W_teacher)
     check_pair(W, "W", wt)
-    num_samples = positive_int(num_samples, "num_samples", minimum=2)
+    num_samples = check_int(num_samples, "num_samples", 2)
     gen = generator(_check_seed(seed), W.device)
     per_sample = max(1, W[..., 0, 0].numel() * (W.shape[-2] + wt.shape[0]))
     chunk = max(1, _MC_CHUNK_ENTRIES // per_sample)

@@ -1,4 +1,4 @@
-r"""Sparsity of GD solutions against the learning rate (paper 004, Section 5, Figures 5-6).
+r"""Sparsity of GD solutions against the learning rate (Zhan et al. 2025, Section 5, Figures 5-6).
 
 GD with step :math:`\eta = c / m` from one set of initialisations, for several :math:`c`; for
 each, the PQ index of the solutions' neuron norms, the fraction of (nearly) zero neurons, and
@@ -22,14 +22,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pyperm._checks import check_int, check_nonnegative_real, check_positive_int, check_positive_real
 from pyperm._plotting import agg_figure
-from pyperm.teacher_student._checks import (
-    DTYPE,
-    positive_float,
-    positive_int,
-    seed_list,
-)
-from pyperm.teacher_student._report import markdown_table, mean_and_sem
+from pyperm._tables import markdown_table
+from pyperm.teacher_student._checks import DTYPE, seed_list
+from pyperm.teacher_student._report import mean_and_sem
 from pyperm.teacher_student.curvature import hessian_unchecked
 from pyperm.teacher_student.gd import descend, initial_weights
 from pyperm.teacher_student.minima import sample_minimum, teacher_weights
@@ -206,27 +203,27 @@ def learning_rate_sweep(
 
     References
     ----------
-    Paper 004, Section 5, Figures 5 and 6.
+    Zhan, Li and Wu (2025), Section 5, Figures 5 and 6.
     """
-    K, m = positive_int(K, "K"), positive_int(m, "m")
+    K, m = check_positive_int(K, "K"), check_positive_int(m, "m")
     cs = _check_cs(cs)
-    runs = positive_int(runs, "runs", minimum=2)
+    runs = check_int(runs, "runs", 2)
     seeds, batched = seed_list(seed)
     if batched:
         raise TypeError("seed must be one int for learning_rate_sweep")
-    small = positive_float(small, "small")
+    small = check_positive_real(small, "small")
     wt = teacher_weights(K, d, device=device)
     run_seeds = [int(s) for s in np.random.SeedSequence([seeds[0], m]).generate_state(runs)]
 
-    W0 = initial_weights(run_seeds, m, wt.shape[1], positive_float(init_scale, "init_scale"), wt.device)
+    W0 = initial_weights(run_seeds, m, wt.shape[1], check_positive_real(init_scale, "init_scale"), wt.device)
     etas = torch.tensor(np.repeat(cs / m, runs), dtype=DTYPE, device=wt.device)
     out = descend(
         W0.repeat(len(cs), 1, 1),
         wt,
         etas,
-        positive_int(steps, "steps"),
-        positive_float(tol, "tol"),
-        positive_float(grad_tol, "grad_tol", allow_zero=True),
+        check_positive_int(steps, "steps"),
+        check_positive_real(tol, "tol"),
+        check_nonnegative_real(grad_tol, "grad_tol"),
     )
     W, ok = out["weights"], ~out["diverged"]
 
@@ -259,4 +256,4 @@ def learning_rate_sweep(
 def _check_cs(cs: object) -> np.ndarray:
     if isinstance(cs, (str, bytes)) or not isinstance(cs, Sequence) or len(cs) == 0:
         raise TypeError("cs must be a non-empty sequence of positive numbers")
-    return np.array([positive_float(c, f"cs[{i}]") for i, c in enumerate(cs)])
+    return np.array([check_positive_real(c, f"cs[{i}]") for i, c in enumerate(cs)])

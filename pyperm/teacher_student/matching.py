@@ -4,7 +4,7 @@ Both functions return ``perm`` with ``W_b[..., perm, :]`` the neurons of B match
 ``i`` of the result is paired with A's neuron ``i``); permuting the hidden neurons of a
 two-layer network whose output weights are all one leaves its function unchanged.
 
-*Type matching* is our reading of Algorithm 1 of paper 004. A neuron's type is the teacher
+*Type matching* is our reading of Algorithm 1 of Zhan et al. (2025). A neuron's type is the teacher
 neuron it points along (largest cosine); a zero neuron has no type. Within each type the
 neurons of A and of B are sorted by norm, largest first, and paired rank by rank, so the
 largest neurons of a type are matched and whatever is left over is small. Zero neurons of A
@@ -52,7 +52,7 @@ def neuron_types(W: torch.Tensor, W_teacher: torch.Tensor) -> torch.Tensor:
 
     References
     ----------
-    Paper 004, Section 3 ("the neuron is said to belong to Type k").
+    Zhan, Li and Wu (2025), Section 3 ("the neuron is said to belong to Type k").
     """
     W = as_weights(W, "W").detach()
     wt = as_teacher(W_teacher).detach()
@@ -87,7 +87,7 @@ def _match_by_type(types_a: np.ndarray, norms_a: np.ndarray, types_b: np.ndarray
 
 
 def type_matching(W_a: torch.Tensor, W_b: torch.Tensor, W_teacher: torch.Tensor) -> torch.Tensor:
-    r"""Paper 004's Algorithm 1: match B's neurons to A's type by type, largest first.
+    r"""Zhan et al.'s Algorithm 1: match B's neurons to A's type by type, largest first.
 
     Neurons get the type of the teacher neuron they point along (:func:`neuron_types`).
     For each type :math:`k`, A's and B's neurons of type :math:`k` are sorted by norm in
@@ -115,7 +115,7 @@ def type_matching(W_a: torch.Tensor, W_b: torch.Tensor, W_teacher: torch.Tensor)
 
     References
     ----------
-    Paper 004, Algorithm 1 and Section 4.
+    Zhan, Li and Wu (2025), Algorithm 1 and Section 4.
     """
     A = as_weights(W_a, "W_a").detach()
     B = as_weights(W_b, "W_b").detach()

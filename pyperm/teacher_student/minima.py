@@ -1,7 +1,7 @@
 r"""The teacher, and uniform samples from the manifold of global minima of the student.
 
 With teacher rows :math:`w^*_1, \dots, w^*_K` (pairwise non-parallel) and a student of
-:math:`m \ge K` neurons, Lemma 2 of paper 004 (from Lin et al., 2024) says the global minima
+:math:`m \ge K` neurons, Lemma 2 of Zhan et al. (2025, from Lin et al. 2024) says the global minima
 are exactly
 
 .. math::
@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from pyperm.teacher_student._checks import DTYPE, as_teacher, generator, positive_int, seed_list
+from pyperm._checks import check_positive_int
+from pyperm.teacher_student._checks import DTYPE, as_teacher, generator, seed_list
 
 __all__ = ["sample_minimum", "teacher_weights"]
 
 
 def teacher_weights(K: int, d: int | None = None, *, device: torch.device | str | None = None) -> torch.Tensor:
-    r"""The teacher of paper 004's Assumption 1: :math:`w^*_k = e_k`, orthonormal rows.
+    r"""The teacher of Zhan et al.'s Assumption 1: :math:`w^*_k = e_k`, orthonormal rows.
 
     Parameters
     ----------
@@ -50,10 +51,10 @@ def teacher_weights(K: int, d: int | None = None, *, device: torch.device | str 
 
     References
     ----------
-    Paper 004, Assumption 1 (by rotational symmetry, any orthonormal teacher is equivalent).
+    Zhan, Li and Wu (2025), Assumption 1 (by rotational symmetry, any orthonormal teacher is equivalent).
     """
-    K = positive_int(K, "K")
-    d = 2 * K if d is None else positive_int(d, "d")
+    K = check_positive_int(K, "K")
+    d = 2 * K if d is None else check_positive_int(d, "d")
     if d < K:
         raise ValueError(f"d must be >= K for orthonormal teacher rows, got d={d}, K={K}")
     return torch.eye(K, d, dtype=DTYPE, device=device)
@@ -74,7 +75,7 @@ def _one_minimum(wt: torch.Tensor, m: int, gen: torch.Generator) -> torch.Tensor
 
 
 def sample_minimum(W_teacher: torch.Tensor, m: int, *, seed: int | list[int]) -> torch.Tensor:
-    r"""A uniform sample from the manifold of global minima (paper 004, Assumption 3).
+    r"""A uniform sample from the manifold of global minima (Zhan et al. 2025, Assumption 3).
 
     .. math::
 
@@ -102,10 +103,10 @@ def sample_minimum(W_teacher: torch.Tensor, m: int, *, seed: int | list[int]) ->
 
     References
     ----------
-    Paper 004, Lemma 2, Assumption 3, Lemma 8 and Appendix B.1.
+    Zhan, Li and Wu (2025), Lemma 2, Assumption 3, Lemma 8 and Appendix B.1.
     """
     wt = as_teacher(W_teacher).detach()
-    m = positive_int(m, "m")
+    m = check_positive_int(m, "m")
     if m < wt.shape[0]:
         raise ValueError(f"m must be >= K = {wt.shape[0]} for a global minimum to exist, got m={m}")
     seeds, batched = seed_list(seed)

@@ -1,10 +1,11 @@
-r"""The PQ index, the sparsity measure paper 004 uses for GD solutions (Diao et al., 2023)."""
+r"""The PQ index, the sparsity measure Zhan et al. (2025) use for GD solutions (Diao et al., 2023)."""
 
 from __future__ import annotations
 
 import torch
 
-from pyperm.teacher_student._checks import DTYPE, positive_float
+from pyperm._checks import check_positive_real
+from pyperm.teacher_student._checks import DTYPE
 
 __all__ = ["pq_index"]
 
@@ -19,7 +20,7 @@ def pq_index(W: torch.Tensor, p: float = 1, q: float = 2, *, rows: bool = True) 
 
     It is 0 for a vector with all entries of one magnitude and
     :math:`1 - n^{1/q - 1/p}` (its maximum) for a vector with a single non-zero entry:
-    the larger, the sparser. For a student weight matrix paper 004 offers two readings,
+    the larger, the sparser. For a student weight matrix Zhan et al. offer two readings,
     both available: the PQ index of the row norms :math:`(\lVert w_1\rVert, \dots,
     \lVert w_m\rVert)` (``rows=True``, the default: at a global minimum every neuron has
     one non-zero entry, so this counts the neurons that carry weight) or of the flattened
@@ -49,10 +50,10 @@ def pq_index(W: torch.Tensor, p: float = 1, q: float = 2, *, rows: bool = True) 
     References
     ----------
     E. Diao et al., "Pruning deep neural networks from a sparsity perspective", ICLR 2023;
-    paper 004, Definition 7 and Section 5.
+    Zhan, Li and Wu (2025), Definition 7 and Section 5.
     """
-    p = positive_float(p, "p")
-    q = float("inf") if q == float("inf") else positive_float(q, "q")
+    p = check_positive_real(p, "p")
+    q = float("inf") if q == float("inf") else check_positive_real(q, "q")
     if not p < q:
         raise ValueError(f"pq_index needs p < q, got p={p}, q={q}")
     v = _as_vectors(W, rows)

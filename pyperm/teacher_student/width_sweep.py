@@ -1,4 +1,4 @@
-r"""The loss barrier between two solutions against the student width (paper 004, Figures 2-4).
+r"""The loss barrier between two solutions against the student width (Zhan et al. 2025, Figures 2-4).
 
 For each width :math:`m`, ``pairs`` independent pairs of solutions :math:`(W_A, W_B)` (uniform
 samples from the manifold of minima, or GD solutions) give three barriers
@@ -17,15 +17,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pyperm._checks import check_int, check_nonnegative_real, check_positive_int, check_positive_real
 from pyperm._plotting import agg_figure
 from pyperm._progress import progress_bar
-from pyperm.teacher_student._checks import (
-    DTYPE,
-    positive_float,
-    positive_int,
-    seed_list,
-)
-from pyperm.teacher_student._report import markdown_table, mean_and_sem
+from pyperm._tables import markdown_table
+from pyperm.teacher_student._checks import DTYPE, seed_list
+from pyperm.teacher_student._report import mean_and_sem
 from pyperm.teacher_student.barrier import barrier_from_losses, segment_losses
 from pyperm.teacher_student.gd import descend, initial_weights
 from pyperm.teacher_student.matching import lap_matching, type_matching
@@ -165,7 +162,7 @@ def _ratio(num: float, den: float) -> float:
 def _check_widths(widths: object, K: int, source: str) -> list[int]:
     if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence) or len(widths) == 0:
         raise TypeError("widths must be a non-empty sequence of ints")
-    checked = [positive_int(m, f"widths[{i}]") for i, m in enumerate(widths)]
+    checked = [check_positive_int(m, f"widths[{i}]") for i, m in enumerate(widths)]
     if source == "uniform" and min(checked) < K:
         raise ValueError(f"uniform samples need every width >= K = {K}, got widths with {min(checked)}")
     return checked
@@ -270,7 +267,7 @@ def width_sweep(
     d : int, optional
         Input dimension (default ``2 * K``).
     num_points : int, default 11
-        Points on each path (paper 004: steps of 0.1).
+        Points on each path (Zhan et al.: steps of 0.1).
     lr, c, steps, init_scale, tol, grad_tol
         GD settings (``source="gd"`` only): the step ``lr``, or ``c / m`` when ``lr`` is None
         (default ``c = 1``); as in :func:`~pyperm.teacher_student.train_gd`, except that the
@@ -297,18 +294,18 @@ def width_sweep(
 
     References
     ----------
-    Paper 004, Sections 3-4, Figures 2-4 and Appendix B.1.
+    Zhan, Li and Wu (2025), Sections 3-4, Figures 2-4 and Appendix B.1.
     """
-    K = positive_int(K, "K")
+    K = check_positive_int(K, "K")
     if source not in ("uniform", "gd"):
         raise ValueError(f"source must be 'uniform' or 'gd', got {source!r}")
     widths = _check_widths(widths, K, source)
-    pairs = positive_int(pairs, "pairs", minimum=2)
+    pairs = check_int(pairs, "pairs", 2)
     seeds_given, batched = seed_list(seed)
     if batched:
         raise TypeError("seed must be one int for width_sweep")
     seed = seeds_given[0]
-    num_points = positive_int(num_points, "num_points", minimum=2)
+    num_points = check_int(num_points, "num_points", 2)
     wt = teacher_weights(K, d, device=device)
     gd = _gd_settings(lr, c, steps, init_scale, tol, grad_tol) if source == "gd" else {}
 
@@ -333,16 +330,16 @@ def width_sweep(
 
 def _gd_settings(lr: object, c: object, steps: object, init_scale: object, tol: object, grad_tol: object) -> dict:
     if lr is not None:
-        lr, c = positive_float(lr, "lr"), None
+        lr, c = check_positive_real(lr, "lr"), None
     else:
         if c is None:
             raise ValueError("give lr or c for source='gd'")
-        c = positive_float(c, "c")
+        c = check_positive_real(c, "c")
     return {
         "lr": lr,
         "c": c,
-        "steps": positive_int(steps, "steps"),
-        "init_scale": positive_float(init_scale, "init_scale"),
-        "tol": positive_float(tol, "tol"),
-        "grad_tol": positive_float(grad_tol, "grad_tol", allow_zero=True),
+        "steps": check_positive_int(steps, "steps"),
+        "init_scale": check_positive_real(init_scale, "init_scale"),
+        "tol": check_positive_real(tol, "tol"),
+        "grad_tol": check_nonnegative_real(grad_tol, "grad_tol"),
     }

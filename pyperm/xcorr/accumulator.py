@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from pyperm._arrays import is_cuda_input, is_torch_tensor, to_numpy
+from pyperm._arrays import check_real_dtype, is_cuda_input, is_torch_tensor, to_numpy
 from pyperm._checks import check_int, check_positive_int, check_threads
 from pyperm.xcorr._state import MAX, MEAN, MIN, CudaMoments, HostMoments, from_fields
 from pyperm.xcorr.samples import as_pair, as_vector
@@ -491,16 +491,11 @@ class CrossCorrelation:
         """
         if is_torch_tensor(count) or isinstance(count, np.ndarray):
             count = count.item()
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
-            if isinstance(count, (float, np.floating)) and float(count).is_integer():
-                count = int(count)  # an all-reduced count may come back as a float
-            else:
-                raise TypeError(f"count must be an int, got {type(count).__name__}")
-        if count < 0:
-            raise ValueError(f"count must be non-negative, got {count}")
+        if isinstance(count, (float, np.floating)) and float(count).is_integer():
+            count = int(count)  # an all-reduced count may come back as a float
+        count = check_int(count, "count", 0)
         c = to_numpy(comoment, "comoment")
-        if c.dtype.kind not in "biuf":
-            raise TypeError(f"comoment must hold real numbers, got dtype {c.dtype}")
+        check_real_dtype(c.dtype, "comoment")
         if c.ndim != 2 or 0 in c.shape:
             raise ValueError(f"comoment must be a non-empty 2-D array, got shape {c.shape}")
         dim_a, dim_b = c.shape

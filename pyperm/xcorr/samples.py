@@ -10,17 +10,18 @@ from typing import Any
 
 import numpy as np
 
-from pyperm._arrays import is_torch_tensor, to_numpy
+from pyperm._arrays import check_real_dtype, is_torch_tensor, to_numpy
 
 __all__ = ["as_pair", "as_samples", "as_vector", "conv_to_samples"]
 
 
 def conv_to_samples(x: Any) -> Any:
-    """Turn (N, C, *spatial) activations into (N * prod(spatial), C) samples.
+    """Turn ``(N, C, *spatial)`` activations into ``(N * prod(spatial), C)`` samples.
 
-    Every spatial position of every image is one sample of the C channels (as in Tatro et
-    al.'s alignment of convolutional filters), so the result feeds :meth:`CrossCorrelation.update`
-    with ``dim = C``. A 2-D (N, C) input is returned as is.
+    Every spatial position of every image is one sample of the C channels, as Tatro et al.
+    align convolutional filters in "Optimizing Mode Connectivity via Neuron Alignment"
+    (NeurIPS 2020), so the result feeds :meth:`CrossCorrelation.update` with ``dim = C``.
+    A 2-D (N, C) input is returned as is.
 
     Parameters
     ----------
@@ -71,10 +72,7 @@ def as_samples(x: Any, name: str, dim: int | None, dim_name: str) -> np.ndarray:
     """A C-contiguous float32/float64 (samples, dim) view or copy of host array ``x``
     (the accumulator sends CUDA arrays to its device state before this)."""
     arr = to_numpy(_half_to_float(x), name)
-    kind = arr.dtype.kind
-    if kind not in "biuf":
-        what = "complex" if kind == "c" else "non-numeric"
-        raise TypeError(f"{name} must hold real numbers, got {what} dtype {arr.dtype}")
+    check_real_dtype(arr.dtype, name)
     if arr.ndim != 2:
         hint = " (use pyperm.conv_to_samples for (N, C, H, W) activations)" if arr.ndim == 4 else ""
         raise ValueError(f"{name} must be a 2-D (samples, {dim_name}) array, got shape {arr.shape}{hint}")
@@ -105,8 +103,7 @@ def as_pair(xa: Any, xb: Any, dim_a: int, dim_b: int, prefix: str) -> tuple[np.n
 
 def as_vector(x: Any, name: str, dim: int | None) -> np.ndarray:
     arr = np.asarray(to_numpy(x, name))
-    if arr.dtype.kind not in "biuf":
-        raise TypeError(f"{name} must hold real numbers, got dtype {arr.dtype}")
+    check_real_dtype(arr.dtype, name)
     if arr.ndim != 1 or (dim is not None and arr.shape[0] != dim):
         want = f"({dim},)" if dim is not None else "1-D"
         raise ValueError(f"{name} must have shape {want}, got {arr.shape}")

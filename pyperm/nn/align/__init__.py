@@ -1,10 +1,18 @@
 """Alignment methods: find the permutations that bring model B into model A's basin.
 
-Each returns one permutation per group of a :class:`~pyperm.nn.PermutationSpec`:
+Each returns a result whose ``perms`` is a :class:`~pyperm.nn.Permutations` (one
+permutation per group of the :class:`~pyperm.nn.PermutationSpec`; ``merge_many``: one per
+model), takes its start as ``init=`` and counts what it ran in ``iterations``:
 weight matching (Git Re-Basin Algorithm 1), activation matching (Git Re-Basin eq. 1,
 Tatro et al. Algorithm 1), straight-through-estimator matching (Git Re-Basin
 Algorithm 2), merging many models (Git Re-Basin Algorithm 3) and PAM, the proximal
 alternating minimization over permutations and a curve (Tatro et al. appendix E).
+
+References
+----------
+S. K. Ainsworth, J. Hayase, S. Srinivasa, "Git Re-Basin: Merging Models modulo Permutation
+Symmetries", ICLR 2023. N. J. Tatro, P.-Y. Chen, P. Das, I. Melnyk, P. Sattigeri, R. Lai,
+"Optimizing Mode Connectivity via Neuron Alignment", NeurIPS 2020.
 """
 
 from pyperm.nn.align.activation import ActivationMatchingResult, activation_matching

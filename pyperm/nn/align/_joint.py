@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 import pyperm
-from pyperm.nn.align._structured import _inner_of_pairs, _match_structured
-from pyperm.nn.spec import Blocks, PermutationSpec, Tiled, _entry_groups
+from pyperm.nn.align._matcher import WeightMatcher
+from pyperm.nn.align._pieces import inner_of_pairs
+from pyperm.nn.spec import Blocks, PermutationSpec, Tiled, entry_groups
 
 __all__ = ["solve_joint"]
 
@@ -30,22 +31,21 @@ def solve_joint(
     groups are left out. Each is matched by the permutation of its axis that its form builds
     out of the groups: maximise the sum over readings of ``M[p, index[p]]``. That is weight
     matching's objective for a tensor pair ``(M^T, I)`` whose second axis has the reading's
-    form, so the structured weight-matching solver does it (assignments of assignments for
+    form, so the weight matcher does it (assignments of assignments for
     Blocks, coordinate ascent that never decreases), from :func:`_relaxed_start`.
     """
     axes: dict[str, tuple[Any, ...]] = {}
     state_a: dict[str, torch.Tensor] = {}
     state_b: dict[str, torch.Tensor] = {}
     for i, form in enumerate(forms):
-        if set(_entry_groups(form)) <= set(groups):
+        if set(entry_groups(form)) <= set(groups):
             axes[f"r{i}"] = (None, form)
             m = torch.from_numpy(mats[i])
             state_a[f"r{i}"], state_b[f"r{i}"] = m.T.contiguous(), torch.eye(m.shape[0], dtype=torch.float64)
     joint = PermutationSpec(axes, {g: spec.sizes[g] for g in groups})
     start = _relaxed_start(joint, {key: mats[int(key[1:])] for key in axes})
-    found = _match_structured(joint, state_a, state_b, max_iter=100, seed=0, init=start, keys=None, tol=1e-12,
-                              dtype=torch.float64, callback=None)  # fmt: skip
-    return found.perms
+    found = WeightMatcher(joint, state_b, dtype=torch.float64).match(state_a, init=start)
+    return dict(found.perms)
 
 
 def _pair_blocks(m: np.ndarray, nb: int) -> tuple[np.ndarray, np.ndarray]:
@@ -94,7 +94,7 @@ def _relaxed_start(joint: PermutationSpec, mats: Mapping[str, np.ndarray]) -> di
                 cost += m.reshape(len(outer), n, len(outer), n)[np.arange(len(outer)), :, outer, :].sum(0)
             elif isinstance(form, Blocks) and form.inner == g and form.outer in start:
                 outer = start[form.outer]
-                start[g] = _inner_of_pairs(outer, torch.as_tensor(pairs[form][np.arange(len(outer)), outer.numpy()]))
+                start[g] = inner_of_pairs(outer, torch.as_tensor(pairs[form][np.arange(len(outer)), outer.numpy()]))
         if g not in start and cost.any():
             start[g] = torch.as_tensor(pyperm.linear_sum_assignment(cost, maximize=True)[1], dtype=torch.int64)
     return {g: start.get(g, torch.arange(n)) for g, n in joint.sizes.items()}

@@ -1,8 +1,8 @@
 """The weight-matching objective, its argument checks and its result type.
 
-Shared by the two implementations of Git Re-Basin's Algorithm 1: the fast one for flat
-specs (:class:`pyperm.nn.align.weight.WeightMatcher`) and the plain one for structured
-specs (:mod:`pyperm.nn.align._structured`).
+Shared by the fast implementation of Git Re-Basin's Algorithm 1
+(:class:`pyperm.nn.align._matcher.WeightMatcher`), its starts and the plain reference it is
+tested against (:mod:`pyperm.nn.align._structured`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from pyperm.nn._checks import check_state
 from pyperm.nn.align._similarity import accurate_dot
+from pyperm.nn.permutations import Permutations
 from pyperm.nn.spec import PermutationSpec
 
 
@@ -24,35 +26,37 @@ class WeightMatchingResult:
 
     Attributes
     ----------
-    perms : dict of str to (n,) int64 torch.Tensor
-        One permutation per group (on the CPU), to be used with
-        :func:`~pyperm.nn.apply_permutation` on model B: unit ``i`` of the permuted model
-        is unit ``perms[g][i]`` of B.
+    perms : Permutations
+        One permutation per group (int64 CPU tensors), to be used with
+        :meth:`Permutations.apply` (or :func:`~pyperm.nn.apply_permutation`) on model B:
+        unit ``i`` of the permuted model is unit ``perms[g][i]`` of B.
     objective : list of float
         ``vec(A) . vec(pi(B))`` over the matched tensors: ``objective[0]`` at the initial
         permutations (computed from the weights), ``objective[s]`` after sweep ``s``
         (``objective[0]`` plus the gains of the accepted steps, read off the similarity
         matrices, so exact up to their float32 rounding). Non-decreasing.
-    sweeps : int
-        Sweeps over the groups that were run.
+    iterations : int
+        Sweeps over the groups that were run (at most ``max_iter``).
     converged : bool
         Whether the last sweep improved nothing (otherwise ``max_iter`` stopped the search).
     """
 
-    perms: dict[str, torch.Tensor]
+    perms: Permutations
     objective: list[float] = field(default_factory=list)
-    sweeps: int = 0
+    iterations: int = 0
     converged: bool = False
 
 
-def _check_state(spec: PermutationSpec, state: Any, name: str, flat: bool = True) -> dict[str, torch.Tensor]:
-    if not isinstance(state, Mapping):
-        raise TypeError(f"{name} must be a mapping of names to tensors, got {type(state).__name__}")
-    for key in spec.axes:
-        if key in state and not isinstance(state[key], torch.Tensor):
-            raise TypeError(f"{name}[{key!r}] must be a torch.Tensor, got {type(state[key]).__name__}")
-    if flat:
-        spec.require_flat("WeightMatcher")  # structured axes (Segments, Tiled, Blocks, P W P^T): _match_structured
+def _check_dtype(dtype: Any) -> torch.dtype:
+    """The precision of the similarity matrices: the assignment solvers take float32 and float64."""
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    return dtype
+
+
+def _check_state(spec: PermutationSpec, state: Any, name: str) -> dict[str, torch.Tensor]:
+    """The spec's entries of ``state``, detached, once it is a state dict that fits the spec."""
+    check_state(state, name)
     spec.check_state_dict(state, name)
     return {key: state[key].detach() for key in spec.axes}
 

@@ -14,13 +14,17 @@ not run the network:
 
   .. math::
 
-      D_g \leftarrow \Pi_{\mathcal{DS}}\Big(D_g - \eta\,\big(\nabla_{D_g} \ell
-          + \tfrac{1}{\nu_P}(D_g - P^k_g)\big)\Big),
+      D_g \leftarrow \Pi_{\mathcal{DS}}\Big(\frac{D_g - \eta_g \nabla_{D_g} \ell
+          + (\eta_g / \nu_P)\, P^k_g}{1 + \eta_g / \nu_P}\Big),
 
-  where :math:`\Pi_{\mathcal{DS}}` is 20 rounds of alternating projections onto the
-  matrices with unit row and column sums and onto the non-negative matrices
-  (:func:`pyperm.project_doubly_stochastic`), optionally continued until the row and
-  column sums are within a tolerance (:func:`project`);
+  the gradient step on the loss and the exact (implicit) step on the proximal term
+  :math:`\|D_g - P^k_g\|_F^2 / (2\nu_P)`, which is stable for any ratio
+  :math:`\eta_g / \nu_P`, where :math:`\Pi_{\mathcal{DS}}` is 20 rounds of alternating
+  projections onto the matrices with unit row and column sums and onto the non-negative
+  matrices (:func:`pyperm.project_doubly_stochastic`), optionally continued until the
+  row and column sums are within a tolerance (:func:`project`);
+- :class:`StepSizes`: the step :math:`\eta_g` of every group, given, or scaled to the
+  gradient (``lr_perm="auto"``), and halved for a group whose step diverged;
 - :func:`nearest_permutations` and :func:`sample_candidates`: the candidates of eq. 51,
   the assignment projection :math:`P_\Pi(D^*) = \arg\max_P \operatorname{tr}(P^\top D^*)`
   (eq. 52, :func:`pyperm.linear_sum_assignment`) and samples from the truncated max-weight
@@ -35,6 +39,7 @@ References
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -44,6 +49,7 @@ import pyperm
 from pyperm.nn.spec import PermutationSpec
 
 __all__ = [
+    "StepSizes",
     "apply_relaxed",
     "defect",
     "nearest_permutations",
@@ -129,21 +135,82 @@ def project(matrix: torch.Tensor, iters: int = 20, tol: float | None = 1e-6) -> 
 
 @torch.no_grad()
 def projected_step(matrices: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
-                   anchor: Mapping[str, torch.Tensor], lr: float, nu: float, iters: int = 20,
-                   tol: float | None = 1e-6) -> dict[str, torch.Tensor]:
+                   anchor: Mapping[str, torch.Tensor], lr: float | Mapping[str, float], nu: float,
+                   iters: int = 20, tol: float | None = 1e-6) -> dict[str, torch.Tensor]:
     r"""One projected SGD step on every block, with the proximal term of eq. 34.
 
     .. math::
 
-        D_g \leftarrow \Pi_{\mathcal{DS}}\big(D_g - \eta\,(G_g + (D_g - A_g) / \nu)\big)
+        D_g \leftarrow \Pi_{\mathcal{DS}}\Big(\frac{D_g - \eta_g G_g + (\eta_g / \nu) A_g}{1 + \eta_g / \nu}\Big)
 
     where :math:`G_g` is the stochastic gradient of the curve's loss, :math:`A_g` the
-    previous permutation :math:`P^k_g` as a matrix, and :math:`\Pi_{\mathcal{DS}}` is
+    previous permutation :math:`P^k_g` as a matrix, :math:`\eta_g` the block's step
+    (``lr``: one for all, or one per group) and :math:`\Pi_{\mathcal{DS}}` is
     :func:`project` (``iters`` alternating projections, repeated until within ``tol``).
-    Returns new matrices.
+    The proximal term :math:`\|D_g - A_g\|_F^2 / (2\nu)` is stepped exactly (the
+    minimiser of the linearised loss plus both quadratics): an explicit gradient step on
+    it overshoots :math:`A_g` once :math:`\eta_g / \nu \ge 1`, which a step scaled to a
+    small gradient reaches. Returns new matrices; a block whose step is not finite (a
+    non-finite gradient, an overflow) is returned unprojected, for the caller to undo.
     """
-    stepped = {g: d - lr * (grads[g].to(d.dtype) + (d - anchor[g]) / nu) for g, d in matrices.items()}
-    return project_blocks(stepped, iters, tol)
+    stepped = {}
+    for g, d in matrices.items():
+        rate = lr if isinstance(lr, (int, float)) else lr[g]
+        pull = rate / nu
+        stepped[g] = (d - rate * grads[g].to(d.dtype) + pull * anchor[g]) / (1.0 + pull)
+    broken = {g: m for g, m in stepped.items() if not bool(torch.isfinite(m).all())}
+    projected = project_blocks({g: m for g, m in stepped.items() if g not in broken}, iters, tol)
+    return {g: broken[g] if g in broken else projected[g] for g in stepped}
+
+
+class StepSizes:
+    r"""The step :math:`\eta_g` of each group's relaxed matrix in projected SGD.
+
+    With a given ``lr``, every group steps by it. With ``lr=None`` (``lr_perm="auto"``),
+    :math:`\eta_g = \text{scale} \cdot \sqrt{n_g} / \sqrt{\hat v_g}`, where
+    :math:`\hat v_g` is a running mean (decay ``decay``, bias-corrected as in Adam) of
+    :math:`\|G_g\|_F^2`: a step then moves each unit's row of :math:`D_g` by about
+    ``scale`` (in L2 norm), whatever the size of the weights the gradient scales with.
+    (Moving a fraction :math:`f` of the units to other vertices is a distance
+    :math:`\sqrt{2 f n_g}`, so steps of :math:`\sqrt{n_g}` per block move a similar
+    fraction of every group.) A running mean, not each step's own norm, keeps the
+    relative weight of the steps: a point :math:`t` near 0 gives a small gradient, and
+    its step stays small.
+
+    :meth:`back_off` halves a group's step for the rest of the permutation step (its
+    iterate diverged); ``backoffs`` counts them.
+    """
+
+    def __init__(self, sizes: Mapping[str, int], lr: float | None, scale: float, decay: float = 0.9) -> None:
+        self.sizes, self.lr, self.scale, self.decay = dict(sizes), lr, scale, decay
+        self.factor = dict.fromkeys(self.sizes, 1.0)
+        self.second = dict.fromkeys(self.sizes, 0.0)
+        self.count = 0
+        self.backoffs = 0
+        self.last: dict[str, float] = {}
+
+    def __call__(self, grads: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """Every group's step for these gradients (and records them in ``last``)."""
+        self.count += 1
+        out = {}
+        for g, grad in grads.items():
+            if self.lr is not None:
+                rate = self.lr
+            else:
+                square = float(grad.double().square().sum())
+                if math.isfinite(square):  # a step on a non-finite gradient is undone by the caller
+                    self.second[g] = self.decay * self.second[g] + (1.0 - self.decay) * square
+                mean = self.second[g] / (1.0 - self.decay**self.count)
+                # A group whose gradient has been exactly zero throughout does not step.
+                rate = self.scale * math.sqrt(self.sizes[g] / mean) if mean > 0.0 else 0.0
+            out[g] = rate * self.factor[g]
+        self.last = out
+        return out
+
+    def back_off(self, group: str) -> None:
+        """Halve ``group``'s step from now on."""
+        self.factor[group] *= 0.5
+        self.backoffs += 1
 
 
 @torch.no_grad()

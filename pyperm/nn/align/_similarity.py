@@ -2,8 +2,10 @@
 
 Each group's linear assignment problem (Git Re-Basin eq. 2) sums, over the tensor axes the
 group acts on, a product of A's tensor with B's tensor permuted by the other groups. A
-:class:`Term` is one such (tensor, axis) product and a :class:`GroupSimilarity` their sum with the
-group's warm-started solver; :mod:`pyperm.nn.align.weight` drives the sweeps over them.
+:class:`Term` is one such (tensor piece, axis) product and a :class:`GroupSimilarity` their sum
+with the group's warm-started solver; :mod:`pyperm.nn.align._matcher` drives the sweeps over
+them, on the pieces :mod:`pyperm.nn.align._pieces` lowers every spec form to (the labels of a
+piece's axes are group names or Blocks forms; a Term only reads them as keys of ``perms``).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class Term:
         self.snap: torch.Tensor | None = None
         self.value: torch.Tensor | None = None
         self.corrections = 0  # rank-k corrections applied to value since it was computed whole
-        self.scratch = scratch  # gather buffers shared by the terms of one weight_matching call
+        self.scratch = scratch  # gather buffers shared by the terms of one matcher
         n = ta.shape[axis]
         if len(others) <= 1:
             middle = [ax for ax, _ in others]
@@ -99,6 +101,13 @@ class Term:
             buf = self.scratch[key] = torch.empty(shape, dtype=self.b.dtype, device=self.b.device)
         return torch.index_select(self.b, self.gather_dim, index, out=buf)
 
+    def _permuted_b(self, index: torch.Tensor) -> torch.Tensor:
+        """``b`` permuted by the other group: itself at the identity (the usual start), which
+        saves a copy of the whole tensor."""
+        if bool((index == torch.arange(index.numel(), device=index.device)).all()):
+            return self.b
+        return self._gather(index, 0)
+
     def full(self, perms: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Minus the whole contribution at the given permutations (into ``value`` when it exists)."""
         if self.general_axes is not None:
@@ -109,14 +118,14 @@ class Term:
             x, y = self.a, b.movedim(self.axis, 0).reshape(n, -1)
         else:
             x = self.rows(self.a)
-            y = self.rows(self.b if self.other is None else self._gather(perms[self.other], 0))
+            y = self.rows(self.b if self.other is None else self._permuted_b(perms[self.other]))
         out = self.value if self.value is not None else x.new_empty((x.shape[0], y.shape[0]))
         return torch.addmm(out, x, y.T, beta=0, alpha=-1, out=out)
 
     def add_full_to(self, out: torch.Tensor, perms: Mapping[str, torch.Tensor]) -> None:
         """Subtracts the whole contribution at the given permutations from ``out`` and
         records them in ``snap`` (row-layout terms, see ``GroupSimilarity.summed``)."""
-        x, y = self.rows(self.a), self.rows(self._gather(perms[self.other], 0))
+        x, y = self.rows(self.a), self.rows(self._permuted_b(perms[self.other]))
         torch.addmm(out, x, y.T, alpha=-1, out=out)
         self.snap = perms[self.other].clone()
 
@@ -254,7 +263,9 @@ class GroupSimilarity:
         for t in self.terms:
             t.update(perms)
         parts = ([self.const] if self.const is not None else []) + [t.value for t in self.terms]
-        if len(parts) == 1:
+        if not parts:  # no entry of the objective reads this group (``keys`` left them out)
+            self.cost.zero_()
+        elif len(parts) == 1:
             self.cost.copy_(parts[0])
         elif len(parts) > 1:
             torch.add(parts[0], parts[1], out=self.cost)

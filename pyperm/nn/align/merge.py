@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pyperm._checks import torch_generator
+from pyperm._checks import check_positive_int, torch_generator
 from pyperm._progress import progress_bar
+from pyperm.nn._checks import check_spec, check_state
 from pyperm.nn.align.weight import WeightMatcher
 from pyperm.nn.permutations import Permutations
 from pyperm.nn.spec import PermutationSpec
@@ -39,17 +40,19 @@ class MergeResult:
         is model ``i`` aligned to the others.
     merged : dict of str to torch.Tensor
         The mean of the permuted models (integer buffers from the first model).
-    rounds : int
-        Rounds over the models that were run.
+    iterations : int
+        Rounds over the models that were run (at most ``max_iter``).
     converged : bool
         Whether the last round changed no permutation (otherwise ``max_iter`` stopped it).
+    history : list of int
+        Per round, how many models' permutations changed (the last is 0 when converged).
     """
 
     perms: list[Permutations]
     merged: dict[str, torch.Tensor]
-    rounds: int = 0
+    iterations: int = 0
     converged: bool = False
-    history: list[int] = field(default_factory=list)  # permutations changed per round
+    history: list[int] = field(default_factory=list)
 
 
 def merge_many(
@@ -77,7 +80,9 @@ def merge_many(
     Parameters
     ----------
     spec : PermutationSpec
-        The models' permutation groups.
+        The models' permutation groups, any axis form (:class:`~pyperm.nn.spec.Segments`,
+        :class:`~pyperm.nn.spec.Tiled`, :class:`~pyperm.nn.spec.Blocks`, one group on two
+        axes), as :func:`~pyperm.nn.weight_matching` takes them.
     states : sequence of mapping of str to torch.Tensor
         At least two state dicts of one architecture (the spec's keys, equal shapes),
         on one device.
@@ -92,13 +97,13 @@ def merge_many(
     -------
     MergeResult
         ``perms`` (one :class:`~pyperm.nn.Permutations` per model), ``merged``,
-        ``rounds`` and ``converged``.
+        ``iterations`` (rounds), ``converged`` and the per-round ``history``.
 
     Raises
     ------
     TypeError, ValueError
-        ``spec`` is not a PermutationSpec, ``states`` is not a sequence of at least two
-        matching state dicts, or ``max_iter`` or ``seed`` is invalid.
+        ``spec`` is not a PermutationSpec, ``states`` is not a
+        sequence of at least two matching state dicts, or ``max_iter`` or ``seed`` is invalid.
 
     Notes
     -----
@@ -119,20 +124,15 @@ def merge_many(
     >>> result.perms[0].is_identity(), sorted(result.merged) == sorted(models[0].state_dict())
     (True, True)
     """
-    if not isinstance(spec, PermutationSpec):
-        raise TypeError(f"spec must be a PermutationSpec, got {type(spec).__name__}")
-    spec.require_flat("merge_many")
+    check_spec(spec)
     if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
         raise TypeError(f"states must be a sequence of state dicts, got {type(states).__name__}")
     if len(states) < 2:
         raise ValueError(f"states must hold at least two state dicts, got {len(states)}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int):
-        raise TypeError(f"max_iter must be an int, got {type(max_iter).__name__}")
-    if max_iter < 1:
-        raise ValueError(f"max_iter must be at least 1, got {max_iter}")
+    max_iter = check_positive_int(max_iter, "max_iter")
     gen = torch_generator(seed)
     for i, state in enumerate(states):
-        spec.check_state_dict(state, f"states[{i}]")
+        spec.check_state_dict(check_state(state, f"states[{i}]"), f"states[{i}]")
     states = [{k: v.detach() for k, v in s.items()} for s in states]
     n = len(states)
     perms = [Permutations.identity(spec) for _ in range(n)]
@@ -154,8 +154,7 @@ def merge_many(
                     k: ((v - permuted[i][k].double()) / (n - 1)).to(states[i][k].dtype) if v.is_floating_point() else v
                     for k, v in total.items()
                 }
-                result = matchers[i].match(others, init=perms[i], seed=gen)
-                new = Permutations(spec, result.perms)
+                new = matchers[i].match(others, init=perms[i], seed=gen).perms
                 if new == perms[i]:
                     continue
                 changed += 1
@@ -180,4 +179,4 @@ def merge_many(
     perms = [back.compose(p) for p in perms]
     merged = average([p.apply(s) for p, s in zip(perms, states)])
     logger.debug("merge_many: %d models, %d rounds, converged=%s", n, rounds, converged)
-    return MergeResult(perms=perms, merged=merged, rounds=rounds, converged=converged, history=history)
+    return MergeResult(perms=perms, merged=merged, iterations=rounds, converged=converged, history=history)

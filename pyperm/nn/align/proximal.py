@@ -35,7 +35,11 @@ SGD are taken on :math:`\mathcal{L}(r(t; \phi^k, D)) + \frac{1}{2\nu_P}\|D - P^k
 (one batch and one :math:`t \sim U[0,1]` per step; :math:`D\theta_B` multiplies every
 axis a group acts on by its :math:`D_g`, so a unit of :math:`D\theta_B` is a convex
 combination of units of :math:`\theta_B`), each step projected back by 20 alternating
-projections (:func:`pyperm.project_doubly_stochastic`). The last iterate is projected on
+projections (:func:`pyperm.project_doubly_stochastic`). The gradient in :math:`D_g` scales
+with the weights it multiplies, so one step size suits one model only: by default
+(``lr_perm="auto"``) every group's step is scaled to a running mean of its gradient's
+norm, and a step whose iterate diverges is undone and its group's step halved (a diverged
+iterate never reaches the decomposition below). The last iterate is projected on
 until it is doubly stochastic to 1e-7 (twenty projections leave its row and column sums
 off by up to ~0.1 after large steps, and the decomposition below needs a doubly
 stochastic matrix): that is :math:`D^*`, from which the candidate set of eq. 51 is built,
@@ -45,7 +49,7 @@ stochastic matrix): that is :math:`D^*`, from which the candidate set of eq. 51 
     S = \{P^k,\ P_\Pi(D^*),\ R^{(1)}, \dots, R^{(M)}\},
 
 the assignment projection of every block (eq. 52, :func:`pyperm.linear_sum_assignment`)
-and ``num_samples`` block permutations drawn from the truncated max-weight
+and ``perm_samples`` block permutations drawn from the truncated max-weight
 Birkhoff-von Neumann decompositions (eq. 53-54, ``max_terms`` terms,
 :func:`pyperm.sample_permutations`), and :math:`P^{k+1}` is the candidate of least
 :math:`\hat Q(\phi^k, P) + \frac{1}{2\nu_P}\|P - P^k\|_F^2`. Because :math:`P^k` is a
@@ -78,9 +82,13 @@ the prose):
   :math:`P` changes the curve; only the offset carries over.
 - The norms of eq. 34 are Frobenius norms summed over the blocks; for permutations
   :math:`\|P - P^k\|_F^2 = 2 \times` (units moved).
+- The paper does not say how the proximal term enters projected SGD; it is stepped
+  exactly (an implicit step, stable for any step size), the loss by its gradient.
+- The paper gives no step size for the relaxed permutations; ``lr_perm="auto"`` is
+  pyperm's (see ``lr_perm``).
 - The paper's "20 epochs of projected SGD" is ``perm_steps = 20 * len(data)`` here
   (steps, one batch each, cycling through ``data``); its single outer iteration is
-  ``outer_iters=1``.
+  ``max_iter=1``.
 - BatchNorm running statistics of the relaxed network are :math:`(1-t)\theta_A +
   tD\theta_B` (they play no part in the train-mode loss).
 
@@ -99,10 +107,11 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import numbers
 import time
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from numbers import Real
 from typing import Any
 
 import numpy as np
@@ -110,16 +119,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyperm._checks import check_positive_real
+from pyperm._checks import check_callable, check_choice, check_fraction, check_int, check_positive_real
 from pyperm._progress import progress_bar
-from pyperm.nn._runtime import inputs_and_targets, iterate_batches, to_device, training_flags
-from pyperm.nn._checks import check_model_states, check_module, check_reiterable
+from pyperm.nn._checks import check_model_states, check_module, check_reiterable, check_spec
 from pyperm.nn.align import _relaxation as relax
+from pyperm.nn.align._proximal_curve import (
+    CurveFunction,
+    Judge,
+    build_curve,
+    cycle,
+    fixed_batches,
+    keyed_offset,
+    moved_units,
+    perms_key,
+    proximal_hooks,
+)
 from pyperm.nn.curves.bezier import BezierCurve
 from pyperm.nn.curves.train import train_curve
-from pyperm.nn.permutations import Permutations, apply_permutation
+from pyperm.nn.permutations import Permutations, apply_permutation, as_permutations
 from pyperm.nn.spec import PermutationSpec
-from pyperm.nn.state import is_mixable
 
 __all__ = ["PAMIteration", "PAMResult", "pam"]
 
@@ -127,6 +145,23 @@ logger = logging.getLogger(__name__)
 
 _INITS = ("identity", "activation", "weight")
 _FINAL_TOL = 1e-7  # how doubly stochastic the relaxed solution D* is made before the candidates
+_TIMINGS = ("relaxed_forward_backward", "projection", "assignment", "bvn_sampling", "candidates", "curve_step")
+# lr_perm="auto": how far a step moves each unit's row of D (L2 norm, before the projection).
+# Chosen on PAM Unaligned for a digits MLP, a digits CNN with BatchNorm and ResNet20 x1 on the
+# digits (pyperm bench pam --lr-perm auto,0.1,1,10,100,1000): after two outer iterations its
+# objective was within 1% of the best fixed step's on the MLP, 9% above it on the CNN and 10%
+# below it on ResNet20. 0.5 suited the CNN better but left the MLP and ResNet20 where they
+# started (D spread too thin to sample a better permutation from); 0.1 moved the CNN little.
+AUTO_STEP = 0.2
+# An iterate farther than this from doubly stochastic after its projections has diverged
+# (twenty projections leave up to ~0.1 after a large step that is sound); its step is undone
+# and its group's step halved.
+_DIVERGED = 0.5
+# Halvings of one group's step before PAM gives up on it (a step 2**-30 of the given one).
+_MAX_BACKOFFS = 30
+# A relaxed solution with less mass than this off P^k did not move: every candidate is P^k or
+# next to it.
+_STILL = 1e-3
 
 
 @dataclass
@@ -154,7 +189,12 @@ class PAMIteration:
         Mass of the relaxed solution off the previous permutation,
         :math:`1 - \\sum_g \\operatorname{tr}(P_g^{k\\top} D^*_g) / \\sum_g n_g`: 0 when
         :math:`D^*` stayed at :math:`P^k` (then every candidate is :math:`P^k`; raise
-        ``lr_perm``), near 1 when it moved far.
+        ``lr_perm``, PAM warns below 1e-3), near 1 when it moved far.
+    lr_perm : dict of str to float
+        The step size of each group's relaxed matrix in the last relaxed step (with
+        ``lr_perm="auto"``, the one scaled to the gradient; after any back-off).
+    backoffs : int
+        Relaxed steps undone because the iterate diverged (its group's step halved).
     curve_loss : list of float
         :func:`~pyperm.nn.curves.train_curve`'s mean training loss per epoch.
     timings : dict of str to float
@@ -170,6 +210,8 @@ class PAMIteration:
     candidates: int
     relaxed_defect: float
     relaxed_spread: float
+    lr_perm: dict[str, float]
+    backoffs: int
     curve_loss: list[float]
     timings: dict[str, float]
 
@@ -186,193 +228,31 @@ class PAMResult:
         The curve from A to :math:`P^K\\theta_B`, bend at
         :math:`(\\theta_A + P^K\\theta_B)/2 + \\tilde\\theta_c^K`.
     objective : list of float
-        :math:`\\hat Q(\\phi^k, P^k)` for ``k = 0..outer_iters`` (the first at the
+        :math:`\\hat Q(\\phi^k, P^k)` for ``k = 0..iterations`` (the first at the
         initial permutation and the straight line).
-    init : Permutations
-        :math:`P^0`.
-    iterations : list of PAMIteration
+    init_perms : Permutations
+        :math:`P^0`, where the search started (``init``).
+    iterations : int
+        Outer iterations run (``max_iter``).
+    history : list of PAMIteration
         One record per outer iteration.
     """
 
     perms: Permutations
     curve: BezierCurve
     objective: list[float]
-    init: Permutations
-    iterations: list[PAMIteration] = field(default_factory=list)
+    init_perms: Permutations
+    iterations: int = 0
+    history: list[PAMIteration] = field(default_factory=list)
 
     @property
     def timings(self) -> dict[str, float]:
         """Seconds per part, summed over the outer iterations."""
         total: dict[str, float] = {}
-        for it in self.iterations:
+        for it in self.history:
             for k, v in it.timings.items():
                 total[k] = total.get(k, 0.0) + v
         return total
-
-
-# ---------------------------------------------------------------------- arguments
-
-
-def _int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return int(value)
-
-
-def _initial_perms(init: Any, model: nn.Module, spec: PermutationSpec, sa: Mapping[str, torch.Tensor],
-                   sb: Mapping[str, torch.Tensor], data: Iterable[Any], seed: int) -> Permutations:
-    if isinstance(init, str):
-        if init not in _INITS:
-            raise ValueError(f"init must be one of {_INITS} or a mapping of permutations, got {init!r}")
-        if init == "identity":
-            return Permutations.identity(spec)
-        if init == "weight":
-            from pyperm.nn.align import weight_matching
-
-            return Permutations(spec, weight_matching(spec, sa, sb, seed=seed).perms)
-        from pyperm.nn.align import activation_matching
-
-        # Private copies: the user's model is neither loaded nor run.
-        model_a, model_b = copy.deepcopy(model), copy.deepcopy(model)
-        model_a.load_state_dict(sa)
-        model_b.load_state_dict(sb)
-        return Permutations(spec, activation_matching(model_a, model_b, data, spec).perms)
-    if isinstance(init, Mapping):
-        return Permutations(spec, init)
-    raise TypeError(f"init must be 'identity', 'activation', 'weight' or a mapping of permutations, "
-                    f"got {type(init).__name__}")
-
-
-# ---------------------------------------------------------------------- the relaxed curve
-
-
-class _CurveFunction:
-    r"""The network :math:`r(t; \tilde\theta_c, X) = (1-t)\theta_A + tX\theta_B + 2t(1-t)\tilde\theta_c`
-    for a permutation or a relaxed (doubly stochastic) :math:`X`, run by ``functional_call``.
-
-    Parameters move on the curve; floating-point buffers on the segment (no gradient);
-    other buffers are A's (cloned per call: BatchNorm increments its counter in place).
-    """
-
-    def __init__(self, model: nn.Module, spec: PermutationSpec, sa: Mapping[str, torch.Tensor],
-                 sb: Mapping[str, torch.Tensor], loss_fn: Callable[..., torch.Tensor]) -> None:
-        self.model, self.spec, self.sa, self.sb, self.loss_fn = model, spec, sa, sb, loss_fn
-        # functional_call takes each tensor once, under its first name (tied weights).
-        self.params = [n for n, p in model.named_parameters() if is_mixable(p)]
-        self.fixed_params = [n for n, p in model.named_parameters() if not is_mixable(p)]
-        buffers = list(model.named_buffers())
-        self.float_buffers = [n for n, b in buffers if is_mixable(b) and n in sa]
-        self.int_buffers = [n for n, b in buffers if not is_mixable(b) and n in sa]
-        moving = self.params + self.float_buffers
-        self.permuted_keys = [k for k in moving if any(g is not None for g in spec.axes.get(k, ()))]
-
-    def state(self, t: float, end: Mapping[str, torch.Tensor], offset: Mapping[str, torch.Tensor]) -> dict:
-        """The point's tensors; ``end`` holds B's permuted (or relaxed) entries of ``permuted_keys``."""
-        bend = 2.0 * t * (1.0 - t)
-        out: dict[str, torch.Tensor] = {}
-        for k in self.params:
-            b = end.get(k, self.sb[k])
-            out[k] = (1.0 - t) * self.sa[k] + t * b + bend * offset[k]
-        with torch.no_grad():
-            for k in self.float_buffers:
-                b = end.get(k, self.sb[k])
-                out[k] = torch.lerp(self.sa[k], b.detach(), t)
-        for k in self.fixed_params + self.int_buffers:
-            out[k] = self.sa[k].clone()
-        return out
-
-    def loss(self, state: Mapping[str, torch.Tensor], inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
-        with training_flags(self.model, train=True):
-            outputs = torch.func.functional_call(self.model, dict(state), inputs, strict=False, tie_weights=True)
-        loss = self.loss_fn(outputs, targets)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError("loss_fn must return the batch's mean loss as a one-element tensor")
-        return loss.reshape(())
-
-    def permuted_end(self, perms: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """B's entries of ``permuted_keys``, permuted (index selection, no matrices)."""
-        return {k: _permute(self.spec, perms, k, self.sb[k]) for k in self.permuted_keys}
-
-
-def _permute(spec: PermutationSpec, perms: Mapping[str, torch.Tensor], key: str, tensor: torch.Tensor) -> torch.Tensor:
-    for axis, g in enumerate(spec.axes[key]):
-        if g is not None:
-            tensor = tensor.index_select(axis, perms[g].to(tensor.device))
-    return tensor
-
-
-class _Judge:
-    r""":math:`\hat Q(\tilde\theta_c, P)`: mean loss over fixed batches at fixed midpoint-rule nodes."""
-
-    def __init__(self, fn: _CurveFunction, batches: list[tuple[tuple, torch.Tensor]], points: int) -> None:
-        self.fn, self.batches = fn, batches
-        self.ts = [(i + 0.5) / points for i in range(points)]
-
-    @torch.no_grad()
-    def __call__(self, offset: Mapping[str, torch.Tensor], perms: Mapping[str, torch.Tensor]) -> float:
-        end = self.fn.permuted_end(perms)
-        total, count = 0.0, 0
-        for t in self.ts:
-            state = self.fn.state(t, end, offset)
-            for inputs, targets in self.batches:
-                n = targets.shape[0] if targets.ndim else 1
-                total += float(self.fn.loss(state, inputs, targets)) * n
-                count += n
-        return total / count
-
-
-def _proximal_hooks(curve: BezierCurve, nu: float) -> list[Any]:
-    r"""Add :math:`(\theta_c - \theta_c^k)/\nu` to the bends' gradients (the proximal term of eq. 34)."""
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    # train_curve sums the processes' gradients: each adds its share of the proximal term.
-    scale = 1.0 / (nu * (torch.distributed.get_world_size() if distributed else 1))
-    handles = []
-    for bend in curve.bends():
-        anchor = bend.detach().clone()
-        handles.append(bend.register_hook(lambda g, p=bend, a=anchor: g + (p.detach() - a) * scale))
-    return handles
-
-
-def _build_curve(model: nn.Module, sa: Mapping[str, torch.Tensor], end_state: Mapping[str, torch.Tensor],
-                 offset_flat: list[torch.Tensor] | None) -> tuple[BezierCurve, list[torch.Tensor]]:
-    """A Bezier curve A -> ``end_state`` with its bend at the midpoint plus ``offset_flat``.
-
-    A new curve's bend starts exactly at the midpoint of its segment (BezierCurve's
-    contract); the flat layout of the bends depends only on the model and the states'
-    dtypes, so offsets carry over between curves of one model. Returns the curve and its
-    midpoints (flat, as :meth:`BezierCurve.bends`).
-    """
-    curve = BezierCurve(model, sa, end_state, num_bends=1)
-    mids = [b.detach().clone() for b in curve.bends()]
-    if offset_flat is not None:
-        with torch.no_grad():
-            for bend, off in zip(curve.bends(), offset_flat):
-                bend.add_(off)
-    return curve, mids
-
-
-def _keyed_offset(curve: BezierCurve, fn: _CurveFunction, sa: Mapping[str, torch.Tensor],
-                  end_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    r""":math:`\tilde\theta_c` by state-dict key: the bend minus the midpoint of the segment."""
-    bend = curve.bend_state(0)
-    return {k: bend[k] - 0.5 * (sa[k] + end_state[k]) for k in fn.params}
-
-
-def _cycle(data: Iterable[Any], device: torch.device):
-    while True:
-        for index, batch in iterate_batches(data, name="data"):
-            inputs, targets = inputs_and_targets(batch, index, "data")
-            yield to_device(inputs, device), targets.to(device)
-
-
-def _moved(new: Mapping[str, torch.Tensor], old: Mapping[str, torch.Tensor]) -> dict[str, int]:
-    return {g: int((new[g] != old[g]).sum()) for g in old}
-
-
-def _key(perms: Mapping[str, torch.Tensor]) -> tuple:
-    return tuple(perms[g].numpy().tobytes() for g in sorted(perms))
 
 
 # ---------------------------------------------------------------------- PAM
@@ -380,20 +260,20 @@ def _key(perms: Mapping[str, torch.Tensor]) -> tuple:
 
 def pam(
     model: nn.Module,
+    spec: PermutationSpec,
     state_a: Mapping[str, torch.Tensor],
     state_b: Mapping[str, torch.Tensor],
     data: Iterable[Any],
-    spec: PermutationSpec,
     *,
     init: str | Mapping[str, Any] = "identity",
-    outer_iters: int = 1,
+    max_iter: int = 1,
     perm_steps: int = 100,
     curve_epochs: int = 10,
-    lr_perm: float = 1.0,
+    lr_perm: float | str = "auto",
     lr_curve: float = 0.01,
     nu_perm: float = 1e3,
     nu_curve: float = 1e3,
-    num_samples: int = 32,
+    perm_samples: int = 32,
     max_terms: int = 10,
     seed: int = 0,
     progress: bool = False,
@@ -409,7 +289,7 @@ def pam(
 
     Alternates the permutation step (projected SGD on the blockwise doubly stochastic
     relaxation, then the best of :math:`P^k`, the assignment projection and
-    ``num_samples`` Birkhoff-von Neumann samples) and the curve step (training the
+    ``perm_samples`` Birkhoff-von Neumann samples) and the curve step (training the
     offset :math:`\tilde\theta_c` of eq. 35 with a proximal term); see the module
     docstring for the equations and the assumptions made in reconstructing them.
 
@@ -418,6 +298,8 @@ def pam(
     model : torch.nn.Module
         The architecture, run through :func:`torch.func.functional_call`; never modified
         (its training flags are restored).
+    spec : PermutationSpec
+        The permutation groups of the model (one group per axis).
     state_a, state_b : mapping of str to torch.Tensor
         The endpoints' state dicts (``model.state_dict()`` keys; same shapes, dtypes and
         devices). Not modified; B is the model permuted.
@@ -425,26 +307,36 @@ def pam(
         Training batches (a DataLoader or a list): the permutation step cycles through
         them one batch per step, the curve step reads them ``curve_epochs`` times, and
         the first ``judge_batches`` judge the candidates.
-    spec : PermutationSpec
-        The permutation groups of the model.
-    init : {"identity", "activation", "weight"} or mapping, default "identity"
+    init : {"identity", "activation", "weight"}, Permutations or mapping, default "identity"
         :math:`P^0`: the identity ("PAM Unaligned"), activation matching of the two
-        models on ``data`` or weight matching ("PAM Aligned"), or given permutations.
-    outer_iters : int, default 1
-        Outer iterations :math:`K` (the paper uses one).
+        models on ``data`` or weight matching ("PAM Aligned"), or the permutations
+        themselves (a :class:`~pyperm.nn.Permutations` or one permutation per group).
+    max_iter : int, default 1
+        Outer iterations :math:`K` (the paper uses one; 0: none, the result is the
+        straight line at :math:`P^0`).
     perm_steps : int, default 100
         Projected SGD steps of the permutation step (one batch each).
     curve_epochs : int, default 10
         Epochs of curve training per curve step (the paper: 250).
-    lr_perm, lr_curve : float
-        Learning rates of the relaxed permutations and of the bend. The loss's gradient
-        in :math:`D` scales with the weights it multiplies, so ``lr_perm`` is model
-        dependent: ``PAMIteration.relaxed_spread`` near 0 means :math:`D^*` never left
-        :math:`P^k` (e.g. 1 suits a digits MLP, 1000 a small digits CNN, 10 ResNet20).
+    lr_perm : float or "auto", default "auto"
+        Step size of projected SGD on the relaxed permutations. The loss's gradient in
+        :math:`D` scales with the weights it multiplies, so a fixed number suits one
+        model only (about 1 for a digits MLP, 1000 for a small digits CNN, 10 for
+        ResNet20, measured on pyperm's benchmark models). ``"auto"`` scales every
+        group's step to a running mean of its gradient's norm, so that a step moves each
+        unit's row of :math:`D_g` by about 0.2 (``AUTO_STEP``); its choice is recorded in
+        ``PAMIteration.lr_perm``. A number gives plain projected SGD with that step, as
+        the paper runs it. Either way a step whose iterate diverges (no longer near
+        doubly stochastic after its projections, or not finite) is undone and its
+        group's step halved, with a warning (``PAMIteration.backoffs``), and PAM warns
+        when the relaxation did not move (``PAMIteration.relaxed_spread`` below 1e-3).
+    lr_curve : float, default 0.01
+        Learning rate of the bend (SGD with ``momentum``).
     nu_perm, nu_curve : float
         :math:`\nu_P`, :math:`\nu_\phi` of eq. 34 (larger: weaker proximal pull). The
-        proximal terms are taken as gradients, so ``lr / nu`` must be below 1 for both.
-    num_samples : int, default 32
+        permutation's proximal term is stepped exactly, so any ``lr_perm`` suits it;
+        the curve's enters as a gradient, so ``lr_curve / nu_curve`` must be below 1.
+    perm_samples : int, default 32
         :math:`M`, block permutations sampled from the BvN decompositions.
     max_terms : int, default 10
         Terms of each block's decomposition kept for sampling.
@@ -479,7 +371,8 @@ def pam(
         ``perms`` (a :class:`~pyperm.nn.Permutations`), ``curve`` (a trained
         :class:`~pyperm.nn.curves.BezierCurve` from A to ``perms.apply(state_b)``),
         ``objective`` (:math:`\hat Q` per outer iteration, starting with the initial
-        one), ``init`` and per-iteration records with timings.
+        one), ``init_perms`` (:math:`P^0`), the ``iterations`` run and their ``history``
+        (one :class:`PAMIteration` each, with timings).
 
     Raises
     ------
@@ -498,174 +391,364 @@ def pam(
 
     References
     ----------
-    .. [1] N. J. Tatro et al., "Optimizing Mode Connectivity via Neuron Alignment",
-       NeurIPS 2020, appendix E.
+    .. [1] N. J. Tatro, P.-Y. Chen, P. Das, I. Melnyk, P. Sattigeri, R. Lai, "Optimizing
+       Mode Connectivity via Neuron Alignment", NeurIPS 2020, appendix E.
     .. [2] H. Attouch, J. Bolte, P. Redont, A. Soubeyran, "Proximal alternating
        minimization and projection methods for nonconvex problems", 2010.
 
     Examples
     --------
     >>> import torch
-    >>> from pyperm.nn import PermutationSpec
-    >>> from pyperm.nn.align.proximal import pam
+    >>> from pyperm.nn import PermutationSpec, pam
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
     >>> spec = PermutationSpec.from_model(net, torch.randn(2, 4))
     >>> a = {k: v.clone() for k, v in net.state_dict().items()}
     >>> b = {k: torch.randn_like(v) for k, v in a.items()}
     >>> g = torch.Generator().manual_seed(0)
     >>> data = [(torch.randn(16, 4, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(2)]
-    >>> result = pam(net, a, b, data, spec, perm_steps=4, curve_epochs=1, num_samples=4)
-    >>> len(result.objective), sorted(result.perms)
-    (2, ['P_0'])
+    >>> result = pam(net, spec, a, b, data, perm_steps=4, curve_epochs=1, perm_samples=4)
+    >>> result.iterations, len(result.objective), sorted(result.perms)
+    (1, 2, ['P_0'])
     """
+    opts = _Options.checked(
+        max_iter=max_iter, perm_steps=perm_steps, curve_epochs=curve_epochs, lr_perm=lr_perm, lr_curve=lr_curve,
+        nu_perm=nu_perm, nu_curve=nu_curve, perm_samples=perm_samples, max_terms=max_terms, seed=seed,
+        momentum=momentum, anneal=anneal, judge_points=judge_points, judge_batches=judge_batches,
+        projection_iters=projection_iters, projection_tol=projection_tol, loss_fn=loss_fn,
+    )  # fmt: skip
+    run = _start(model, spec, state_a, state_b, data, init, opts)
+    history: list[PAMIteration] = []
+    bar = progress_bar(progress, opts.max_iter, "PAM", "iteration")
+    try:
+        for k in range(opts.max_iter):
+            history.append(_outer_iteration(run, opts, k))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(objective=f"{run.objective[-1]:.4g}")
+    finally:
+        if bar is not None:
+            bar.close()
+    return _result(run, history)
+
+
+# ---------------------------------------------------------------------- the phases
+
+
+@dataclass(frozen=True)
+class _Options:
+    """PAM's numeric options, checked."""
+
+    max_iter: int
+    perm_steps: int
+    curve_epochs: int
+    lr_perm: float | None  # None: "auto"
+    lr_curve: float
+    nu_perm: float
+    nu_curve: float
+    perm_samples: int
+    max_terms: int
+    seed: int
+    momentum: float
+    anneal: float
+    judge_points: int
+    judge_batches: int | None
+    projection_iters: int
+    projection_tol: float | None
+    loss_fn: Callable[..., torch.Tensor]
+
+    @classmethod
+    def checked(cls, **values: Any) -> _Options:
+        """The options, each checked (TypeError or ValueError naming it) and in its canonical type."""
+        minimum = {"max_iter": 0, "perm_steps": 0, "curve_epochs": 0, "perm_samples": 0, "max_terms": 1, "seed": 0,
+                   "judge_points": 1, "projection_iters": 1}  # fmt: skip
+        for name, least in minimum.items():
+            values[name] = check_int(values[name], name, least)
+        values["judge_batches"] = check_int(values["judge_batches"], "judge_batches", 1, allow_none=True)
+        values["lr_perm"] = _check_lr_perm(values["lr_perm"])
+        for name in ("lr_curve", "nu_perm", "nu_curve"):
+            values[name] = check_positive_real(values[name], name)
+        values["anneal"] = check_positive_real(values["anneal"], "anneal", upper=1.0)
+        if values["projection_tol"] is not None:
+            values["projection_tol"] = check_positive_real(values["projection_tol"], "projection_tol")
+        values["momentum"] = check_fraction(values["momentum"], "momentum")
+        if values["momentum"] == 1.0:  # a momentum of 1 never forgets a gradient: SGD does not converge
+            raise ValueError("momentum must lie in [0, 1), got 1.0")
+        values["loss_fn"] = check_callable(values["loss_fn"], "loss_fn", allow_none=True) or F.cross_entropy
+        # The curve's proximal term enters as a gradient (x - x^k) / nu of explicit steps, which
+        # overshoot x^k (and, with momentum, oscillate) once lr / nu reaches 1. (The permutation's
+        # is stepped exactly: any lr_perm suits it.)
+        if values["lr_curve"] / values["nu_curve"] >= 1.0:
+            raise ValueError("lr_curve / nu_curve must be below 1 (the proximal term is a gradient step), "
+                             f"got {values['lr_curve'] / values['nu_curve']:.3g}")
+        return cls(**values)
+
+
+def _check_lr_perm(value: Any) -> float | None:
+    """``lr_perm``: a positive number, or None for ``"auto"``."""
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f"lr_perm must be 'auto' or a finite positive number, got {value!r}")
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"lr_perm must be 'auto' or a finite positive number, got {type(value).__name__}")
+    return check_positive_real(value, "lr_perm")
+
+
+@dataclass
+class _Run:
+    """What PAM carries from one outer iteration to the next, and what it reads throughout."""
+
+    model: nn.Module
+    spec: PermutationSpec
+    sa: dict[str, torch.Tensor]  # private detached copies of the endpoints
+    sb: dict[str, torch.Tensor]
+    data: Iterable[Any]
+    device: torch.device  # where the endpoints' floating-point entries live
+    fn: CurveFunction
+    judge: Judge
+    stream: Iterator[tuple[tuple, torch.Tensor]]  # the permutation step's batches, cycling
+    gen: torch.Generator  # the points t and the curve step's seeds
+    rng: np.random.Generator  # the BvN samples
+    init_perms: Permutations
+    perms: Permutations  # P^k
+    offset: dict[str, torch.Tensor]  # the bend's offset from the midpoint, by key (phi^k)
+    offset_flat: list[torch.Tensor] | None = None  # the same, laid out as BezierCurve.bends()
+    objective: list[float] = field(default_factory=list)
+    curve: BezierCurve | None = None
+
+
+def _start(model: Any, spec: Any, state_a: Any, state_b: Any, data: Any, init: Any, opts: _Options) -> _Run:
+    r"""Check the model, spec, states and data; private copies of the states, :math:`P^0`, the
+    judge :math:`\hat Q` and its value on the straight line at :math:`P^0`."""
     check_module(model, "model")
-    if not isinstance(spec, PermutationSpec):
-        raise TypeError(f"spec must be a PermutationSpec, got {type(spec).__name__}")
-    spec.require_flat("pam")
+    check_spec(spec).require_flat("pam")
     check_model_states(model, state_a, state_b)
     spec.check_state_dict(state_a, "state_a")
     data = check_reiterable(data, "data")
-    outer_iters = _int(outer_iters, "outer_iters", 0)
-    perm_steps = _int(perm_steps, "perm_steps", 0)
-    curve_epochs = _int(curve_epochs, "curve_epochs", 0)
-    num_samples = _int(num_samples, "num_samples", 0)
-    max_terms = _int(max_terms, "max_terms", 1)
-    seed = _int(seed, "seed", 0)
-    judge_points = _int(judge_points, "judge_points", 1)
-    if judge_batches is not None:
-        judge_batches = _int(judge_batches, "judge_batches", 1)
-    projection_iters = _int(projection_iters, "projection_iters", 1)
-    if projection_tol is not None:
-        projection_tol = check_positive_real(projection_tol, "projection_tol")
-    lr_perm = check_positive_real(lr_perm, "lr_perm")
-    lr_curve = check_positive_real(lr_curve, "lr_curve")
-    nu_perm = check_positive_real(nu_perm, "nu_perm")
-    nu_curve = check_positive_real(nu_curve, "nu_curve")
-    anneal = check_positive_real(anneal, "anneal", upper=1.0)
-    # The proximal terms enter as gradients (x - x^k) / nu of explicit steps, which overshoot
-    # x^k (and, for the curve with momentum, oscillate) once lr / nu reaches 1.
-    for lr, nu, names in ((lr_perm, nu_perm, "lr_perm / nu_perm"), (lr_curve, nu_curve, "lr_curve / nu_curve")):
-        if lr / nu >= 1.0:
-            raise ValueError(f"{names} must be below 1 (the proximal term is a gradient step), got {lr / nu:.3g}")
-    if isinstance(momentum, bool) or not isinstance(momentum, Real):
-        raise TypeError(f"momentum must be a real number, got {type(momentum).__name__}")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-    if loss_fn is None:
-        loss_fn = F.cross_entropy
-    elif not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-
     # Private detached copies: the user's state dicts are never touched.
     sa = {k: v.detach().clone() for k, v in state_a.items()}
     sb = {k: v.detach().clone() for k, v in state_b.items()}
     device = next((v.device for v in sa.values() if v.is_floating_point()), torch.device("cpu"))
-    gen = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
+    perms = _initial_perms(init, model, spec, sa, sb, data, opts.seed)
+    fn = CurveFunction(model, spec, sa, sb, opts.loss_fn)
+    judged = fixed_batches(data, opts.judge_batches, device)
+    run = _Run(model=model, spec=spec, sa=sa, sb=sb, data=data, device=device, fn=fn,
+               judge=Judge(fn, judged, opts.judge_points), stream=cycle(data, device),
+               gen=torch.Generator().manual_seed(opts.seed),
+               rng=np.random.default_rng(opts.seed), init_perms=perms, perms=perms,
+               offset={k: torch.zeros_like(sa[k]) for k in fn.params})  # fmt: skip
+    run.objective.append(run.judge(run.offset, perms))
+    logger.info("pam: initial objective %.6g (init=%s)", run.objective[0], init if isinstance(init, str) else "given")
+    return run
 
-    perms = _initial_perms(init, model, spec, sa, sb, data, seed)
-    initial = perms
-    fn = _CurveFunction(model, spec, sa, sb, loss_fn)
-    judged = []
-    for index, batch in iterate_batches(data, judge_batches, "data"):
-        inputs, targets = inputs_and_targets(batch, index, "data")
-        judged.append((to_device(inputs, device), targets.to(device)))
-    judge = _Judge(fn, judged, judge_points)
-    stream = _cycle(data, device)
 
-    offset = {k: torch.zeros_like(sa[k]) for k in fn.params}
-    offset_flat: list[torch.Tensor] | None = None
-    objective = [judge(offset, perms)]
-    logger.info("pam: initial objective %.6g (init=%s)", objective[0], init if isinstance(init, str) else "given")
-    iterations: list[PAMIteration] = []
-    curve: BezierCurve | None = None
+def _initial_perms(init: Any, model: nn.Module, spec: PermutationSpec, sa: Mapping[str, torch.Tensor],
+                   sb: Mapping[str, torch.Tensor], data: Iterable[Any], seed: int) -> Permutations:
+    """:math:`P^0` from ``init``: a start's name, or the permutations themselves."""
+    if isinstance(init, str):
+        check_choice(init, "init", _INITS)
+        if init == "identity":
+            return Permutations.identity(spec)
+        if init == "weight":
+            from pyperm.nn.align.weight import weight_matching
 
-    bar = progress_bar(progress, outer_iters, "PAM", "iteration")
-    try:
-        for k in range(outer_iters):
-            timings = dict.fromkeys(("relaxed_forward_backward", "projection", "assignment", "bvn_sampling",
-                                     "candidates", "curve_step"), 0.0)
-            scale = anneal**k
-            # ---- permutation step: projected SGD on the relaxation, then the best candidate
-            anchor = relax.one_hot(perms, torch.float64, device)
-            relaxed = {g: m.clone() for g, m in anchor.items()}
-            for _ in range(perm_steps):
-                start = time.perf_counter()
-                inputs, targets = next(stream)
-                t = float(torch.rand((), generator=gen, dtype=torch.float64))
-                leaves = {g: m.detach().requires_grad_(True) for g, m in relaxed.items()}
-                end = relax.apply_relaxed(spec, leaves, sb, fn.permuted_keys)
-                loss = fn.loss(fn.state(t, end, offset), inputs, targets)
-                grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)))
-                grads = {g: torch.zeros_like(relaxed[g]) if v is None else v for g, v in grads.items()}
-                mid = time.perf_counter()
-                relaxed = relax.projected_step({g: m.detach() for g, m in leaves.items()}, grads, anchor,
-                                               lr_perm * scale, nu_perm, projection_iters, projection_tol)
-                timings["relaxed_forward_backward"] += mid - start
-                timings["projection"] += time.perf_counter() - mid
-            # D* doubly stochastic to rounding: the BvN decomposition of eq. 53 needs it.
-            start = time.perf_counter()
-            relaxed = relax.project_blocks(relaxed, projection_iters, _FINAL_TOL)
-            timings["projection"] += time.perf_counter() - start
-            residual = max((relax.defect(m) for m in relaxed.values()), default=0.0)
-            units = sum(spec.sizes.values())
-            spread = 1.0 - float(sum((relaxed[g] * anchor[g]).sum() for g in relaxed)) / units if units else 0.0
+            return weight_matching(spec, sa, sb, seed=seed).perms
+        from pyperm.nn.align.activation import activation_matching
 
-            start = time.perf_counter()
-            candidates = [("previous", dict(perms.items())), ("projection", relax.nearest_permutations(relaxed))]
-            timings["assignment"] += time.perf_counter() - start
-            start = time.perf_counter()
-            samples = relax.sample_candidates(relaxed, num_samples, max_terms, rng) if num_samples else []
-            candidates += [(f"sample {i}", s) for i, s in enumerate(samples)]
-            timings["bvn_sampling"] += time.perf_counter() - start
+        # Private copies: the user's model is neither loaded nor run.
+        model_a, model_b = copy.deepcopy(model), copy.deepcopy(model)
+        model_a.load_state_dict(sa)
+        model_b.load_state_dict(sb)
+        return activation_matching(model_a, model_b, spec, data).perms
+    if isinstance(init, Mapping):
+        return Permutations(spec, as_permutations(spec, init, "init"))  # errors name init
+    raise TypeError(f"init must be one of {', '.join(map(repr, _INITS))}, a Permutations or a mapping of "
+                    f"permutations, got {type(init).__name__}")  # fmt: skip
 
-            start = time.perf_counter()
-            seen: set[tuple] = set()
-            best_name, best_perms, best_value, best_q = "previous", perms, math.inf, math.nan
-            for name, cand in candidates:
-                key = _key(cand)
-                if key in seen:
-                    continue  # BvN samples repeat: judge each permutation once
-                seen.add(key)
-                q = objective[-1] if name == "previous" else judge(offset, cand)
-                value = q + sum(_moved(cand, perms).values()) / nu_perm  # ||P - P^k||^2 / (2 nu) = moved / nu
-                if value < best_value:  # strict: ties keep the earlier (P^k first)
-                    best_name, best_perms, best_value, best_q = name, cand, value, q
-            timings["candidates"] += time.perf_counter() - start
-            moved = _moved(best_perms, perms)
-            perms = Permutations(spec, best_perms)
-            logger.info("pam: iteration %d: relaxed mass off P^k %.3g; permutation step took %s (%d units moved), "
-                        "objective %.6g", k + 1, spread, best_name, sum(moved.values()), best_q)
 
-            # ---- curve step: train the offset from the midpoint of A and P^{k+1} B
-            start = time.perf_counter()
-            end_state = apply_permutation(spec, perms, sb)
-            curve, mids = _build_curve(model, sa, end_state, offset_flat)
-            history: list[float] = []
-            if curve_epochs:
-                handles = _proximal_hooks(curve, nu_curve)
-                try:
-                    history = train_curve(curve, data, epochs=curve_epochs, lr=lr_curve * scale, momentum=momentum,
-                                          seed=int(torch.randint(0, 2**62, (), generator=gen)), loss_fn=loss_fn)
-                finally:
-                    for h in handles:
-                        h.remove()
-            offset_flat = [b.detach() - m for b, m in zip(curve.bends(), mids)]
-            offset = _keyed_offset(curve, fn, sa, end_state)
-            timings["curve_step"] += time.perf_counter() - start
-            objective.append(judge(offset, perms))
-            iterations.append(PAMIteration(
-                objective_after_perm=best_q, objective=objective[-1], choice=best_name, moved=moved,
-                candidates=len(seen), relaxed_defect=residual, relaxed_spread=spread, curve_loss=history, timings=timings,
-            ))
-            logger.info("pam: iteration %d: objective %.6g after the curve step", k + 1, objective[-1])
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(objective=f"{objective[-1]:.4g}")
-    finally:
-        if bar is not None:
-            bar.close()
-    if curve is None:  # no outer iteration: the straight line at the initial permutation
-        curve, _ = _build_curve(model, sa, apply_permutation(spec, perms, sb), None)
-    return PAMResult(perms=perms, curve=curve, objective=objective, init=initial, iterations=iterations)
+def _outer_iteration(run: _Run, opts: _Options, k: int) -> PAMIteration:
+    r"""Outer iteration ``k`` (from 0): the permutation step, then the curve step, then :math:`\hat Q`."""
+    timings = dict.fromkeys(_TIMINGS, 0.0)
+    scale = opts.anneal**k  # both learning rates are annealed each outer iteration (E.2)
+    step = _permutation_step(run, opts, scale, timings)
+    start = time.perf_counter()
+    curve_loss = _curve_step(run, opts, scale)
+    timings["curve_step"] += time.perf_counter() - start
+    run.objective.append(run.judge(run.offset, run.perms))
+    logger.info("pam: iteration %d: objective %.6g after the curve step", k + 1, run.objective[-1])
+    return PAMIteration(objective_after_perm=step.objective, objective=run.objective[-1], choice=step.choice,
+                        moved=step.moved, candidates=step.candidates, relaxed_defect=step.defect,
+                        relaxed_spread=step.spread, lr_perm=step.lr_perm, backoffs=step.backoffs,
+                        curve_loss=curve_loss, timings=timings)  # fmt: skip
 
+
+@dataclass
+class _PermutationStep:
+    """What the permutation step chose, for the iteration's record."""
+
+    choice: str
+    objective: float  # Q-hat at the chosen permutation (the curve unchanged)
+    moved: dict[str, int]
+    candidates: int
+    defect: float
+    spread: float
+    lr_perm: dict[str, float]
+    backoffs: int
+
+
+def _permutation_step(run: _Run, opts: _Options, scale: float, timings: dict[str, float]) -> _PermutationStep:
+    """:math:`P^{k+1}`: projected SGD on the relaxation, then the best candidate (eq. 51); sets ``run.perms``."""
+    anchor = relax.one_hot(run.perms, torch.float64, run.device)
+    steps = relax.StepSizes(run.spec.sizes, None if opts.lr_perm is None else opts.lr_perm * scale, AUTO_STEP * scale)
+    relaxed = _relaxed_solution(run, opts, anchor, steps, timings)
+    defect = max((relax.defect(m) for m in relaxed.values()), default=0.0)
+    units = sum(run.spec.sizes.values())
+    spread = 1.0 - float(sum((relaxed[g] * anchor[g]).sum() for g in relaxed)) / units if units else 0.0
+    _warn_about_steps(opts, steps, spread)
+    candidates = _candidates(run, opts, relaxed, timings)
+    start = time.perf_counter()
+    choice, chosen, value, judged = _best_candidate(run, candidates, opts.nu_perm)
+    timings["candidates"] += time.perf_counter() - start
+    moved = moved_units(chosen, run.perms)
+    run.perms = Permutations(run.spec, chosen)
+    logger.info("pam: relaxed mass off P^k %.3g; the permutation step took %s (%d units moved), objective %.6g",
+                spread, choice, sum(moved.values()), value)  # fmt: skip
+    return _PermutationStep(choice, value, moved, judged, defect, spread, dict(steps.last), steps.backoffs)
+
+
+def _relaxed_solution(run: _Run, opts: _Options, anchor: Mapping[str, torch.Tensor], steps: relax.StepSizes,
+                      timings: dict[str, float]) -> dict[str, torch.Tensor]:
+    """:math:`D^*`: ``perm_steps`` steps of projected SGD on the relaxed subproblem from :math:`P^k`
+    (E.2, E.4), projected on until doubly stochastic to rounding.
+
+    A step whose iterate diverged is undone and its group's step halved (``steps.back_off``):
+    a diverged iterate must never reach the Birkhoff-von Neumann decomposition."""
+    relaxed = {g: m.clone() for g, m in anchor.items()}
+    fn = run.fn
+    for _ in range(opts.perm_steps):
+        start = time.perf_counter()
+        inputs, targets = next(run.stream)
+        t = float(torch.rand((), generator=run.gen, dtype=torch.float64))
+        leaves = {g: m.detach().requires_grad_(True) for g, m in relaxed.items()}
+        end = relax.apply_relaxed(run.spec, leaves, run.sb, fn.permuted_keys)
+        loss = fn.loss(fn.state(t, end, run.offset), inputs, targets)
+        grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)))
+        grads = {g: torch.zeros_like(relaxed[g]) if v is None else v for g, v in grads.items()}
+        mid = time.perf_counter()
+        stepped = relax.projected_step(relaxed, grads, anchor, steps(grads), opts.nu_perm, opts.projection_iters,
+                                       opts.projection_tol)  # fmt: skip
+        relaxed = _undo_diverged(relaxed, stepped, steps, opts)
+        timings["relaxed_forward_backward"] += mid - start
+        timings["projection"] += time.perf_counter() - mid
+    # D* doubly stochastic to rounding: the BvN decomposition of eq. 53 needs it.
+    start = time.perf_counter()
+    relaxed = relax.project_blocks(relaxed, opts.projection_iters, _FINAL_TOL)
+    timings["projection"] += time.perf_counter() - start
+    for g, m in relaxed.items():
+        # Every accepted iterate was near doubly stochastic, so this does not happen; if it did,
+        # the decomposition would fail on it with a message that says nothing of the cause.
+        if not bool(torch.isfinite(m).all()) or relax.defect(m) > 1e-4:
+            raise ValueError(f"pam: the relaxed permutations of group {g!r} did not converge to a doubly stochastic "
+                             f"matrix (defect {relax.defect(m):.3g}): {_describe_lr(opts)} is too large for this "
+                             "model; lower it or pass lr_perm='auto'")  # fmt: skip
+    return relaxed
+
+
+def _undo_diverged(previous: Mapping[str, torch.Tensor], stepped: dict[str, torch.Tensor], steps: relax.StepSizes,
+                   opts: _Options) -> dict[str, torch.Tensor]:
+    """``stepped``, with the iterate of every group that diverged (not finite, or far from doubly
+    stochastic after its projections) put back to ``previous`` and that group's step halved."""
+    for g, m in stepped.items():
+        if bool(torch.isfinite(m).all()) and relax.defect(m) <= _DIVERGED:
+            continue
+        stepped[g] = previous[g]
+        steps.back_off(g)
+        if steps.factor[g] < 2.0**-_MAX_BACKOFFS:
+            raise ValueError(f"pam: the relaxed permutations of group {g!r} diverged at every step size down to "
+                             f"2**-{_MAX_BACKOFFS} of {_describe_lr(opts)}: the loss's gradient in them is not "
+                             "finite, or lr_perm is far too large")  # fmt: skip
+    return stepped
+
+
+def _describe_lr(opts: _Options) -> str:
+    return "lr_perm='auto'" if opts.lr_perm is None else f"lr_perm={opts.lr_perm:g}"
+
+
+def _warn_about_steps(opts: _Options, steps: relax.StepSizes, spread: float) -> None:
+    """Warn when relaxed steps were undone (too large), or when the relaxation did not move (too small)."""
+    if steps.backoffs:
+        halved = ", ".join(repr(g) for g, f in steps.factor.items() if f < 1.0)
+        cause = ("the loss's gradient in them was not finite" if opts.lr_perm is None else
+                 f"lr_perm={opts.lr_perm:g} is too large for this model (lr_perm='auto' scales the step to the "
+                 "gradient)")  # fmt: skip
+        warnings.warn(f"pam: {steps.backoffs} relaxed permutation step(s) diverged and were undone, halving the "
+                      f"step of {halved}: {cause}", RuntimeWarning, stacklevel=5)  # fmt: skip
+    if opts.perm_steps and spread < _STILL:
+        larger = ("a number lr_perm above the steps 'auto' chose (PAMIteration.lr_perm)" if opts.lr_perm is None
+                  else f"raise lr_perm={opts.lr_perm:g}")  # fmt: skip
+        warnings.warn(f"pam: the relaxed permutations did not move (relaxed_spread {spread:.2g} < {_STILL:g}), so "
+                      f"every candidate is at or next to the previous permutation: {larger}, or raise "
+                      f"nu_perm={opts.nu_perm:g} (a small nu_perm holds them there)", RuntimeWarning,
+                      stacklevel=5)  # fmt: skip
+
+
+def _candidates(run: _Run, opts: _Options, relaxed: Mapping[str, torch.Tensor],
+                timings: dict[str, float]) -> list[tuple[str, Mapping[str, torch.Tensor]]]:
+    """Eq. 51: :math:`P^k`, the assignment projection of :math:`D^*` and ``perm_samples`` BvN samples."""
+    start = time.perf_counter()
+    candidates = [("previous", dict(run.perms.items())), ("projection", relax.nearest_permutations(relaxed))]
+    timings["assignment"] += time.perf_counter() - start
+    start = time.perf_counter()
+    samples = relax.sample_candidates(relaxed, opts.perm_samples, opts.max_terms, run.rng) if opts.perm_samples else []
+    candidates += [(f"sample {i}", s) for i, s in enumerate(samples)]
+    timings["bvn_sampling"] += time.perf_counter() - start
+    return candidates
+
+
+def _best_candidate(run: _Run, candidates: list[tuple[str, Mapping[str, torch.Tensor]]],
+                    nu_perm: float) -> tuple[str, Mapping[str, torch.Tensor], float, int]:
+    r"""The candidate of least :math:`\hat Q + \|P - P^k\|_F^2 / (2\nu_P)` (ties keep the earlier,
+    :math:`P^k` first): its name, permutations and :math:`\hat Q`, and how many distinct candidates were judged."""
+    seen: set[tuple] = set()
+    best_name, best_perms, best_value, best_q = "previous", dict(run.perms.items()), math.inf, math.nan
+    for name, cand in candidates:
+        key = perms_key(cand)
+        if key in seen:
+            continue  # BvN samples repeat: judge each permutation once
+        seen.add(key)
+        q = run.objective[-1] if name == "previous" else run.judge(run.offset, cand)
+        value = q + sum(moved_units(cand, run.perms).values()) / nu_perm  # ||P - P^k||^2 / (2 nu) = moved / nu
+        if value < best_value:  # strict: ties keep the earlier (P^k first)
+            best_name, best_perms, best_value, best_q = name, cand, value, q
+    return best_name, best_perms, best_q, len(seen)
+
+
+def _curve_step(run: _Run, opts: _Options, scale: float) -> list[float]:
+    r""":math:`\phi^{k+1}`: the curve to :math:`P^{k+1}\theta_B`, its bend at the midpoint plus
+    the offset, trained with the proximal term; sets ``run.curve`` and the offsets and
+    returns :func:`~pyperm.nn.curves.train_curve`'s loss per epoch."""
+    end_state = apply_permutation(run.spec, run.perms, run.sb)
+    curve, mids = build_curve(run.model, run.sa, end_state, run.offset_flat)
+    losses: list[float] = []
+    if opts.curve_epochs:
+        handles = proximal_hooks(curve, opts.nu_curve)
+        try:
+            losses = train_curve(curve, run.data, epochs=opts.curve_epochs, lr=opts.lr_curve * scale,
+                                 momentum=opts.momentum, seed=int(torch.randint(0, 2**62, (), generator=run.gen)),
+                                 loss_fn=opts.loss_fn)  # fmt: skip
+        finally:
+            for h in handles:
+                h.remove()
+    run.offset_flat = [b.detach() - m for b, m in zip(curve.bends(), mids)]
+    run.offset = keyed_offset(curve, run.fn, run.sa, end_state)
+    run.curve = curve
+    return losses
+
+
+def _result(run: _Run, history: list[PAMIteration]) -> PAMResult:
+    """The result; with no outer iteration the curve is the straight line at :math:`P^0`."""
+    curve = run.curve
+    if curve is None:
+        curve, _ = build_curve(run.model, run.sa, apply_permutation(run.spec, run.perms, run.sb), None)
+    return PAMResult(perms=run.perms, curve=curve, objective=run.objective, init_perms=run.init_perms,
+                     iterations=len(history), history=history)  # fmt: skip

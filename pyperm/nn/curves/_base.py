@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from numbers import Real
 from typing import Any
 
 import torch
 from torch import nn
 
+from pyperm._checks import check_int, check_positive_int
+from pyperm.nn._checks import check_module, check_pair, check_state, check_t
 from pyperm.nn._runtime import training_flags
-from pyperm.nn._checks import check_module, check_pair, check_t
 from pyperm.nn.state import is_mixable
 
 __all__ = ["Curve"]
@@ -141,10 +141,7 @@ class Curve(nn.Module):
                  *, num_bends: int = 1) -> None:
         super().__init__()
         check_module(model, "model")
-        if isinstance(num_bends, bool) or not isinstance(num_bends, int):
-            raise TypeError(f"num_bends must be an int, got {type(num_bends).__name__}")
-        if num_bends < 1:
-            raise ValueError(f"num_bends must be at least 1, got {num_bends}")
+        num_bends = check_positive_int(num_bends, "num_bends")
         check_pair(state_a, state_b)
         expected = model.state_dict(keep_vars=True)
         missing = [k for k in expected if k not in state_a]
@@ -216,6 +213,13 @@ class Curve(nn.Module):
         """The user's model (the architecture the curve runs)."""
         return self._model
 
+    @property
+    def bend_keys(self) -> tuple[str, ...]:
+        """The state-dict keys a bend holds: the model's floating-point parameters (tied
+        weights once, under their first name), in the order of ``state_a``."""
+        held = {k for g in self.groups if g.kind == _CURVE for k in g.keys}
+        return tuple(k for k in self.keys if k in held)
+
     def bends(self) -> list[torch.nn.Parameter]:
         """The trainable tensors: bend ``k`` of every flat group, bend by bend."""
         return [g.bends[k] for k in range(self.num_bends) for g in self.groups if g.kind == _CURVE]
@@ -256,16 +260,20 @@ class Curve(nn.Module):
             flat = self._flat_state(t)
         return {key: flat[self._alias[key]] for key in self.keys}
 
+    def _check_index(self, index: Any) -> int:
+        """``index`` as the number of a bend, in ``[0, num_bends)``."""
+        index = check_int(index, "index", 0)
+        if index >= self.num_bends:
+            raise ValueError(f"index must be in [0, {self.num_bends}), got {index}")
+        return index
+
     def bend_state(self, index: int) -> dict[str, torch.Tensor]:
         """The state dict of bend ``index`` (0-based): a control point, not a point of the curve.
 
         Floating-point buffers are those of the straight line at the bend's knot
         ``(index + 1) / (num_bends + 1)`` and integer buffers are A's.
         """
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(f"index must be an int, got {type(index).__name__}")
-        if not 0 <= index < self.num_bends:
-            raise ValueError(f"index must be in [0, {self.num_bends}), got {index}")
+        index = self._check_index(index)
         s = (index + 1) / (self.num_bends + 1)
         flat: dict[str, torch.Tensor] = {}
         with torch.no_grad():
@@ -275,6 +283,85 @@ class Curve(nn.Module):
                 else:
                     flat.update(g.split(g.combine((), s)))
         return {key: flat[self._alias[key]] for key in self.keys}
+
+    def set_bend_state(self, index: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Set bend ``index`` (0-based) from a model-shaped state dict: the inverse of :meth:`bend_state`.
+
+        Parameters
+        ----------
+        index : int
+            The bend, in ``[0, num_bends)``.
+        state : mapping of str to torch.Tensor
+            Keyed like ``model.state_dict()``: a value for every floating-point parameter
+            of the model (the entries a bend holds), in the model's shapes; converted to
+            the bend's dtype and device. Entries a bend does not hold (buffers such as
+            BatchNorm running statistics, integer entries) may be present and are ignored,
+            so ``curve.set_bend_state(k, curve.bend_state(k))`` changes nothing, and a
+            bend saved as a whole model checkpoint (Tatro et al.'s code saves the curve's
+            middle control point so) loads as it is.
+
+        Raises
+        ------
+        TypeError
+            ``state`` is not a mapping of str to tensors, or ``index`` not an int.
+        ValueError
+            ``index`` is out of range, a parameter is missing or has another shape, a
+            key is not one of the model's, or a value is not finite.
+        """
+        index = self._check_index(index)
+        check_state(state, "state")
+        unknown = [k for k in state if k not in self._alias]
+        if unknown:
+            raise ValueError(f"state has keys that are not in the model's state dict: {unknown[:5]}")
+        flats = []
+        for g in self.groups:
+            if g.kind != _CURVE:
+                continue
+            parts = []
+            for key, shape in zip(g.keys, g.shapes):
+                value = state.get(key)
+                if value is None:
+                    raise ValueError(f"state has no {key!r}: a bend needs every floating-point parameter of the model")
+                if tuple(value.shape) != tuple(shape):
+                    raise ValueError(f"state[{key!r}] has shape {tuple(value.shape)}; the model's is {tuple(shape)}")
+                parts.append(value.detach().reshape(-1).to(device=g.start.device, dtype=g.start.dtype))
+            flat = torch.cat(parts)
+            if flat.is_floating_point() and not bool(torch.isfinite(flat).all()):
+                raise ValueError("state holds non-finite values in the bend's parameters")
+            flats.append((g.bends[index], flat))
+        # Checked in full before anything changes: a refused state leaves the curve as it was.
+        with torch.no_grad():
+            for bend, flat in flats:
+                bend.copy_(flat)
+
+    def point_sq_norm(self, t: float) -> torch.Tensor:
+        r"""The squared norm :math:`\|r_\phi(t)\|^2` of the trainable weights of the point
+        (every floating-point parameter of the model, no buffer), differentiable in the
+        bends: the term of Garipov et al.'s regulariser (see :func:`~pyperm.nn.curves.train_curve`)."""
+        return self._run_and_sq_norm(None, check_t(t))[1]
+
+    def _run_and_sq_norm(self, x: Any, t: float, *, norm: bool = True) -> tuple[Any, torch.Tensor | None]:
+        """The model's output at ``t`` (None when ``x`` is None) and, with ``norm``, the point's
+        squared parameter norm, both from one evaluation of the point's flat weights."""
+        w = self.weights(t)
+        flat: dict[str, torch.Tensor] = {}
+        sq_norm = None
+        for g in self.groups:
+            if x is None and g.kind != _CURVE:
+                continue  # the norm alone reads only the trainable weights
+            values = g.combine(w, t)
+            if norm and g.kind == _CURVE:
+                # One flat vector per group: the norm is one reduction, not one per layer.
+                s = values.square().sum()
+                sq_norm = s if sq_norm is None else sq_norm + s.to(sq_norm.device)
+            flat.update(g.split(values))
+        if x is None:
+            return None, sq_norm
+        state = {name: flat[key] for name, key in self._call_names}
+        args = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+        with training_flags(self._model, train=self.training):
+            out = torch.func.functional_call(self._model, state, args, strict=False, tie_weights=False)
+        return out, sq_norm
 
     def forward(self, x: Any, t: float) -> Any:
         r"""The model's output at :math:`r_\phi(t)`: ``model(x)`` run with the point's weights.
@@ -295,12 +382,7 @@ class Curve(nn.Module):
         straight line's, which are not the statistics of the network at ``t``: evaluate
         with :func:`~pyperm.nn.curves.evaluate_curve`, which recomputes them.
         """
-        t = check_t(t)
-        flat = self._flat_state(t)
-        state = {name: flat[key] for name, key in self._call_names}
-        args = tuple(x) if isinstance(x, (tuple, list)) else (x,)
-        with training_flags(self._model, train=self.training):
-            return torch.func.functional_call(self._model, state, args, strict=False, tie_weights=False)
+        return self._run_and_sq_norm(x, check_t(t), norm=False)[0]
 
     def extra_repr(self) -> str:
         sizes = sum(g.start.numel() for g in self.groups if g.kind == _CURVE)

@@ -6,7 +6,6 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from numbers import Real
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +13,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from pyperm._checks import check_bool, check_choice, check_int, check_nonnegative_real
 from pyperm._plotting import agg_figure
 from pyperm._progress import progress_bar
 from pyperm.nn._checks import check_module, check_pair, check_state
+from pyperm.nn._runtime import check_batches
 from pyperm.nn.curves._points import PointEvaluator
 from pyperm.nn.curves.train import check_curve
 from pyperm.nn.state import is_mixable
@@ -66,8 +67,7 @@ class PlaneResult:
 
     def plot(self, path: str | Path, *, metric: str = "loss", levels: int = 20, title: str | None = None) -> Path:
         """Contours of ``metric`` ("loss" or "accuracy") with the three networks marked; a PNG."""
-        if metric not in ("loss", "accuracy"):
-            raise ValueError(f"metric must be 'loss' or 'accuracy', got {metric!r}")
+        check_choice(metric, "metric", ("loss", "accuracy"))
         values = self.loss if metric == "loss" else 100 * self.accuracy
         fig = agg_figure(5.5, 4.5)
         ax = fig.subplots()
@@ -119,7 +119,7 @@ def loss_plane(
     *,
     grid: int = 21,
     margin: float = 0.2,
-    bn_data: Iterable[Any] | None = None,
+    bn_data: Iterable[Any] | bool | None = None,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     labels: Sequence[str] = ("A", "B", "C"),
     curve: Any = None,
@@ -154,8 +154,10 @@ def loss_plane(
         Points per axis (at least 2).
     margin : float, default 0.2
         Extra room around the three points, as a fraction of their extent.
-    bn_data : re-iterable of batches, optional
-        Required when the model has BatchNorm layers.
+    bn_data : re-iterable of batches, or False, optional
+        Batches for the BatchNorm statistics of each grid point; required when the
+        model has BatchNorm layers (``False``: the combination's running statistics,
+        knowingly). See :func:`~pyperm.nn.curves.evaluate_curve`.
     loss_fn : callable, optional
         The batch's mean loss; cross-entropy by default.
     labels : sequence of three str, default ("A", "B", "C")
@@ -182,10 +184,11 @@ def loss_plane(
 
     References
     ----------
-    .. [1] T. Garipov et al., "Loss Surfaces, Mode Connectivity, and Fast Ensembling of
-       DNNs", NeurIPS 2018, footnote on the planes of Figure 1.
-    .. [2] N. J. Tatro et al., "Optimizing Mode Connectivity via Neuron Alignment",
-       NeurIPS 2020, Figure 3 and Figure 7.
+    .. [1] T. Garipov, P. Izmailov, D. Podoprikhin, D. Vetrov, A. G. Wilson, "Loss
+       Surfaces, Mode Connectivity, and Fast Ensembling of DNNs", NeurIPS 2018, footnote
+       on the planes of Figure 1.
+    .. [2] N. J. Tatro, P.-Y. Chen, P. Das, I. Melnyk, P. Sattigeri, R. Lai, "Optimizing
+       Mode Connectivity via Neuron Alignment", NeurIPS 2020, Figures 3 and 7.
     """
     check_module(model, "model")
     if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
@@ -195,19 +198,14 @@ def loss_plane(
     check_state(states[0], "states[0]")
     for i in (1, 2):
         check_pair(states[0], states[i], ("states[0]", f"states[{i}]"))
-    if isinstance(grid, bool) or not isinstance(grid, int):
-        raise TypeError(f"grid must be an int, got {type(grid).__name__}")
-    if grid < 2:
-        raise ValueError(f"grid must be at least 2, got {grid}")
-    if isinstance(margin, bool) or not isinstance(margin, Real):
-        raise TypeError(f"margin must be a real number, got {type(margin).__name__}")
-    if not (math.isfinite(margin) and margin >= 0):
-        raise ValueError(f"margin must be a finite non-negative number, got {margin}")
+    grid = check_int(grid, "grid", 2)
+    margin = check_nonnegative_real(margin, "margin")
+    progress = check_bool(progress, "progress")
     if isinstance(labels, str) or len(labels) != 3:
         raise ValueError("labels must be three names")
     if curve is not None:
         check_curve(curve)
-    evaluator = PointEvaluator(model, data, bn_data, loss_fn)
+    evaluator = PointEvaluator(model, {"data": check_batches(data, "data", reiterable=True)}, bn_data, loss_fn)
 
     # The plane is spanned by the trainable weights, as in Garipov et al.
     keys = [k for k, p in model.named_parameters() if is_mixable(p) and k in states[0]]
@@ -244,7 +242,7 @@ def loss_plane(
                 alpha = x / norm_u - y * c / norm_v
                 beta = y / norm_v
                 state = _combine(states, (1.0 - alpha - beta, alpha, beta))
-                loss[j, i], accuracy[j, i] = evaluator(state)
+                loss[j, i], accuracy[j, i] = evaluator(state)["data"]
                 if bar is not None:
                     bar.update(1)
     finally:

@@ -3,17 +3,18 @@ r"""Correlation signatures: how well the units of two models correspond, layer b
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from torch import nn
 
 from pyperm._plotting import agg_figure
-from pyperm.nn._checks import check_module
+from pyperm.nn._checks import check_module, check_spec
+from pyperm.nn.permutations import apply_permutation
+from pyperm.nn.spec import PermutationSpec
 
 __all__ = ["CorrelationSignature", "correlation_signature"]
 
@@ -64,14 +65,14 @@ class CorrelationSignature:
 def correlation_signature(
     model_a: nn.Module,
     model_b: nn.Module,
+    spec: PermutationSpec | None,
     data: Iterable[Any],
-    spec: Any = None,
-    perms: Mapping[str, Any] | None = None,
     *,
+    perms: Mapping[str, Any] | None = None,
     max_batches: int | None = None,
     pre_activation: bool = False,
 ) -> CorrelationSignature:
-    r"""The correlation signature of two models, before and after alignment (Tatro et al. Figure 1).
+    r"""The correlation signature of two models, before and after alignment (Tatro et al. 2020, Figure 1).
 
     For every permutation group :math:`l` (a layer's units), with :math:`\rho_{ij}` the
     Pearson correlation over ``data`` of unit ``i`` of A and unit ``j`` of B (eq. 3, post-
@@ -82,19 +83,20 @@ def correlation_signature(
         \text{before}_l = \frac{1}{K_l} \sum_i \rho_{i\,i}, \qquad
         \text{after}_l = \frac{1}{K_l} \sum_i \rho_{i\,\pi_l(i)},
 
-    where :math:`\pi` is the matching of :func:`~pyperm.nn.activation_matching` (Algorithm
-    1), or the permutations ``perms`` given (e.g. from weight matching).
+    where :math:`\pi` is the matching of :func:`~pyperm.nn.activation_matching` (Tatro et
+    al.'s Algorithm 1), or the permutations ``perms`` given (e.g. from weight matching).
 
     Parameters
     ----------
     model_a, model_b : torch.nn.Module
         Two models of one architecture (e.g. an endpoint and a curve's midpoint loaded
         into a copy of the model); not modified.
+    spec : PermutationSpec or None
+        The groups; None: the traced spec (then ``perms`` must use its group names).
     data : iterable of batches
-        Inputs, as for activation matching.
-    spec : PermutationSpec, optional
-        The groups; default: the traced spec (then ``perms`` must use its group names).
-    perms : mapping of str to permutation, optional
+        Inputs, as for activation matching (read twice when ``perms`` is given: a
+        one-shot iterator is first copied into a list).
+    perms : Permutations or mapping of str to permutation, optional
         Permutations of B's units to measure instead of the matching's.
     max_batches : int, optional
         Use at most this many batches.
@@ -113,30 +115,43 @@ def correlation_signature(
 
     References
     ----------
-    .. [1] N. J. Tatro et al., "Optimizing Mode Connectivity via Neuron Alignment",
-       NeurIPS 2020, eq. 3 and Figure 1.
+    .. [1] N. J. Tatro, P.-Y. Chen, P. Das, I. Melnyk, P. Sattigeri, R. Lai, "Optimizing
+       Mode Connectivity via Neuron Alignment", NeurIPS 2020, eq. 3 and Figure 1.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from pyperm.nn.curves import correlation_signature
+    >>> _ = torch.manual_seed(0)
+    >>> a = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> b = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> sig = correlation_signature(a, b, None, [torch.randn(64, 4)])
+    >>> len(sig.groups), bool(sig.after[0] >= sig.before[0])
+    (1, True)
     """
-    # Imported here: pyperm.nn imports this package, and its public names are complete
-    # only once it has finished loading.
-    import pyperm.nn as pnn
+    # Imported here: pyperm.nn.align imports the curves (PAM trains one), so a module-level
+    # import would be circular.
+    from pyperm.nn.align import activation_matching
 
     check_module(model_a, "model_a")
     check_module(model_b, "model_b")
-    if not isinstance(data, Iterable) or isinstance(data, torch.Tensor):
-        raise TypeError(f"data must be an iterable of batches, got {type(data).__name__}")
+    if spec is not None:
+        check_spec(spec)
     if perms is not None and not isinstance(perms, Mapping):
-        raise TypeError(f"perms must be a mapping of group names to permutations, got {type(perms).__name__}")
-    data = list(data) if perms is not None and not isinstance(data, (list, tuple)) else data
-    matched = pnn.activation_matching(model_a, model_b, data, spec, max_batches=max_batches,
-                                      pre_activation=pre_activation)
+        raise TypeError(f"perms must be a Permutations or a mapping of group names to permutations, "
+                        f"got {type(perms).__name__}")
+    if perms is not None and isinstance(data, Iterator):
+        data = list(data)  # read twice below
+    matched = activation_matching(model_a, model_b, spec, data, max_batches=max_batches,
+                                  pre_activation=pre_activation)
     groups = tuple(matched.spec.groups)
     before = np.array([matched.identity_similarity[g] for g in groups])
     if perms is None:
         after = np.array([matched.similarity[g] for g in groups])
     else:
         permuted = copy.deepcopy(model_b)
-        permuted.load_state_dict(pnn.apply_permutation(matched.spec, perms, model_b.state_dict()))
-        again = pnn.activation_matching(model_a, permuted, data, matched.spec, max_batches=max_batches,
-                                        pre_activation=pre_activation)
+        permuted.load_state_dict(apply_permutation(matched.spec, perms, model_b.state_dict()))
+        again = activation_matching(model_a, permuted, matched.spec, data, max_batches=max_batches,
+                                    pre_activation=pre_activation)
         after = np.array([again.identity_similarity[g] for g in groups])
     return CorrelationSignature(groups=groups, before=before, after=after)

@@ -1,4 +1,8 @@
-"""Exact BatchNorm running statistics for a model's current weights (``reset_bn_stats``)."""
+"""Exact BatchNorm running statistics for a model's current weights (``reset_bn_stats``).
+
+Also the one reading of a ``bn_data=`` argument (:func:`resolve_bn_data`), shared by every
+evaluation of points between two models (barriers, curves, planes).
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pyperm.nn._runtime import eval_mode, iterate_batches, model_inputs, module_device, to_device
 from pyperm.nn._checks import check_module
+from pyperm.nn._runtime import check_batches, eval_mode, iterate_batches, model_inputs, module_device, to_device
 from pyperm.nn.eval._moments import Moments
 
-__all__ = ["batchnorm_modules", "reset_bn_stats"]
+__all__ = ["batchnorm_modules", "reset_bn_stats", "resolve_bn_data"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +31,32 @@ def batchnorm_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         for name, m in model.named_modules()
         if isinstance(m, _BATCHNORMS) and m.track_running_stats and m.running_mean is not None
     ]
+
+
+def resolve_bn_data(model: nn.Module, bn_data: Any, name: str = "bn_data") -> Iterable[Any] | None:
+    """The batches to recompute ``model``'s BatchNorm statistics on at every point, or None for no reset.
+
+    ``bn_data`` is a re-iterable of batches (read once per point), None, or False. A
+    model with BatchNorm layers needs batches: the running statistics of the endpoints,
+    or their interpolation, do not describe the networks between them (Tatro et al.,
+    "Optimizing Mode Connectivity via Neuron Alignment", 2020, appendix B), so None
+    raises ValueError; False evaluates with the statistics the point's state holds,
+    knowingly. A model without BatchNorm needs no reset, and the batches given are
+    only checked.
+    """
+    if bn_data is True:
+        raise TypeError(f"{name} must be an iterable of batches, False or None, not True")
+    if bn_data is not None and bn_data is not False:
+        check_batches(bn_data, name, supervised=False, reiterable=True)
+    bns = batchnorm_modules(model)
+    if bns and bn_data is None:
+        names = ", ".join(repr(path) for path, _ in bns[:3])
+        raise ValueError(
+            f"the model has BatchNorm layers ({names}{', ...' if len(bns) > 3 else ''}): the statistics of the "
+            f"endpoints do not describe the networks between them, so pass {name}= (batches of the training data) "
+            f"to recompute them at every point, or {name}=False to use the interpolated ones knowingly"
+        )
+    return bn_data if bns and bn_data is not False else None
 
 
 def reset_bn_stats(model: nn.Module, data: Iterable[Any], *, max_batches: int | None = None) -> nn.Module:

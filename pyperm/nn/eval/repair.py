@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from numbers import Real
 from typing import Any
 
 import torch
 from torch import nn
 
-from pyperm.nn._runtime import eval_mode, iterate_batches, model_inputs, module_device, to_device
-from pyperm.nn._checks import check_model_states, check_module, check_reiterable, check_t
+from pyperm.nn._checks import check_model_states, check_module, check_spec, check_t
+from pyperm.nn._runtime import check_batches, eval_mode, iterate_batches, model_inputs, module_device, to_device
 from pyperm.nn.eval._moments import Moments
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.state import interpolate
@@ -210,12 +209,12 @@ def _fold(site: _Site, acc: Moments, mean: torch.Tensor, std: torch.Tensor, stat
 
 def repair(
     model: nn.Module,
+    spec: PermutationSpec | None,
     state_a: Mapping[str, torch.Tensor],
     state_b: Mapping[str, torch.Tensor],
-    t: float,
     data: Iterable[Any],
     *,
-    spec: PermutationSpec | None = None,
+    t: float = 0.5,
     max_batches: int | None = None,
 ) -> dict[str, torch.Tensor]:
     r"""REPAIR: the interpolated model with its units' statistics renormalised to the endpoints'.
@@ -250,19 +249,19 @@ def repair(
         :func:`~pyperm.nn.trace_model` to find the sites. It is run with
         :func:`torch.func.functional_call` in eval mode: its own parameters, buffers
         and training flags are never changed.
+    spec : PermutationSpec or None
+        Repair only the units of these groups (each must be a group the traced model
+        has, under any name); None: every traced group.
     state_a, state_b : mapping of str to torch.Tensor
         The endpoints, B already permuted into A's basin (e.g. by
         :func:`~pyperm.nn.weight_matching` and :func:`~pyperm.nn.apply_permutation`):
         the model's keys and shapes, the same dtypes and devices as each other. Not
         modified.
-    t : float
-        The point of the path, in [0, 1].
     data : iterable of batches
         Inputs (a tensor, or ``(inputs, targets, ...)``), e.g. the training data; read
         once per endpoint and once per round, so it must be re-iterable.
-    spec : PermutationSpec, optional
-        Repair only the units of these groups (each must be a group the traced model
-        has, under any name); every traced group by default.
+    t : float, default 0.5
+        The point of the path, in [0, 1] (the midpoint, where Jordan et al. measure).
     max_batches : int, optional
         Read at most this many batches of ``data`` in each pass.
 
@@ -317,7 +316,7 @@ def repair(
     ----------
     .. [1] K. Jordan, H. Sedghi, O. Saukh, R. Entezari, B. Neyshabur, "REPAIR:
        REnormalizing Permuted Activations for Interpolation Repair", ICLR 2023.
-    .. [2] S. Ainsworth, J. Hayase, S. Srinivasa, "Git Re-Basin: Merging Models modulo
+    .. [2] S. K. Ainsworth, J. Hayase, S. Srinivasa, "Git Re-Basin: Merging Models modulo
        Permutation Symmetries", ICLR 2023.
 
     Examples
@@ -328,7 +327,7 @@ def repair(
     >>> a = {k: v.clone() for k, v in model.state_dict().items()}
     >>> b = {k: torch.randn_like(v) for k, v in a.items()}
     >>> x = torch.randn(64, 4)
-    >>> repaired = repair(model, a, b, 0.5, [x])
+    >>> repaired = repair(model, None, a, b, [x], t=0.5)
     >>> z = x @ repaired["0.weight"].T + repaired["0.bias"]
     >>> za, zb = model[0](x), torch.nn.functional.linear(x, b["0.weight"], b["0.bias"])
     >>> torch.allclose(z.std(0), (za.std(0) + zb.std(0)) / 2, atol=1e-5)
@@ -337,9 +336,9 @@ def repair(
     check_module(model)
     check_model_states(model, state_a, state_b)
     t = check_t(t)
-    check_reiterable(data, "data")
-    if spec is not None and not isinstance(spec, PermutationSpec):
-        raise TypeError(f"spec must be a PermutationSpec or None, got {type(spec).__name__}")
+    check_batches(data, "data", supervised=False, reiterable=True)
+    if spec is not None:
+        check_spec(spec)
     device = module_device(model)
     _, first = next(iterate_batches(data, max_batches, name="data"))
     # Groups that a composite axis fixes are not groups of the spec, hence not repaired: say so quietly.

@@ -27,22 +27,23 @@ References
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
-from numbers import Real
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyperm._checks import check_nonnegative_real
-from pyperm.nn._runtime import (
-    eval_mode,
-    inputs_and_targets,
-    iterate_batches,
-    module_device,
+from pyperm._checks import (
+    check_callable,
+    check_choice,
+    check_finite_real,
+    check_int,
+    check_nonnegative_real,
+    torch_generator,
 )
+from pyperm.nn._checks import check_module
+from pyperm.nn._runtime import eval_mode, inputs_and_targets, iterate_batches, module_device
 
 __all__ = ["check_attack", "pgd_attack", "robust_accuracy"]
 
@@ -65,48 +66,31 @@ def check_attack(attack: Any, name: str = "adversarial") -> dict[str, Any]:
         raise ValueError(f"{name} must have the keys eps, steps, step_size (and optionally norm, seed, clamp, "
                          f"loss_fn): missing {missing}, unknown {unknown}")
     out = dict(attack)
+    prefix = f"{name}: "
     _check_options(out["eps"], out["steps"], out["step_size"], out.get("norm", "inf"), out.get("clamp", (0.0, 1.0)),
-                   prefix=f"{name}: ")
-    seed = out.get("seed", 0)
-    if not isinstance(seed, torch.Generator):
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"{name}: seed must be an int or a torch.Generator, got {type(seed).__name__}")
-        if seed < 0:
-            raise ValueError(f"{name}: seed must be non-negative, got {seed}")
-    if out.get("loss_fn") is not None and not callable(out["loss_fn"]):
-        raise TypeError(f"{name}: loss_fn must be callable, got {type(out['loss_fn']).__name__}")
+                   prefix=prefix)
+    # Checked only: robust_accuracy derives one seed per batch from an int seed.
+    torch_generator(out.get("seed", 0), prefix + "seed")
+    check_callable(out.get("loss_fn"), prefix + "loss_fn", allow_none=True)
     return out
 
 
 def _check_options(eps: Any, steps: Any, step_size: Any, norm: Any, clamp: Any, prefix: str = "") -> tuple:
-    try:
-        eps = check_nonnegative_real(eps, "eps")
-        step_size = check_nonnegative_real(step_size, "step_size")
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(prefix + str(exc)) from None
-    if isinstance(steps, bool) or not isinstance(steps, int):
-        raise TypeError(f"{prefix}steps must be an int, got {type(steps).__name__}")
-    if steps < 0:
-        raise ValueError(f"{prefix}steps must be non-negative, got {steps}")
-    norm = str(norm) if isinstance(norm, (int, float)) and not isinstance(norm, bool) and norm == 2 else norm
-    if norm == float("inf"):
-        norm = "inf"
-    if norm not in _NORMS:
-        raise ValueError(f"{prefix}norm must be 'inf' or '2', got {norm!r}")
+    eps = check_nonnegative_real(eps, prefix + "eps")
+    step_size = check_nonnegative_real(step_size, prefix + "step_size")
+    steps = check_int(steps, prefix + "steps", 0)
+    # The numbers 2 and inf name the same norms as the strings (as torch.linalg.norm's ord does).
+    if isinstance(norm, (int, float)) and not isinstance(norm, bool) and norm in (2, float("inf")):
+        norm = "2" if norm == 2 else "inf"
+    norm = check_choice(norm, prefix + "norm", _NORMS)
     if clamp is not None:
         if not (isinstance(clamp, (tuple, list)) and len(clamp) == 2):
             raise TypeError(f"{prefix}clamp must be a pair (low, high) or None, got {clamp!r}")
-        low, high = (_real_any(c, f"{prefix}clamp") for c in clamp)
+        low, high = (check_finite_real(c, f"{prefix}clamp[{k}]") for k, c in enumerate(clamp))
         if not low < high:
             raise ValueError(f"{prefix}clamp must have low < high, got {clamp!r}")
         clamp = (low, high)
     return eps, steps, step_size, norm, clamp
-
-
-def _real_any(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
-        raise TypeError(f"{name} must hold two finite real numbers, got {value!r}")
-    return float(value)
 
 
 def _per_sample_norm(x: torch.Tensor) -> torch.Tensor:
@@ -198,8 +182,7 @@ def pgd_attack(
     >>> bool((adv - x).abs().max() <= 0.1 + 1e-6), bool(adv.min() >= 0), bool(adv.max() <= 1)
     (True, True, True)
     """
-    if not callable(model):
-        raise TypeError(f"model must be a torch.nn.Module or a callable, got {type(model).__name__}")
+    check_callable(model, "model")
     if not isinstance(inputs, torch.Tensor) or not inputs.is_floating_point():
         raise TypeError(f"inputs must be a floating-point tensor, got "
                         f"{inputs.dtype if isinstance(inputs, torch.Tensor) else type(inputs).__name__}")
@@ -209,16 +192,8 @@ def pgd_attack(
         raise ValueError(f"targets must have one label per input: inputs {tuple(inputs.shape)}, targets "
                          f"{tuple(targets.shape)}")
     eps, steps, step_size, norm, clamp = _check_options(eps, steps, step_size, norm, clamp)
-    if isinstance(seed, torch.Generator):
-        generator = seed
-    elif isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int or a torch.Generator, got {type(seed).__name__}")
-    else:
-        generator = torch.Generator().manual_seed(seed)
-    if loss_fn is None:
-        loss_fn = F.cross_entropy
-    elif not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    generator = torch_generator(seed, "seed")
+    loss_fn = F.cross_entropy if loss_fn is None else check_callable(loss_fn, "loss_fn")
 
     x = inputs.detach()
     if eps == 0.0:
@@ -294,8 +269,7 @@ def robust_accuracy(
     >>> 0.0 <= robust_accuracy(net, data, eps=0.1, steps=3, step_size=0.05) <= 1.0
     True
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_module(model)
     attack = check_attack(attack, "attack")
     seed = attack.pop("seed", 0)
     device = module_device(model)
@@ -304,7 +278,7 @@ def robust_accuracy(
         for index, batch in iterate_batches(data, max_batches, "data"):
             inputs, targets = inputs_and_targets(batch, index, "data")
             x, y = inputs[0].to(device), targets.to(device)
-            batch_seed = seed + index if isinstance(seed, int) and not isinstance(seed, bool) else seed
+            batch_seed = seed if isinstance(seed, torch.Generator) else int(seed) + index
             adv = pgd_attack(model, x, y, seed=batch_seed, **attack)
             with torch.no_grad():
                 correct += int((model(adv).argmax(dim=-1) == y).sum())

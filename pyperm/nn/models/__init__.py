@@ -12,11 +12,28 @@ Group names say what each group permutes: ``"hidden2"`` is the second hidden lay
 MLP, ``"conv3"`` the output channels of the third convolution (and of the BatchNorm after
 it), ``"stage2"`` the residual stream shared by every block of a ResNet stage, and
 ``"stage2.block1"`` the inner channels of one residual block.
+
+:func:`create_model` builds any of them from a name (``"mlp:784,512,512,10"``,
+``"resnet20:4"``, ``"vgg16"``): the one registry the command line, the benchmarks and the
+reproductions share.
 """
 
+from pyperm.nn.models._registry import create_model, input_shape, model_names, model_usage, parse_model_name
 from pyperm.nn.models.mlp import MLP
 from pyperm.nn.models.resnet import ResNet20
 from pyperm.nn.models.tinyten import TinyTen
 from pyperm.nn.models.vgg import VGG, VGG11, VGG16
 
-__all__ = ["MLP", "VGG", "VGG11", "VGG16", "ResNet20", "TinyTen"]
+__all__ = [
+    "MLP",
+    "VGG",
+    "VGG11",
+    "VGG16",
+    "ResNet20",
+    "TinyTen",
+    "create_model",
+    "input_shape",
+    "model_names",
+    "model_usage",
+    "parse_model_name",
+]

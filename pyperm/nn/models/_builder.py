@@ -1,4 +1,4 @@
-"""Helpers shared by the bundled models: the hand-written spec builder and argument checks."""
+"""The hand-written spec builder shared by the bundled models."""
 
 from __future__ import annotations
 
@@ -43,16 +43,3 @@ class _SpecBuilder:
 
     def spec(self) -> PermutationSpec:
         return PermutationSpec(axes=self.axes, sizes=self.sizes)
-
-
-def _positive_int(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
-
-
-# ----------------------------------------------------------------------------------------
-# MLP
-# ----------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyperm.nn.models._builder import _SpecBuilder, _positive_int
+from pyperm._checks import check_positive_int
+from pyperm.nn.models._builder import _SpecBuilder
 from pyperm.nn.spec import PermutationSpec
 
 
@@ -46,8 +47,7 @@ class MLP(nn.Module):
         widths = list(widths)
         if len(widths) < 2:
             raise ValueError(f"widths needs at least an input and an output size, got {widths}")
-        for i, w in enumerate(widths):
-            _positive_int(w, f"widths[{i}]")
+        widths = [check_positive_int(w, f"widths[{i}]") for i, w in enumerate(widths)]
         self.widths = tuple(widths)
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
 

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyperm.nn.models._builder import _SpecBuilder, _positive_int
+from pyperm._checks import check_positive_int
+from pyperm.nn.models._builder import _SpecBuilder
 from pyperm.nn.spec import PermutationSpec
 
 
@@ -116,9 +117,9 @@ class ResNet20(nn.Module):
         self, width_multiplier: int = 1, num_classes: int = 10, shortcut: str = "B", in_channels: int = 3
     ) -> None:
         super().__init__()
-        _positive_int(width_multiplier, "width_multiplier")
-        _positive_int(num_classes, "num_classes")
-        _positive_int(in_channels, "in_channels")
+        width_multiplier = check_positive_int(width_multiplier, "width_multiplier")
+        num_classes = check_positive_int(num_classes, "num_classes")
+        in_channels = check_positive_int(in_channels, "in_channels")
         if shortcut not in ("A", "B"):
             raise ValueError(f"shortcut must be 'A' or 'B', got {shortcut!r}")
         self.width_multiplier = width_multiplier

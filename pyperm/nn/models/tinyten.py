@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyperm.nn.models._builder import _SpecBuilder, _positive_int
+from pyperm._checks import check_positive_int
+from pyperm.nn.models._builder import _SpecBuilder
 from pyperm.nn.spec import PermutationSpec
 
 
@@ -63,9 +64,9 @@ class TinyTen(nn.Module):
         self, num_classes: int = 10, width_multiplier: int = 1, bias: bool = True, in_channels: int = 3
     ) -> None:
         super().__init__()
-        _positive_int(num_classes, "num_classes")
-        _positive_int(width_multiplier, "width_multiplier")
-        _positive_int(in_channels, "in_channels")
+        num_classes = check_positive_int(num_classes, "num_classes")
+        width_multiplier = check_positive_int(width_multiplier, "width_multiplier")
+        in_channels = check_positive_int(in_channels, "in_channels")
         c = in_channels
         layers = []
         for out, kernel, stride, padding in _TINYTEN_LAYERS:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pyperm.nn.models._builder import _SpecBuilder, _positive_int
+from pyperm._checks import check_positive_int
+from pyperm.nn.models._builder import _SpecBuilder
 from pyperm.nn.spec import PermutationSpec
 
 
@@ -47,9 +48,9 @@ class VGG(nn.Module):
         super().__init__()
         if config not in _VGG_CONFIGS:
             raise ValueError(f"config must be one of {sorted(_VGG_CONFIGS)}, got {config!r}")
-        _positive_int(num_classes, "num_classes")
-        _positive_int(width_multiplier, "width_multiplier")
-        _positive_int(in_channels, "in_channels")
+        num_classes = check_positive_int(num_classes, "num_classes")
+        width_multiplier = check_positive_int(width_multiplier, "width_multiplier")
+        in_channels = check_positive_int(in_channels, "in_channels")
         self.config = config
         layers: list[nn.Module] = []
         c = in_channels

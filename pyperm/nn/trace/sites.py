@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
-from pyperm.nn.spec import _entry_groups
+from pyperm.nn.spec import entry_groups
 from pyperm.nn.trace.labels import is_label
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ def find_sites(
     post: dict[str, dict[tuple[fx.Node, int], ActivationSite]] = {g: {} for g in groups}
     for node, atom in labeler.producers:
         form = form_of(atom)
-        members = _entry_groups(form)
+        members = entry_groups(form)
         if not members or any(g not in groups for g in members):
             continue
         root = labeler.units.root(atom)  # a class bound to a structure is still one class along the walk
@@ -173,7 +173,7 @@ def find_sites(
 
     for node, path, what, projection, units in labeler.projected:
         form = form_of(units)
-        members = _entry_groups(form)
+        members = entry_groups(form)
         axis = len(labeler.labels[node]) - 1
         if not members or any(g not in groups for g in members) or not _samples_elsewhere(labeler, node, axis):
             continue

@@ -9,6 +9,8 @@ kernels, an embedding's vocabulary) are ``None``.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -229,7 +231,20 @@ class TraceWarning(UserWarning):
     """
 
 
-def _warn(composites: Sequence[str], stacklevel: int, structured: bool) -> None:
+# Warnings point at the first frame outside this package: the user's call of from_model,
+# trace_model, activation_matching or any other entry point that traces, however deep.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the caller point at the first frame outside pyperm."""
+    frame, level = sys._getframe(1), 1  # level 1: the frame calling warnings.warn
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn(composites: Sequence[str], structured: bool) -> None:
     if not composites:
         return
     lines = "\n".join(f"  - {line}" for line in composites)
@@ -242,7 +257,7 @@ def _warn(composites: Sequence[str], stacklevel: int, structured: bool) -> None:
         f"computes the same function, but these units will not be aligned:\n{lines}\n{hint}"
         "Pass composite='fix' to accept this silently, or composite='raise' to stop at the first cause.",
         TraceWarning,
-        stacklevel=stacklevel + 1,
+        stacklevel=_outside_stacklevel(),
     )
 
 
@@ -302,13 +317,6 @@ def trace_model(
     >>> result.post_activation_sites["P_0"][0].module
     '1'
     """
-    return _trace(model, example_input, composite, stacklevel=2, structured=structured)
-
-
-def _trace(
-    model: nn.Module, example_input: Any, composite: str | None, stacklevel: int, structured: bool = False
-) -> TraceResult:
-    """:func:`trace_model`, warning ``stacklevel`` frames up (1: the caller of ``_trace``)."""
     if composite is not None and composite not in COMPOSITE_POLICIES:
         raise ValueError(f"composite must be 'fix' or 'raise' (or None: fix and warn), got {composite!r}")
     warn = composite is None
@@ -336,6 +344,6 @@ def _trace(
     spec, entries = _build_spec(labeler)
     pre, post = find_sites(labeler, spec.sizes, lambda atom: entries(atom, "", ""))
     if warn:
-        _warn(labeler.composites, stacklevel + 1, structured)
+        _warn(labeler.composites, structured)
     return TraceResult(spec=spec, graph_module=gm, pre_activation_sites=pre, post_activation_sites=post,
                        composites=tuple(labeler.composites))  # fmt: skip

@@ -1,0 +1,176 @@
+"""The one registry of bundled models by name: ``create_model("resnet20:4")``.
+
+The command line (``--model``), the benchmarks and the reproductions build the bundled
+models through it, so a name means the same model everywhere and a malformed name is
+refused in one place, with the same message.
+
+A name is an architecture, optionally followed by ``:`` and comma-separated options:
+positional integers first (an MLP's widths; a conv model's width multiplier), then
+``key=integer`` keyword options of the model's constructor::
+
+    mlp:784,512,512,10           MLP([784, 512, 512, 10])
+    resnet20:4                   ResNet20(width_multiplier=4)
+    resnet20:4,in_channels=1     ResNet20(width_multiplier=4, in_channels=1)
+    vgg16, vgg11:2, tinyten      VGG16(), VGG11(width_multiplier=2), TinyTen()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from pyperm.nn.models.mlp import MLP
+from pyperm.nn.models.resnet import ResNet20
+from pyperm.nn.models.tinyten import TinyTen
+from pyperm.nn.models.vgg import VGG11, VGG16
+
+__all__ = ["create_model", "input_shape", "model_names", "model_usage", "parse_model_name"]
+
+
+@dataclass(frozen=True)
+class _Architecture:
+    """How one architecture reads the options of its name."""
+
+    factory: Callable[..., nn.Module]
+    usage: str
+    keywords: tuple[str, ...]  # the key=integer options it takes
+    positional: str | None  # the constructor argument a positional option sets (None: the MLP's widths)
+
+
+_CONV_KEYWORDS = ("width_multiplier", "num_classes", "in_channels")
+_ARCHITECTURES = {
+    "mlp": _Architecture(MLP, "mlp:IN,HIDDEN...,OUT (e.g. mlp:784,512,512,10)", (), None),
+    "resnet20": _Architecture(ResNet20, "resnet20[:WIDTH_MULTIPLIER] (e.g. resnet20:4)", _CONV_KEYWORDS,
+                              "width_multiplier"),
+    "vgg11": _Architecture(VGG11, "vgg11[:WIDTH_MULTIPLIER]", _CONV_KEYWORDS, "width_multiplier"),
+    "vgg16": _Architecture(VGG16, "vgg16[:WIDTH_MULTIPLIER]", _CONV_KEYWORDS, "width_multiplier"),
+    "tinyten": _Architecture(TinyTen, "tinyten[:WIDTH_MULTIPLIER]", _CONV_KEYWORDS + ("bias",), "width_multiplier"),
+}  # fmt: skip
+
+
+def model_names() -> list[str]:
+    """The architectures :func:`create_model` knows, sorted (``["mlp", "resnet20", ...]``)."""
+    return sorted(_ARCHITECTURES)
+
+
+def model_usage() -> str:
+    """One line describing every name :func:`create_model` accepts (for help texts and errors)."""
+    usages = ", ".join(a.usage for a in _ARCHITECTURES.values())
+    return f"{usages}; conv models take key=integer options after the name (resnet20:4,in_channels=1,num_classes=10)"
+
+
+def parse_model_name(name: str) -> tuple[str, dict[str, Any]]:
+    """The architecture and the constructor's keyword arguments that ``name`` stands for.
+
+    Checks the name only (no model is built, so it is cheap): an unknown architecture,
+    an empty option (``mlp:64,,10``), an option that is not an integer or ``key=integer``,
+    a positional option after a keyword one or below 1, a keyword the architecture does
+    not take, or the wrong count of positional options. The values of keyword options
+    are checked by the model's constructor (:func:`create_model`).
+
+    Raises
+    ------
+    TypeError
+        ``name`` is not a str.
+    ValueError
+        Any of the above; the message names the model and the part that is wrong.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"model name must be a str, got {type(name).__name__}")
+    arch_name, colon, text = name.partition(":")
+    arch_name = arch_name.strip().lower()
+    arch = _ARCHITECTURES.get(arch_name)
+    if arch is None:
+        raise ValueError(f"model {name!r}: unknown architecture {arch_name!r}; expected {model_usage()}")
+    positional, keywords = _parse_options(name, text) if colon else ([], {})
+    unknown = [k for k in keywords if k not in arch.keywords]
+    if unknown:
+        takes = ", ".join(arch.keywords) if arch.keywords else "no key=value options"
+        raise ValueError(f"model {name!r}: {arch_name} does not take {unknown[0]!r} (it takes {takes})")
+    if arch.positional is None:  # the MLP: every positional option is a width
+        if len(positional) < 2:
+            raise ValueError(f"model {name!r}: expected {arch.usage}, at least an input and an output width")
+        return arch_name, {"widths": positional}
+    if len(positional) > 1:
+        raise ValueError(f"model {name!r}: takes one positional option, the {arch.positional}, got {len(positional)}")
+    if positional:
+        if arch.positional in keywords:
+            raise ValueError(f"model {name!r}: {arch.positional} given twice")
+        keywords[arch.positional] = positional[0]
+    return arch_name, keywords
+
+
+def _parse_options(name: str, text: str) -> tuple[list[int], dict[str, int]]:
+    """``"4,in_channels=1"`` -> ``([4], {"in_channels": 1})``."""
+    positional: list[int] = []
+    keywords: dict[str, int] = {}
+    for k, part in enumerate(text.split(",")):
+        part = part.strip()
+        if not part:
+            # "mlp:64,,10" is a typo, not an MLP with one hidden layer fewer.
+            raise ValueError(f"model {name!r}: option {k + 1} is empty")
+        key, eq, value = part.partition("=")
+        try:
+            number = int(value if eq else key)
+        except ValueError:
+            raise ValueError(f"model {name!r}: {part!r} is not an integer or key=integer") from None
+        if eq:
+            keywords[key.strip()] = number
+        elif keywords:
+            raise ValueError(f"model {name!r}: positional option {part!r} after a key=value option")
+        elif number < 1:
+            raise ValueError(f"model {name!r}: {part!r} must be positive (a width or a width multiplier)")
+        else:
+            positional.append(number)
+    return positional, keywords
+
+
+def create_model(name: str) -> nn.Module:
+    """The bundled model that ``name`` stands for, freshly initialised (torch's global RNG).
+
+    Parameters
+    ----------
+    name : str
+        An architecture with options: ``"mlp:784,512,512,10"``, ``"resnet20:4"``,
+        ``"vgg16"``, ``"vgg11:2,num_classes=100"``, ``"tinyten:2,bias=0"``
+        (:func:`model_names` lists the architectures).
+
+    Returns
+    -------
+    torch.nn.Module
+        The model; its ``permutation_spec()`` gives its hand-written spec.
+
+    Raises
+    ------
+    ValueError
+        A malformed name (see :func:`parse_model_name`) or an option out of range
+        (``mlp:64,0,10``); the message names the model.
+
+    Examples
+    --------
+    >>> from pyperm.nn.models import create_model
+    >>> create_model("mlp:64,32,10").widths
+    (64, 32, 10)
+    >>> sorted(create_model("resnet20:2").permutation_spec().sizes)[0]
+    'stage1'
+    """
+    arch_name, kwargs = parse_model_name(name)
+    try:
+        return _ARCHITECTURES[arch_name].factory(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"model {name!r}: {exc}") from exc
+
+
+def input_shape(name: str, batch: int = 2) -> tuple[int, ...]:
+    """The shape of an input batch of ``batch`` samples for model ``name``.
+
+    An MLP takes ``(batch, IN)``; the conv models take 32x32 images with ``in_channels``
+    channels (3 unless the name says otherwise).
+    """
+    arch_name, kwargs = parse_model_name(name)
+    if arch_name == "mlp":
+        return (batch, kwargs["widths"][0])
+    return (batch, kwargs.get("in_channels", 3), 32, 32)
