@@ -1,14 +1,15 @@
 """The argument checks of :mod:`pyperm.nn`, on top of :mod:`pyperm._checks` (plain values).
 
-One home for the checks every method of ``pyperm.nn`` makes on what a user passes: a model,
-a permutation spec, a state dict or a pair of them, data that is read several times, a
-point ``t`` on a path. Each raises TypeError for the wrong type and ValueError for a wrong
-value, with a message that names the argument, and returns the value when it is good.
+One home for the checks every method of ``pyperm.nn`` makes on what a user passes: a
+model, a permutation spec, a state dict or a pair of them, a point ``t`` on a path. Batches
+are checked where they are parsed (``pyperm.nn._runtime.check_batches``). Each check raises
+TypeError for the wrong type and ValueError for a wrong value, with a message that names the
+argument, and returns the value when it is good.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from numbers import Real
 from typing import Any
 
@@ -21,7 +22,6 @@ __all__ = [
     "check_model_states",
     "check_module",
     "check_pair",
-    "check_reiterable",
     "check_spec",
     "check_state",
     "check_t",
@@ -106,20 +106,6 @@ def check_pair(
     return state_a, state_b
 
 
-def check_reiterable(data: Any, name: str) -> Iterable[Any]:
-    """``data`` itself, or a TypeError naming ``name`` when it cannot be read more than once.
-
-    The evaluation functions read their data once per point or layer; a generator or
-    an iterator would be empty on the second pass and silently give wrong numbers.
-    """
-    if isinstance(data, (torch.Tensor, str, bytes, Mapping)) or not isinstance(data, Iterable):
-        raise TypeError(f"{name} must be an iterable of batches (a DataLoader, a list), got {type(data).__name__}")
-    if isinstance(data, Iterator):
-        raise TypeError(
-            f"{name} is read several times and must be re-iterable (a DataLoader, a list), "
-            f"got a one-shot {type(data).__name__}: wrap it in list(...)"
-        )
-    return data
 
 
 def check_model_states(model: nn.Module, state_a: Any, state_b: Any) -> None:

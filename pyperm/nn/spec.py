@@ -33,7 +33,9 @@ bundled models) is *flat*, and stays as it was.
 
 Every form permutes by ``index_select`` along the axis with the index that
 :meth:`PermutationSpec.axis_index` builds, so :func:`pyperm.nn.apply_permutation`
-supports them all. Methods that need a flat spec say so (:meth:`PermutationSpec.require_flat`).
+supports them all, and so do weight matching, activation matching, merging, REPAIR, barriers
+and curves. STE matching and PAM still need a flat spec and say so
+(:meth:`PermutationSpec.require_flat`).
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ from torch import nn
 
 from pyperm._checks import check_callable, check_choice, check_fraction, check_int, check_positive_real
 from pyperm._progress import progress_bar
-from pyperm.nn._checks import check_model_states, check_module, check_reiterable, check_spec
+from pyperm.nn._checks import check_model_states, check_module, check_spec
+from pyperm.nn._runtime import check_batches
 from pyperm.nn.align import _relaxation as relax
 from pyperm.nn.align._proximal_curve import (
     CurveFunction,
@@ -524,7 +525,7 @@ def _start(model: Any, spec: Any, state_a: Any, state_b: Any, data: Any, init: A
     check_spec(spec).require_flat("pam")
     check_model_states(model, state_a, state_b)
     spec.check_state_dict(state_a, "state_a")
-    data = check_reiterable(data, "data")
+    data = check_batches(data, "data", reiterable=True)
     # Private detached copies: the user's state dicts are never touched.
     sa = {k: v.detach().clone() for k, v in state_a.items()}
     sb = {k: v.detach().clone() for k, v in state_b.items()}

@@ -43,7 +43,7 @@ from torch.func import functional_call
 
 from pyperm._checks import check_callable, check_int, check_positive_int, check_positive_real, torch_generator
 from pyperm._progress import progress_bar
-from pyperm.nn._checks import check_module, check_pair, check_reiterable, check_spec
+from pyperm.nn._checks import check_module, check_pair, check_spec
 from pyperm.nn._runtime import (
     check_batches,
     inputs_and_targets,
@@ -229,7 +229,7 @@ def ste_matching(
     check_spec(spec).require_flat("ste_matching")
     check_pair(state_a, state_b)
     spec.check_state_dict(state_a, "state_a")
-    data = check_reiterable(data, "data")
+    data = check_batches(data, "data", reiterable=True)
     epochs = check_positive_int(epochs, "epochs")
     lr = check_positive_real(lr, "lr")
     loss_fn = check_callable(loss_fn, "loss_fn", allow_none=True) or nn.functional.cross_entropy
