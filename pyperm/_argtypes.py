@@ -12,12 +12,13 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pyperm._checks import check_int, check_positive_real
+from pyperm._checks import check_int, check_nonnegative_real, check_positive_real
 
 __all__ = [
     "choices_list",
     "int_at_least",
     "model_name",
+    "nonnegative_float",
     "nonnegative_int",
     "positive_float",
     "positive_int",
@@ -45,6 +46,8 @@ positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
 positive_float = _converter(float, lambda v: check_positive_real(v, "value"), "a finite positive number",
                             "positive_float")  # fmt: skip
+nonnegative_float = _converter(float, lambda v: check_nonnegative_real(v, "value"), "a finite number >= 0",
+                               "nonnegative_float")  # fmt: skip
 
 
 def choices_list(choices: Sequence[str]) -> Callable[[str], list[str]]:

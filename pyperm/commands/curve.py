@@ -16,11 +16,10 @@ permute B first with ``pyperm align A B`` and give its output as B.
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import Any
 
-from pyperm._argtypes import int_at_least, positive_float, positive_int
+from pyperm._argtypes import int_at_least, nonnegative_float, positive_float, positive_int
 from pyperm._json import write_json
 from pyperm._tables import markdown_table
 from pyperm.commands._common import (
@@ -37,17 +36,6 @@ __all__ = ["HELP", "add_arguments", "run"]
 
 CURVE_FILE = "curve.safetensors"
 OUTPUTS = ("report.json", "report.md", "curve.png")
-
-
-def _nonnegative_float(text: str) -> float:
-    """A finite number >= 0 (argparse ``type=``)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
 
 
 def _add_endpoints(parser: argparse.ArgumentParser) -> None:
@@ -75,14 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--num-bends", type=positive_int, default=1, help="trainable bends (default 1: a quadratic Bezier)")
     train.add_argument("--epochs", type=int_at_least(0), required=True, help="passes over the training split")
     train.add_argument("--lr", type=positive_float, default=0.01, help="base learning rate of SGD (default 0.01)")
-    train.add_argument("--momentum", type=_nonnegative_float, default=0.9, help="SGD momentum (default 0.9)")
+    train.add_argument("--momentum", type=nonnegative_float, default=0.9, help="SGD momentum (default 0.9)")
     train.add_argument("--recipe", choices=("garipov", "none"), default="garipov",
                        help="garipov (default): the papers' recipe, Garipov et al.'s regulariser 0.5 * wd * "
                        "||theta(t)||^2 on the point of the curve (wd 5e-4) and their schedule (lr for half the epochs, "
                        "then down to 1%% at 90%%); none: plain SGD at a constant lr")
-    train.add_argument("--point-decay", type=_nonnegative_float, default=None, metavar="WD",
+    train.add_argument("--point-decay", type=nonnegative_float, default=None, metavar="WD",
                        help="wd of the regulariser 0.5 * wd * ||theta(t)||^2 (default: the recipe's, 5e-4 or 0)")
-    train.add_argument("--bend-decay", type=_nonnegative_float, default=0.0, metavar="WD",
+    train.add_argument("--bend-decay", type=nonnegative_float, default=0.0, metavar="WD",
                        help="weight decay of the bends through the optimizer (default 0)")
     train.add_argument("--lr-schedule", choices=("constant", "garipov"), default=None,
                        help="learning-rate schedule (default: the recipe's)")
