@@ -349,18 +349,15 @@ def test_error_untraceable_model():
         activation_matching(Dynamic(), Dynamic(), None, batches((2, 3)))
 
 
-def test_units_left_unpermuted_are_reported_unless_a_spec_is_given():
-    """Matching the traced spec warns about the units it leaves (a flatten of a 2x2 map, here), pointing
-    at the caller; a given spec names the groups, so nothing is reported."""
-    from pyperm.nn import TraceWarning
-
+def test_the_default_trace_permutes_a_flattened_map_and_a_flat_spec_is_taken_quietly():
+    """The traced spec is structured: a flatten of a 2x2 map keeps its channels permutable (nothing left
+    unaligned, nothing reported). A given flat spec names the groups, so nothing is reported either."""
     model = make(lambda: nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2)))
     data = batches((8, 3, 2, 2))
-    with pytest.warns(TraceWarning, match=r"(?s)Flatten .*structured=True names most of these") as caught:
-        result = activation_matching(model, copy.deepcopy(model), None, data)
-    assert caught[0].filename == __file__
-    assert result.perms == {}
-    spec = PermutationSpec.from_model(model, data[0], composite="fix")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        activation_matching(model, copy.deepcopy(model), spec, data)
+        result = activation_matching(model, copy.deepcopy(model), None, data)
+        assert {g: len(p) for g, p in result.perms.items()} == {"P_0": 4}
+        assert result.perms.spec.structured
+        spec = PermutationSpec.from_model(model, data[0], composite="fix", structured=False)
+        assert activation_matching(model, copy.deepcopy(model), spec, data).perms == {}

@@ -56,11 +56,17 @@ def unaligned(mlp_pair, data):
 # ---------------------------------------------------------------------- the relaxation
 
 
+def _plain(sizes):
+    """A spec of plain groups of these sizes (or of these permutations' lengths), one vector each."""
+    sizes = {g: n if isinstance(n, int) else len(n) for g, n in sizes.items()}
+    return PermutationSpec({f"w_{g}": (g,) for g in sizes}, sizes)
+
+
 @pytest.mark.parametrize("lr", [0.1, 1.0, 10.0])
 def test_projected_step_returns_doubly_stochastic(lr):
     g = torch.Generator().manual_seed(0)
     perms = {"a": torch.randperm(16, generator=g), "b": torch.randperm(16, generator=g), "c": torch.randperm(40)}
-    anchor = relax.one_hot(perms)
+    anchor = relax.one_hot(_plain(perms), perms)
     grads = {k: torch.randn(m.shape, generator=g, dtype=torch.float64) for k, m in anchor.items()}
     out = relax.projected_step(anchor, grads, anchor, lr=lr, nu=10.0)
     for k, d in out.items():
@@ -75,7 +81,7 @@ def test_projected_step_returns_doubly_stochastic(lr):
 def test_paper_projection_alone_is_approximate():
     """The paper's 20 alternating projections leave a defect that the extra rounds remove."""
     g = torch.Generator().manual_seed(1)
-    m = relax.one_hot({"a": torch.randperm(32, generator=g)})["a"] - torch.randn(32, 32, generator=g,
+    m = relax.one_hot(_plain({"a": 32}), {"a": torch.randperm(32, generator=g)})["a"] - torch.randn(32, 32, generator=g,
                                                                                      dtype=torch.float64)
     assert relax.defect(relax.project(m, 20, tol=None)) > 1e-4
     assert relax.defect(relax.project(m, 20, tol=1e-8)) <= 1e-8
@@ -84,7 +90,7 @@ def test_paper_projection_alone_is_approximate():
 def test_one_hot_matches_apply_permutation(mlp_pair):
     _, spec, sa, _ = mlp_pair
     perms = random_permutations(spec, 3)
-    relaxed = relax.apply_relaxed(spec, relax.one_hot(perms), sa)
+    relaxed = relax.apply_relaxed(spec, relax.one_hot(spec, perms), sa)
     exact = apply_permutation(spec, perms, sa)
     for k in sa:
         torch.testing.assert_close(relaxed[k], exact[k], rtol=0, atol=1e-6)
@@ -93,11 +99,11 @@ def test_one_hot_matches_apply_permutation(mlp_pair):
 def test_candidates_are_permutations():
     g = torch.Generator().manual_seed(2)
     d = relax.project(torch.rand(12, 12, generator=g, dtype=torch.float64), 20, 1e-9)
-    nearest = relax.nearest_permutations({"h": d})["h"]
+    nearest = relax.nearest_permutations(_plain({"h": 12}), {"h": d})["h"]
     assert torch.equal(torch.sort(nearest).values, torch.arange(12))
     # eq. 52: no permutation has a larger trace(P^T D) than the projection; a sample's is at most it.
     best = float(d[torch.arange(12), nearest].sum())
-    samples = relax.sample_candidates({"h": d}, 8, 10, np.random.default_rng(0))
+    samples = relax.sample_candidates(_plain({"h": 12}), {"h": d}, 8, 10, np.random.default_rng(0))
     assert len(samples) == 8
     for s in samples:
         assert torch.equal(torch.sort(s["h"]).values, torch.arange(12))
@@ -107,7 +113,7 @@ def test_candidates_are_permutations():
 def test_proximal_term_is_stepped_exactly():
     """However large the step against nu, the proximal term pulls the iterate to P^k, never past it."""
     g = torch.Generator().manual_seed(3)
-    anchor = relax.one_hot({"h": torch.randperm(10, generator=g)})
+    anchor = relax.one_hot(_plain({"h": 10}), {"h": torch.randperm(10, generator=g)})
     start = {"h": relax.project(torch.rand(10, 10, generator=g, dtype=torch.float64), 20, 1e-9)}
     zero = {"h": torch.zeros(10, 10, dtype=torch.float64)}
     out = relax.projected_step(start, zero, anchor, lr=1e6, nu=1.0)
@@ -298,15 +304,6 @@ def test_pam_gives_up_on_a_gradient_that_is_never_finite(mlp_pair, data):
     with pytest.raises(ValueError, match="diverged at every step size.*lr_perm='auto'"):
         pam(model, spec, sa, sb, data[:1], max_iter=1, perm_steps=40, curve_epochs=0, perm_samples=2,
             judge_batches=1, loss_fn=nan_loss)  # fmt: skip
-
-
-def test_structured_specs_are_refused_by_name():
-    from pyperm.nn.spec import Tiled
-
-    spec = PermutationSpec({"w1": ("h", None), "w2": (None, Tiled("h", inner=2))}, {"h": 3})
-    sd = {"w1": torch.zeros(3, 2), "w2": torch.zeros(1, 6)}
-    with pytest.raises(ValueError, match="pam supports one group per axis"):
-        pam(torch.nn.Linear(2, 3), spec, sd, sd, [])
 
 
 def test_pam_deterministic_and_numpy_ints_are_ints(mlp_pair, data):

@@ -148,8 +148,3 @@ def test_ste_starts_at_init_and_takes_numpy_ints(pair):
     assert result.judged[result.best_step] == min(result.judged.values())
 
 
-def test_structured_specs_are_refused_by_name():
-    spec = PermutationSpec({"w1": ("h", None), "w2": (None, Tiled("h", inner=2))}, {"h": 3})
-    sd = {"w1": torch.zeros(3, 2), "w2": torch.zeros(1, 6)}
-    with pytest.raises(ValueError, match="ste_matching supports one group per axis"):
-        ste_matching(torch.nn.Linear(2, 3), spec, sd, sd, [])

@@ -332,7 +332,7 @@ def test_concatenation_fixes_the_concatenated_groups():
     torch.manual_seed(0)
     model = Concat()
     with pytest.warns(TraceWarning, match=r"\(1 cause\(s\)\).*\n  - torch\.cat \(graph node 'cat', module '<model>'\)"):
-        result = trace_model(model, torch.randn(3, 5))
+        result = trace_model(model, torch.randn(3, 5), structured=False)
     spec = result.spec
     # The branches' inner layers stay free, the concatenated outputs are fixed, the head is free.
     assert spec.axes["a1.weight"] == ("P_a1", None)
@@ -343,7 +343,7 @@ def test_concatenation_fixes_the_concatenated_groups():
     assert len(result.composites) == 1 and "torch.cat" in result.composites[0]
     assert_same_function(model, spec, torch.randn(6, 5), train=True)
     with pytest.raises(TraceError, match=r"torch\.cat .*module '<model>'.*composite"):
-        trace_model(model, torch.randn(3, 5), composite="raise")
+        trace_model(model, torch.randn(3, 5), composite="raise", structured=False)
 
 
 def test_concatenation_along_batch_joins_groups():
@@ -410,13 +410,13 @@ def test_same_group_on_two_axes_is_fixed(model):
     example = torch.randint(0, 11, (2, 5)) if isinstance(model, TiedEmbedding) else torch.randn(2, 3)
     key = "hidden.0.0.weight" if isinstance(model, TiedEmbedding) else "rec.weight"
     with pytest.warns(TraceWarning, match=f"parameter '{key}' needs the same permutation on axes 0 and 1"):
-        result = trace_model(model, example)
+        result = trace_model(model, example, structured=False)
     assert result.spec.axes[key] == (None, None)
     assert "needs the same permutation on axes 0 and 1" in result.composites[0]
     if isinstance(model, Recurrent):
         assert result.spec.sizes == {}
     with pytest.raises(TraceError, match=f"parameter '{key}' needs the same permutation on axes 0 and 1"):
-        trace_model(model, example, composite="raise")
+        trace_model(model, example, composite="raise", structured=False)
 
 
 def test_untied_embedding_opens_a_group():
@@ -452,7 +452,7 @@ def test_conv1d_groupnorm_instancenorm_prelu():
 def test_flatten_larger_than_one_by_one():
     torch.manual_seed(0)
     model = randomize_bn(SmallVGG(pool_to=2))
-    result = trace_model(model, torch.randn(2, 3, 16, 16), composite="fix")
+    result = trace_model(model, torch.randn(2, 3, 16, 16), composite="fix", structured=False)
     # The last conv's units reach the classifier as blocks of 2x2 features: fixed.
     assert result.spec.sizes == {"P_features.0": 8}
     assert result.spec.axes["classifier.1.weight"] == (None, None)
@@ -460,7 +460,7 @@ def test_flatten_larger_than_one_by_one():
     assert_same_function(model, result.spec, torch.randn(4, 3, 16, 16), train=True)
     where = r"Flatten \(graph node 'classifier_0', module 'classifier\.0'\)"
     with pytest.raises(TraceError, match=where + r".*sizes \[2, 2\].*blocks of 4"):
-        trace_model(model, torch.randn(2, 3, 16, 16), composite="raise")
+        trace_model(model, torch.randn(2, 3, 16, 16), composite="raise", structured=False)
 
 
 def test_kitchen_sink():
@@ -636,10 +636,10 @@ def test_flat_trace_reports_a_head_split():
     """Flat, a split of an axis of units (attention heads) is fixed and reported, or raises under "raise"."""
     where = r"Tensor\.view \(graph node 'view', module '<model>'\) splits an axis of permuted units"
     with pytest.warns(TraceWarning, match=where):
-        result = trace_model(MultiHead(), torch.randn(2, 3, 8))
+        result = trace_model(MultiHead(), torch.randn(2, 3, 8), structured=False)
     assert len(result.composites) == 1
     with pytest.raises(TraceError, match=where):
-        trace_model(MultiHead(), torch.randn(2, 3, 8), composite="raise")
+        trace_model(MultiHead(), torch.randn(2, 3, 8), composite="raise", structured=False)
 
 
 def test_attention_module_keeps_its_inputs_permutable():
@@ -654,14 +654,14 @@ def test_attention_module_keeps_its_inputs_permutable():
     torch.manual_seed(0)
     model = Wrapper(MHA())
     with pytest.warns(TraceWarning, match=r"MultiheadAttention .*module 'inner\.attn'\) keeps its per-head units"):
-        spec = PermutationSpec.from_model(model, torch.randn(2, 3, 8))
+        spec = PermutationSpec.from_model(model, torch.randn(2, 3, 8), structured=False)
     # The query/key/value features are contracted with in_proj_weight's columns; the heads stay fixed.
     assert spec.sizes == {"P_fc": 8}
     assert spec.axes["inner.attn.in_proj_weight"] == (None, "P_fc")
     assert spec.axes["inner.attn.out_proj.weight"] == (None, None)  # a model output
     assert_same_function(model, spec, torch.randn(3, 4, 8), train=True)
     with pytest.raises(TraceError, match=r"MultiheadAttention .*keeps its per-head units.*composite='fix'"):
-        trace_model(model, torch.randn(2, 3, 8), composite="raise")
+        trace_model(model, torch.randn(2, 3, 8), composite="raise", structured=False)
 
 
 def test_attention_module_on_the_input_is_fine():
@@ -675,7 +675,7 @@ def test_attention_module_on_the_input_is_fine():
             return self.fc2(torch.relu(self.fc1(self.attn(x, x, x)[0])))
 
     with pytest.warns(TraceWarning, match=r"MultiheadAttention \(graph node 'attn', module 'attn'\) keeps its per"):
-        spec = PermutationSpec.from_model(M(), torch.randn(2, 3, 4))
+        spec = PermutationSpec.from_model(M(), torch.randn(2, 3, 4), structured=False)
     # The output projection produces units of its own.
     assert spec.sizes == {"P_attn": 4, "P_fc1": 6}
     assert spec.axes["attn.out_proj.weight"] == ("P_attn", None) and spec.axes["attn.out_proj.bias"] == ("P_attn",)
@@ -685,10 +685,10 @@ def test_attention_module_on_the_input_is_fine():
 def test_flat_trace_reports_a_channel_shuffle():
     model = nn.Sequential(nn.Conv2d(3, 8, 1), ChannelShuffle(), nn.Conv2d(8, 2, 1))
     with pytest.warns(TraceWarning, match=r"Tensor\.view .*module '1'\) splits an axis of permuted units"):
-        spec = trace_model(model, torch.randn(1, 3, 4, 4)).spec
+        spec = trace_model(model, torch.randn(1, 3, 4, 4), structured=False).spec
     assert spec.sizes == {}
     with pytest.raises(TraceError, match=r"Tensor\.view .*module '1'\) splits an axis of permuted units"):
-        trace_model(model, torch.randn(1, 3, 4, 4), composite="raise")
+        trace_model(model, torch.randn(1, 3, 4, 4), composite="raise", structured=False)
 
 
 @pytest.mark.parametrize(
@@ -733,11 +733,11 @@ def test_channel_groups_fix_their_channels(layer, what):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 1), layer, nn.ReLU(), nn.Conv2d(8, 6, 1), nn.ReLU(), nn.Conv2d(6, 2, 1))
     with pytest.warns(TraceWarning, match=what):
-        spec = PermutationSpec.from_model(model, torch.randn(1, 3, 5, 5))
+        spec = PermutationSpec.from_model(model, torch.randn(1, 3, 5, 5), structured=False)
     assert spec.sizes == {"P_3": 6}
     assert_same_function(model, spec, torch.randn(2, 3, 5, 5), train=True)
     with pytest.raises(TraceError, match=what):
-        trace_model(model, torch.randn(1, 3, 5, 5), composite="raise")
+        trace_model(model, torch.randn(1, 3, 5, 5), composite="raise", structured=False)
 
 
 def test_error_channel_slice_in_raise_mode():
@@ -813,7 +813,7 @@ def test_warning_lists_every_cause_and_points_at_the_caller():
             return self.out(self.head(torch.cat([torch.relu(self.a(x)), torch.relu(self.b(x))], 1)))
 
     with pytest.warns(TraceWarning) as record:
-        spec = PermutationSpec.from_model(Two(), torch.randn(2, 3, 4, 4))
+        spec = PermutationSpec.from_model(Two(), torch.randn(2, 3, 4, 4), structured=False)
     assert len(record) == 1 and record[0].filename == __file__
     message = str(record[0].message)
     assert "(2 cause(s))" in message
@@ -825,11 +825,11 @@ def test_warning_lists_every_cause_and_points_at_the_caller():
     # Passing composite="fix" explicitly accepts the same result silently.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        fixed = PermutationSpec.from_model(Two(), torch.randn(2, 3, 4, 4), composite="fix")
-        result = trace_model(Two(), torch.randn(2, 3, 4, 4), composite="fix")
+        fixed = PermutationSpec.from_model(Two(), torch.randn(2, 3, 4, 4), composite="fix", structured=False)
+        result = trace_model(Two(), torch.randn(2, 3, 4, 4), composite="fix", structured=False)
     assert fixed == spec and len(result.composites) == 2
     with pytest.warns(TraceWarning) as record:
-        trace_model(Two(), torch.randn(2, 3, 4, 4))
+        trace_model(Two(), torch.randn(2, 3, 4, 4), structured=False)
     assert record[0].filename == __file__
 
 

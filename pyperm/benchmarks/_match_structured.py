@@ -34,8 +34,8 @@ class StructuredCase:
 def _traced(model: Any, x: Any) -> tuple[Any, Any]:
     from pyperm.nn import PermutationSpec
 
-    return (PermutationSpec.from_model(model, x, composite="fix"),
-            PermutationSpec.from_model(model, x, composite="fix", structured=True))  # fmt: skip
+    return (PermutationSpec.from_model(model, x, composite="fix", structured=False),
+            PermutationSpec.from_model(model, x, composite="fix"))  # fmt: skip
 
 
 def _in_forms(model: Any, _: Any) -> tuple[Any, Any]:

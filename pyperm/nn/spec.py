@@ -33,9 +33,9 @@ bundled models) is *flat*, and stays as it was.
 
 Every form permutes by ``index_select`` along the axis with the index that
 :meth:`PermutationSpec.axis_index` builds, so :func:`pyperm.nn.apply_permutation`
-supports them all, and so do weight matching, activation matching, merging, REPAIR, barriers
-and curves. STE matching and PAM still need a flat spec and say so
-(:meth:`PermutationSpec.require_flat`).
+supports them all, and so does every method of :mod:`pyperm.nn`: weight, activation and STE
+matching, merging, PAM (whose relaxation gives a Blocks inner group one doubly stochastic
+matrix per block), REPAIR, barriers and curves.
 """
 
 from __future__ import annotations
@@ -394,22 +394,6 @@ class PermutationSpec:
         """Whether some axis uses a structured form or some tensor names a group on two axes."""
         return self._structured  # type: ignore[attr-defined]
 
-    def require_flat(self, method: str) -> None:
-        """Raise ValueError naming ``method`` when the spec is :attr:`structured`.
-
-        For the methods that handle one group per axis only.
-        """
-        if not self.structured:
-            return
-        for key, groups in self.axes.items():
-            named = [g for g in groups if isinstance(g, str)]
-            for axis, entry in enumerate(groups):
-                if isinstance(entry, (Tiled, Blocks, Segments)) or (isinstance(entry, str) and named.count(entry) > 1):
-                    raise ValueError(
-                        f"{method} supports one group per axis and one axis per group in a tensor; the spec has "
-                        f"{entry!r} on {key!r} axis {axis}"
-                    )
-
     def axis_length(self, key: str, axis: int) -> int | None:
         """The number of entries the spec gives ``axes[key][axis]`` (None when the axis is not permuted)."""
         return self._length(self.axes[key][axis])
@@ -556,7 +540,7 @@ class PermutationSpec:
 
     @classmethod
     def from_model(
-        cls, model: Any, example_input: Any, *, composite: str | None = None, structured: bool = False
+        cls, model: Any, example_input: Any, *, composite: str | None = None, structured: bool = True
     ) -> PermutationSpec:
         """Build the spec of ``model`` by tracing it with :mod:`torch.fx`.
 
@@ -574,14 +558,14 @@ class PermutationSpec:
             a trace rule) are left unpermuted with a :class:`pyperm.nn.trace.TraceWarning`
             naming each cause and its module path (None), left unpermuted silently
             ("fix"), or make the trace raise ("raise").
-        structured : bool, default False
+        structured : bool, default True
             Describe concatenations, flattened feature maps, head splits and layers
             applied to their own output with structured axes (:class:`Segments`,
             :class:`Tiled`, :class:`Blocks` for the heads of ``nn.MultiheadAttention`` and
-            the channel groups of grouped convolutions, one group on two axes) instead of
-            fixing their units. The
-            result is exact, and :func:`pyperm.nn.apply_permutation` handles it; the
-            alignment methods that need a flat spec say so.
+            the channel groups of grouped convolutions, one group on two axes), so that
+            their units are permuted too; every method of :mod:`pyperm.nn` takes such a
+            spec. ``structured=False`` gives the flat spec, one group per axis, with those
+            units left unpermuted (as ``composite`` says).
 
         Returns
         -------

@@ -91,10 +91,11 @@ class CurveFunction:
 
 
 def _permute(spec: PermutationSpec, perms: Mapping[str, torch.Tensor], key: str, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (entry ``key``) permuted along every axis a group acts on (a flat spec)."""
-    for axis, g in enumerate(spec.axes[key]):
-        if g is not None:
-            tensor = tensor.index_select(axis, perms[g].to(tensor.device))
+    """``tensor`` (entry ``key``) permuted along every axis a group acts on, in any of the spec's forms."""
+    for axis in range(len(spec.axes[key])):
+        index = spec.axis_index(key, axis, perms)
+        if index is not None:
+            tensor = tensor.index_select(axis, index.to(tensor.device))
     return tensor
 
 

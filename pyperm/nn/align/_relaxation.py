@@ -41,12 +41,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 import pyperm
-from pyperm.nn.spec import PermutationSpec
+from pyperm.nn.spec import Blocks, PermutationSpec, Tiled, entry_groups
 
 __all__ = [
     "StepSizes",
@@ -61,16 +62,39 @@ __all__ = [
 ]
 
 
-def one_hot(perms: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float64,
+def one_hot(spec: PermutationSpec, perms: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float64,
             device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    r"""The permutation matrices :math:`(P_g)_{i, p_g(i)} = 1` of one permutation per group."""
+    r"""The permutation matrices :math:`(P_g)_{i, p_g(i)} = 1` of one permutation per group.
+
+    A :class:`~pyperm.nn.spec.Blocks` inner group, which permutes units within each block,
+    gets one matrix per block, a ``(num_blocks, block_size, block_size)`` batch indexed by
+    the units' positions within their block; every other group one ``(n, n)`` matrix.
+    """
     out = {}
     for g, p in perms.items():
-        n = p.numel()
-        m = torch.zeros(n, n, dtype=dtype, device=device)
-        m[torch.arange(n, device=device), p.to(device)] = 1.0
-        out[g] = m
+        local = _local(spec, g, p.to(device))
+        rows, n = local.shape
+        m = torch.zeros(rows, n, n, dtype=dtype, device=device)
+        m.scatter_(2, local.unsqueeze(2), 1.0)
+        out[g] = m if g in spec.blocks else m[0]
     return out
+
+
+def _local(spec: PermutationSpec, group: str, perm: torch.Tensor) -> torch.Tensor:
+    """``perm`` as ``(blocks, block_size)`` positions within each block (one block for a plain group)."""
+    if group not in spec.blocks:
+        return perm.view(1, -1)
+    size = spec.block_size(group)
+    blocks = perm.view(-1, size)
+    return blocks - torch.arange(blocks.shape[0], device=perm.device).view(-1, 1) * size
+
+
+def _global(spec: PermutationSpec, group: str, local: np.ndarray) -> torch.Tensor:
+    """The inverse of :func:`_local`: one permutation of the group's units (int64)."""
+    local = np.asarray(local, dtype=np.int64)
+    if group in spec.blocks:
+        local = local + np.arange(local.shape[0], dtype=np.int64)[:, None] * local.shape[1]
+    return torch.from_numpy(np.ascontiguousarray(local.reshape(-1)))
 
 
 def _multiply_axis(matrix: torch.Tensor, tensor: torch.Tensor, axis: int) -> torch.Tensor:
@@ -80,12 +104,55 @@ def _multiply_axis(matrix: torch.Tensor, tensor: torch.Tensor, axis: int) -> tor
     return out.movedim(0, axis)
 
 
+def _length(entry: Any, matrices: Mapping[str, torch.Tensor]) -> int:
+    """How many positions of an axis ``entry`` (a part of a Segments) covers."""
+    if isinstance(entry, int):
+        return entry
+    if isinstance(entry, str):
+        return matrices[entry].shape[-1]
+    if isinstance(entry, Tiled):
+        copies = matrices[entry.outer].shape[-1] if isinstance(entry.outer, str) else entry.outer
+        return copies * matrices[entry.group].shape[-1] * entry.inner
+    if isinstance(entry, Blocks):
+        return matrices[entry.inner].shape[0] * matrices[entry.inner].shape[-1]
+    return sum(_length(part, matrices) for part in entry.parts)
+
+
+def _relax_axis(entry: Any, matrices: Mapping[str, torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s axis 0 (laid out as ``entry``) with every group's matrix multiplied in: on a plain
+    axis the group's matrix; on a Tiled axis the group's within every copy and the outer group's
+    across copies; on a Blocks axis each block's matrix within its block and the outer group's across
+    blocks; on a Segments axis each part's on its slice."""
+    if entry is None or isinstance(entry, int):
+        return tensor
+    if isinstance(entry, str):
+        return _multiply_axis(matrices[entry], tensor, 0)
+    rest = tensor.shape[1:]
+    if isinstance(entry, Tiled):
+        d = matrices[entry.group]
+        tiles = tensor.reshape(-1, d.shape[0], entry.inner, *rest)
+        out = _multiply_axis(d, tiles, 1)
+        if isinstance(entry.outer, str):
+            out = _multiply_axis(matrices[entry.outer], out, 0)
+        return out.reshape(tensor.shape)
+    if isinstance(entry, Blocks):
+        d = matrices[entry.inner]  # (blocks, size, size)
+        blocks = tensor.reshape(d.shape[0], d.shape[1], -1)
+        out = torch.bmm(d, blocks)
+        if isinstance(entry.outer, str):
+            out = _multiply_axis(matrices[entry.outer], out, 0)
+        return out.reshape(tensor.shape)
+    pieces = tensor.split([_length(part, matrices) for part in entry.parts])
+    return torch.cat([_relax_axis(part, matrices, piece) for part, piece in zip(entry.parts, pieces)])
+
+
 def apply_relaxed(spec: PermutationSpec, matrices: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
                   keys: list[str] | None = None) -> dict[str, torch.Tensor]:
     r"""The relaxed :math:`D\theta`: each group's matrix multiplied into every axis it acts on.
 
-    With permutation matrices this is :func:`~pyperm.nn.apply_permutation` (up to
-    rounding); with doubly stochastic ones every unit of the result is a convex
+    With permutation matrices (:func:`one_hot`) this is :func:`~pyperm.nn.apply_permutation`
+    (up to rounding), in every form of the spec (segments, tiles, blocks and the units
+    within them); with doubly stochastic ones every unit of the result is a convex
     combination of units of ``state``. Differentiable in ``matrices`` (cast to each
     tensor's dtype and device). Only ``keys`` (default: every key of the spec) are
     computed; entries that no group acts on are returned as they are (not copied).
@@ -93,9 +160,10 @@ def apply_relaxed(spec: PermutationSpec, matrices: Mapping[str, torch.Tensor], s
     out = {}
     for key in spec.axes if keys is None else keys:
         t = state[key]
-        for axis, g in enumerate(spec.axes[key]):
-            if g is not None:
-                t = _multiply_axis(matrices[g].to(dtype=t.dtype, device=t.device), t, axis)
+        for axis, entry in enumerate(spec.axes[key]):
+            if entry is not None:
+                cast = {g: matrices[g].to(dtype=t.dtype, device=t.device) for g in entry_groups(entry)}
+                t = _relax_axis(entry, cast, t.movedim(axis, 0)).movedim(0, axis)
         out[key] = t
     return out
 
@@ -224,35 +292,43 @@ def project_blocks(matrices: Mapping[str, torch.Tensor], iters: int = 20,
         by_size.setdefault(d.shape[-1], []).append(g)
     out = {}
     for names in by_size.values():
-        projected = project(torch.stack([matrices[g] for g in names]), iters, tol)
-        out.update(zip(names, projected.unbind(0)))
+        # A Blocks inner group's matrices are a batch of their own: flattened into the stack and back.
+        stacked = torch.cat([matrices[g].reshape(-1, *matrices[g].shape[-2:]) for g in names])
+        pieces = project(stacked, iters, tol).split([matrices[g].reshape(-1, *matrices[g].shape[-2:]).shape[0]
+                                                     for g in names])  # fmt: skip
+        out.update((g, piece.reshape(matrices[g].shape)) for g, piece in zip(names, pieces))
     return out
 
 
-def nearest_permutations(matrices: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    r"""The projection onto the permutations, :math:`\arg\max_P \operatorname{tr}(P^\top D_g)` (eq. 52), per block."""
+def nearest_permutations(spec: PermutationSpec, matrices: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    r"""The projection onto the permutations, :math:`\arg\max_P \operatorname{tr}(P^\top D_g)` (eq. 52), per block
+    (a Blocks inner group: each block of it)."""
     out = {}
     for g, d in matrices.items():
-        _, cols = pyperm.linear_sum_assignment(d.detach().cpu().numpy(), maximize=True)
-        out[g] = torch.from_numpy(np.ascontiguousarray(cols, dtype=np.int64))
+        batch = d.detach().cpu().numpy().reshape(-1, *d.shape[-2:])
+        local = [pyperm.linear_sum_assignment(block, maximize=True)[1] for block in batch]
+        out[g] = _global(spec, g, np.stack(local))
     return out
 
 
-def sample_candidates(matrices: Mapping[str, torch.Tensor], num_samples: int, max_terms: int,
+def sample_candidates(spec: PermutationSpec, matrices: Mapping[str, torch.Tensor], num_samples: int, max_terms: int,
                       rng: np.random.Generator) -> list[dict[str, torch.Tensor]]:
     r"""``num_samples`` block permutations :math:`R \sim \Omega` (Tatro et al. E.4).
 
     Every block is decomposed by the greedy max-weight Birkhoff-von Neumann heuristic
     (eq. 54), truncated to ``max_terms`` terms whose renormalised coefficients are the
-    distribution :math:`\Omega_g`; the blocks are drawn independently. The matrices come
-    from a finite number of alternating projections, so they are doubly stochastic only
-    up to a small defect; the decomposition's tolerance is set just above it (the
-    truncated decomposition does not need more).
+    distribution :math:`\Omega_g`; the blocks are drawn independently (the blocks of a
+    Blocks inner group too). The matrices come from a finite number of alternating
+    projections, so they are doubly stochastic only up to a small defect; the
+    decomposition's tolerance is set just above it (the truncated decomposition does not
+    need more).
     """
     per_group = {}
     for g, d in matrices.items():
-        arr = d.detach().cpu().to(torch.float64).numpy()
-        atol = max(1e-6, 2.0 * defect(torch.from_numpy(arr)))
-        per_group[g] = pyperm.sample_permutations(arr, num_samples, max_terms=max_terms, generator=rng, atol=atol)
-    return [{g: torch.from_numpy(np.ascontiguousarray(s[i], dtype=np.int64)) for g, s in per_group.items()}
-            for i in range(num_samples)]
+        batch = d.detach().cpu().to(torch.float64).numpy().reshape(-1, *d.shape[-2:])
+        drawn = []
+        for block in batch:
+            atol = max(1e-6, 2.0 * defect(torch.from_numpy(block)))
+            drawn.append(pyperm.sample_permutations(block, num_samples, max_terms=max_terms, generator=rng, atol=atol))
+        per_group[g] = np.stack(drawn, axis=1)  # (samples, blocks, size)
+    return [{g: _global(spec, g, s[i]) for g, s in per_group.items()} for i in range(num_samples)]

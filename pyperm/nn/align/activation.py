@@ -249,7 +249,9 @@ def _trace_models(
 ) -> tuple[TraceResult, fx.GraphModule]:
     """A traced on the first batch (its spec and sites), and B's graph, which must be A's."""
     inputs = model_inputs(first, 0)
-    structured = spec is not None and spec.structured  # Segments, Tiled: the traced spec must have them too
+    # The traced spec must have the given spec's forms (a flat spec's groups are the flat trace's); no spec:
+    # the default, structured trace.
+    structured = spec is None or spec.structured
     if composite is None and spec is not None:
         composite = "fix"  # the given spec names the groups: the tracer only finds their sites
     device = module_device(model_a)

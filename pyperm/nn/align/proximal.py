@@ -522,7 +522,7 @@ def _start(model: Any, spec: Any, state_a: Any, state_b: Any, data: Any, init: A
     r"""Check the model, spec, states and data; private copies of the states, :math:`P^0`, the
     judge :math:`\hat Q` and its value on the straight line at :math:`P^0`."""
     check_module(model, "model")
-    check_spec(spec).require_flat("pam")
+    check_spec(spec)
     check_model_states(model, state_a, state_b)
     spec.check_state_dict(state_a, "state_a")
     data = check_batches(data, "data", reiterable=True)
@@ -599,7 +599,7 @@ class _PermutationStep:
 
 def _permutation_step(run: _Run, opts: _Options, scale: float, timings: dict[str, float]) -> _PermutationStep:
     """:math:`P^{k+1}`: projected SGD on the relaxation, then the best candidate (eq. 51); sets ``run.perms``."""
-    anchor = relax.one_hot(run.perms, torch.float64, run.device)
+    anchor = relax.one_hot(run.spec, run.perms, torch.float64, run.device)
     steps = relax.StepSizes(run.spec.sizes, None if opts.lr_perm is None else opts.lr_perm * scale, AUTO_STEP * scale)
     relaxed = _relaxed_solution(run, opts, anchor, steps, timings)
     defect = max((relax.defect(m) for m in relaxed.values()), default=0.0)
@@ -697,10 +697,11 @@ def _candidates(run: _Run, opts: _Options, relaxed: Mapping[str, torch.Tensor],
                 timings: dict[str, float]) -> list[tuple[str, Mapping[str, torch.Tensor]]]:
     """Eq. 51: :math:`P^k`, the assignment projection of :math:`D^*` and ``perm_samples`` BvN samples."""
     start = time.perf_counter()
-    candidates = [("previous", dict(run.perms.items())), ("projection", relax.nearest_permutations(relaxed))]
+    candidates = [("previous", dict(run.perms.items())), ("projection", relax.nearest_permutations(run.spec, relaxed))]
     timings["assignment"] += time.perf_counter() - start
     start = time.perf_counter()
-    samples = relax.sample_candidates(relaxed, opts.perm_samples, opts.max_terms, run.rng) if opts.perm_samples else []
+    samples = (relax.sample_candidates(run.spec, relaxed, opts.perm_samples, opts.max_terms, run.rng)
+               if opts.perm_samples else [])  # fmt: skip
     candidates += [(f"sample {i}", s) for i, s in enumerate(samples)]
     timings["bvn_sampling"] += time.perf_counter() - start
     return candidates

@@ -226,7 +226,7 @@ def ste_matching(
     True
     """
     check_module(model)
-    check_spec(spec).require_flat("ste_matching")
+    check_spec(spec)
     check_pair(state_a, state_b)
     spec.check_state_dict(state_a, "state_a")
     data = check_batches(data, "data", reiterable=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import operator
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -207,6 +209,41 @@ def _fold(site: _Site, acc: Moments, mean: torch.Tensor, std: torch.Tensor, stat
         put(site.bias, (state[site.bias].to(torch.float64) - mu) * a + mean)
 
 
+def _inside_a_layer(traced: TraceResult, site: ActivationSite) -> bool:
+    """Whether ``site``'s units are computed inside a layer and shown only through it: the query, key and
+    value heads of an attention layer (a projection), or a member of a layer's tuple output (a recurrent
+    layer's hidden states, an attention layer's output)."""
+    if site.projection is not None:
+        return True
+    node = next(n for n in traced.graph_module.graph.nodes if n.name == site.node)
+    parent = node.args[0] if node.target is operator.getitem and node.args else None
+    return isinstance(parent, torch.fx.Node) and parent.op == "call_module"
+
+
+def _sites(traced: TraceResult, groups: Mapping[str, str], model: nn.Module, state: Mapping[str, torch.Tensor],
+           calls: Mapping[str, int]) -> list[_Site]:
+    """The sites of ``groups`` (spec group -> traced group), each once (a layer's output can hold the units of
+    several groups of a structured spec: segments of a concatenation, blocks and the units within them).
+
+    Units computed inside a layer (:func:`_inside_a_layer`) cannot take a folded correction: they are left
+    as interpolated, with a warning naming them. Any other site that cannot take one is an error."""
+    found: dict[str, tuple[ActivationSite, list[str]]] = {}
+    for g, h in groups.items():
+        for site in traced.sites(pre_activation=True)[h]:
+            found.setdefault(site.node, (site, []))[1].append(g)
+    sites, skipped = [], []
+    for site, names in found.values():
+        if _inside_a_layer(traced, site):
+            skipped.append(f"{site.op!r} ({', '.join(map(repr, names))})")
+        else:
+            sites.append(_make_site(", ".join(names), site, model, state, calls))
+    if skipped:
+        warnings.warn(f"repair leaves the units at {len(skipped)} site(s) as interpolated: they are computed inside "
+                      f"a layer whose weights cannot take a folded correction: {'; '.join(skipped)}", RuntimeWarning,
+                      stacklevel=3)  # fmt: skip
+    return sites
+
+
 def repair(
     model: nn.Module,
     spec: PermutationSpec | None,
@@ -310,7 +347,13 @@ def repair(
 
     A site computed by a function rather than a module (``x @ W``), by a module called
     more than once, or by a normalisation without an affine weight raises ValueError.
-    A unit that is constant over ``data`` is only shifted to its target mean.
+    A unit that is constant over ``data`` is only shifted to its target mean. Units
+    computed inside a layer and shown only through its output (the query, key and value
+    heads of ``nn.MultiheadAttention``, its output, a recurrent layer's hidden states) are
+    left as interpolated, with a RuntimeWarning naming them. A layer whose output holds the
+    units of several groups of a structured spec (the segments of a concatenation, the
+    blocks of a grouped convolution and the units within them) is corrected once, every
+    unit of it.
 
     References
     ----------
@@ -342,7 +385,8 @@ def repair(
     device = module_device(model)
     _, first = next(iterate_batches(data, max_batches, name="data"))
     # Groups that a composite axis fixes are not groups of the spec, hence not repaired: say so quietly.
-    traced = trace_model(model, to_device(model_inputs(first, 0), device), composite="fix")
+    structured = spec is None or spec.structured  # a flat spec's groups are groups of the flat trace
+    traced = trace_model(model, to_device(model_inputs(first, 0), device), composite="fix", structured=structured)
     if spec is None:
         groups = {g: g for g in traced.spec.groups}
     else:
@@ -353,19 +397,7 @@ def repair(
     for node in traced.graph_module.graph.nodes:
         if node.op == "call_module":
             calls[str(node.target)] = calls.get(str(node.target), 0) + 1
-    sites = [
-        _make_site(g, site, model, state_a, calls)
-        for g, h in groups.items()
-        for site in traced.sites(pre_activation=True)[h]
-    ]
-    seen: dict[str, str] = {}
-    for site in sites:
-        if site.path in seen:
-            raise ValueError(
-                f"repair: module {site.path!r} computes the sites of groups {seen[site.path]!r} and "
-                f"{site.group!r}; one correction cannot serve both"
-            )
-        seen[site.path] = site.group
+    sites = _sites(traced, groups, model, state_a, calls)
 
     working = {k: v.detach().to(device) for k, v in interpolate(state_a, state_b, t).items()}
     if not sites:

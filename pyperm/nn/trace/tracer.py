@@ -249,8 +249,8 @@ def _warn(composites: Sequence[str], structured: bool) -> None:
         return
     lines = "\n".join(f"  - {line}" for line in composites)
     hint = "" if structured else (
-        "structured=True names most of these (concatenations, flattened feature maps, attention heads, recurrent "
-        "and grouped layers, layers applied to their own output). "
+        "structured=True (the default) names most of these (concatenations, flattened feature maps, attention heads, "
+        "recurrent and grouped layers, layers applied to their own output). "
     )
     warnings.warn(
         f"the traced permutation spec leaves units unpermuted ({len(composites)} cause(s)); the permuted model still "
@@ -262,7 +262,7 @@ def _warn(composites: Sequence[str], structured: bool) -> None:
 
 
 def trace_model(
-    model: nn.Module, example_input: Any, *, composite: str | None = None, structured: bool = False
+    model: nn.Module, example_input: Any, *, composite: str | None = None, structured: bool = True
 ) -> TraceResult:
     """Trace ``model`` and build its permutation spec and activation sites.
 
@@ -283,13 +283,15 @@ def trace_model(
         a :class:`TraceWarning` (None), leave them unpermuted silently ("fix"), or
         raise :class:`TraceError` ("raise"). Either way they are listed in
         ``TraceResult.composites``.
-    structured : bool, default False
+    structured : bool, default True
         Describe concatenations along units, flattened feature maps, splits of an axis
         of units (attention heads, channel shuffles) and layers applied to their own
         output with structured spec axes (:class:`~pyperm.nn.spec.Segments`,
         :class:`~pyperm.nn.spec.Tiled`, :class:`~pyperm.nn.spec.Blocks` for the heads of
         ``nn.MultiheadAttention`` and the channel groups of grouped convolutions, one
-        group on two axes) instead of fixing their units.
+        group on two axes), so that their units are permuted too. ``structured=False``
+        gives the flat spec (one group per axis), with those units left unpermuted as
+        ``composite`` says.
 
     Returns
     -------
