@@ -86,6 +86,22 @@ def test_relaxed_blocks_mix_units_within_their_block_only(name):
             torch.testing.assert_close(t, ones[key], rtol=0, atol=1e-7, msg=key)
 
 
+# ------------------------------------------------------------------ the default start of weight matching
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_the_default_start_recognises_a_permuted_copy(name):
+    """B an exact permuted copy of A: the copy start pairs the units by fingerprint and stops at the bound
+    (no sweep); B with the slightest noise is not a copy, and gets the sweeps."""
+    model, spec, sa, sb, plant, _ = _pair(name, planted=True)
+    result = weight_matching(spec, sa, sb)
+    assert result.iterations == 0 and result.converged and result.perms == plant.inverse()
+    gen = torch.Generator().manual_seed(5)
+    noisy = {k: v + 1e-6 * torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in sb.items()}
+    result = weight_matching(spec, sa, noisy)
+    assert result.iterations >= 1 and result.perms == plant.inverse()
+
+
 # ------------------------------------------------------------------ STE matching
 
 

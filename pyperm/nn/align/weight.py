@@ -152,13 +152,18 @@ def weight_matching(
         initialisation ends at 74% of its objective; a ViT's heads and head dims stall
         likewise). ``"signatures"`` matches every group's units on their own first, by
         signatures that no other group's order changes (64 order statistics of every
-        slice a unit owns), and finds such planted permutations exactly. ``"best"`` runs the
-        identity start and then, only when B looks like a permuted copy of A that the
-        identity start left partly unaligned (some tensor aligned almost exactly, or every
-        tensor's norm equal to its counterpart's, and some tensor far from aligned), the
-        signature start too, keeping the higher objective: it never ends below Algorithm 1,
-        and costs a few percent more than ``"identity"`` when it does not try the signature
-        start (``callback`` sees both runs when it does). A :class:`~pyperm.nn.Permutations`
+        slice a unit owns), and finds such planted permutations exactly. ``"best"`` first
+        checks whether B is an exact permuted copy of A (every tensor's norm equal to its
+        counterpart's): then it pairs every group's units by a fingerprint no other group's
+        order changes, and when that attains the objective's upper bound
+        :math:`\\sum_k \\|A_k\\|\\,\\|B_k\\|` returns it with no sweep (``iterations == 0``:
+        no permutation can do better). Otherwise it runs the identity start and then, only
+        when B looks like a permuted copy of A that the identity start left partly
+        unaligned (some tensor aligned almost exactly, or every tensor's norm equal to its
+        counterpart's, and some tensor far from aligned), the signature start too, keeping
+        the higher objective: it never ends below Algorithm 1, and costs a few percent more
+        than ``"identity"`` when it does not try the signature start (``callback`` sees
+        both runs when it does; none when the copy check answers). A :class:`~pyperm.nn.Permutations`
         (or a mapping of one permutation per group) gives the initial permutations themselves.
     max_iter : int, default 100
         Most sweeps over the groups (0: none, the result is the start).
