@@ -633,3 +633,15 @@ def test_a_group_no_key_reads_keeps_its_permutation():
     for _ in range(3):
         result = weight_matching(spec, sa, sb, init=start, keys=["w1"])
         assert torch.equal(result.perms["k"], start["k"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("init", ["best", "identity", "signatures"])
+def test_half_precision_models_recover_a_planted_permutation(dtype, init):
+    """bfloat16 and float16 state dicts, as most current models are stored: every start takes them."""
+    model = MLP([16, 24, 20, 5])
+    spec = model.permutation_spec()
+    sa = {k: v.to(dtype) for k, v in model.state_dict().items()}
+    plant = Permutations(spec, random_permutations(spec, 3))
+    result = weight_matching(spec, sa, plant.apply(sa), init=init)
+    assert result.perms == plant.inverse()

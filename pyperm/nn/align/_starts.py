@@ -314,6 +314,8 @@ def _signature(rows: torch.Tensor) -> torch.Tensor:
             picks = torch.linspace(0, length - 1, SIGNATURE_POINTS, device=rows.device).round().long()
             return ranked[:, picks].double() * math.sqrt(length / SIGNATURE_POINTS)
         return ranked.double()
+    if rows.dtype not in (torch.float32, torch.float64):  # numpy has no bfloat16; float16 sorts slowly
+        rows = rows.float()
     ranked = np.sort(rows.numpy(), axis=1)  # numpy's sort: 8x torch's on the CPU
     if length > SIGNATURE_POINTS:
         picks = np.linspace(0, length - 1, SIGNATURE_POINTS).round().astype(np.int64)
