@@ -492,7 +492,8 @@ def test_bench_match_structured_and_starts_tables(capsys):
     assert flat.split("|")[3:5] == structured.split("|")[3:5] and flat.split("|")[10:12] == structured.split("|")[10:12]
     assert structured.split("|")[-3:-1] == [" 1.000x ", " 1.000x "]
     assert "| independent |" in independent and "| planted |" in planted
-    assert independent.rstrip(" |").endswith("False")  # unrelated models: the signature start is not tried
+    assert independent.rstrip(" |").endswith("| identity")  # unrelated models: the signature start is not tried
+    assert planted.rstrip(" |").endswith("| copy start")  # a permuted copy: found without a sweep
     with pytest.raises(SystemExit):
         parser.parse_args(["--starts", "nope"])
 

@@ -43,7 +43,7 @@ from pyperm.nn.align._pieces import inner_of_pairs
 from pyperm.nn.permutations import Permutations
 from pyperm.nn.spec import PermutationSpec
 
-__all__ = ["STARTS", "copy_start", "match_from", "signature_start", "stalled"]
+__all__ = ["STARTS", "copy_start", "match_from", "optimal_copy", "signature_start", "stalled"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def match_from(
     if start == "signatures":
         return matcher.match(state_a, init=signature_start(spec, state_a, state_b, keys), seed=seed, **options)
     if start == "best":
-        optimum = _optimal_copy(spec, state_a, state_b, matcher.keys)
+        optimum = optimal_copy(spec, state_a, state_b, matcher.keys)
         if optimum is not None:
             return optimum
     first = matcher.match(state_a, init=None, seed=_same_seed(seed), **options)
@@ -101,7 +101,7 @@ def match_from(
     return max((first, second), key=lambda r: r.objective[-1])  # the identity start's on a tie
 
 
-def _optimal_copy(spec: PermutationSpec, state_a: Mapping[str, torch.Tensor], state_b: Mapping[str, torch.Tensor],
+def optimal_copy(spec: PermutationSpec, state_a: Mapping[str, torch.Tensor], state_b: Mapping[str, torch.Tensor],
                   keys: list[str]) -> WeightMatchingResult | None:
     """The result for B an exact permuted copy of A, when :func:`copy_start` finds the permutations that make
     B equal to A: they attain the objective's upper bound, so they are optimal and no sweep can raise them.
