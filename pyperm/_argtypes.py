@@ -75,11 +75,11 @@ def shape(text: str) -> tuple[int, ...]:
 
 
 def model_name(text: str) -> str:
-    """A ``--model``: a name of the model registry (its syntax checked here) or ``path/to/file.py:ClassName``.
+    """A ``--model``: a name of the model registry (its syntax checked here), ``path/to/file.py:ClassName`` or ``hf``.
 
     A user's file is checked when it is loaded (it may not exist yet while the command line is read).
     """
-    if ".py:" in text:
+    if ".py:" in text or text == "hf":  # a user's file, or Hugging Face folders
         return text
     from pyperm.nn.models import parse_model_name
 

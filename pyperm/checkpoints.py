@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,10 @@ class Checkpoint:
         The safetensors header metadata, or the index json's ``"metadata"``.
     weight_map : dict of str to str
         For a sharded checkpoint: the shard file name of every key (prefix included).
+    tied : dict of str to str
+        Keys the model ties to another key (a language model's output layer and its
+        token embedding) that the file leaves out: filled in ``state`` from that key for
+        the model, and left out again on writing (:func:`save_checkpoint`).
     """
 
     state: dict[str, torch.Tensor]
@@ -84,6 +89,7 @@ class Checkpoint:
     prefix: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
     weight_map: dict[str, str] = field(default_factory=dict)
+    tied: dict[str, str] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------ reading
@@ -367,28 +373,59 @@ def save_checkpoint(
         for target in targets:
             if target.exists():
                 raise CheckpointError(f"{target}: exists; pass --force to overwrite it")
-    missing = [k for k in like.state if k not in state]
+    missing = [k for k in like.state if k not in state and k not in like.tied]
     if missing:
         raise CheckpointError(f"{targets[0]}: key {missing[0]!r} missing from the state to write")
-    # Contiguous CPU copies: safetensors refuses views, and a torch file of views stores their storages whole.
-    full = {like.prefix + k: state[k].detach().cpu().contiguous() for k in like.state}
-    if like.format == "torch":
-        torch.save(full if like.wrapper_key is None else {like.wrapper_key: full}, targets[0])
-    elif like.format == "safetensors":
-        _safetensors().torch.save_file(
-            full, str(targets[0]), metadata={str(k): str(v) for k, v in like.metadata.items()} or None
-        )
-    else:
-        for shard in sorted(set(like.weight_map.values())):
-            part = {k: v for k, v in full.items() if like.weight_map[k] == shard}
-            if shard.endswith(".safetensors"):
-                _safetensors().torch.save_file(part, str(targets[0].parent / shard), metadata={"format": "pt"})
-            else:
-                torch.save(part, targets[0].parent / shard)
-        total = sum(v.numel() * v.element_size() for v in full.values())
-        index = {"metadata": {**like.metadata, "total_size": total}, "weight_map": dict(like.weight_map)}
-        targets[0].write_text(json.dumps(index, indent=2) + "\n")
+    keys = [k for k in like.state if k not in like.tied]
+    staged: list[tuple[Path, Path]] = []  # (partial file, final name): renamed only once all are written
+    try:
+        if like.format == "sharded":
+            for shard in sorted(set(like.weight_map.values())):
+                part = _contiguous(like, state, [k for k in keys if like.weight_map[like.prefix + k] == shard])
+                staged.append(_stage(targets[0].parent / shard, lambda tmp, p=part, s=shard: _write_file(p, tmp, s)))
+            total = sum(state[k].numel() * state[k].element_size() for k in keys)
+            index = {"metadata": {**like.metadata, "total_size": total}, "weight_map": dict(like.weight_map)}
+            staged.append(_stage(targets[0], lambda tmp: tmp.write_text(json.dumps(index, indent=2) + "\n")))
+        elif like.format == "torch":
+            full = _contiguous(like, state, keys)
+            obj = full if like.wrapper_key is None else {like.wrapper_key: full}
+            staged.append(_stage(targets[0], lambda tmp: torch.save(obj, tmp)))
+        else:
+            full = _contiguous(like, state, keys)
+            metadata = {str(k): str(v) for k, v in like.metadata.items()} or None
+            staged.append(_stage(targets[0], lambda tmp: _safetensors().torch.save_file(full, str(tmp), metadata)))
+    except BaseException:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, final in staged:  # the index last: a reader never sees it before its shards
+        os.replace(tmp, final)
     return targets
+
+
+def _contiguous(like: Checkpoint, state: Mapping[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies under the stored names (safetensors refuses views, and a torch file of views
+    stores their storages whole); one shard's at a time, so a sharded write holds one shard's copies."""
+    return {like.prefix + k: state[k].detach().cpu().contiguous() for k in keys}
+
+
+def _write_file(tensors: dict[str, torch.Tensor], path: Path, name: str) -> None:
+    if name.endswith(".safetensors"):
+        _safetensors().torch.save_file(tensors, str(path), metadata={"format": "pt"})
+    else:
+        torch.save(tensors, path)
+
+
+def _stage(final: Path, write: Any) -> tuple[Path, Path]:
+    """Write ``final``'s content to a hidden partial file beside it (never a partial file under the final
+    name, even if the process dies mid-write); returns (partial file, final name)."""
+    tmp = final.with_name(f".{final.name}.partial")
+    try:
+        write(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp, final
 
 
 def default_name(like: Checkpoint, stem: str) -> str:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyperm.nn import trace_model
-from pyperm.nn.spec import Blocks, Segments, Tiled, entry_groups
+from pyperm.nn.spec import Blocks, Interleaved, Segments, Tiled, entry_groups
 
 
 class DenseBlock(nn.Module):
@@ -81,6 +81,31 @@ class Recurrent(nn.Module):
         return self.head(self.rnn(torch.tanh(self.inp(x)))[0][:, -1])
 
 
+class ChannelShuffle(nn.Module):
+    """Two ShuffleNet units: branches concatenated and shuffled (their halves interleaved), then a chunk that
+    passes one half on and feeds the other to a branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 6, 1)
+        self.a, self.b = nn.Conv2d(6, 6, 1), nn.Conv2d(6, 6, 1)
+        self.norm = nn.GroupNorm(1, 6)
+        self.c = nn.Conv2d(6, 6, 1)
+        self.fc = nn.Linear(12, 3)
+
+    @staticmethod
+    def shuffle(x):
+        b, c, h, w = x.shape
+        return x.view(b, 2, c // 2, h, w).transpose(1, 2).reshape(b, c, h, w)
+
+    def forward(self, x):
+        h = F.relu(self.stem(x))
+        h = self.shuffle(torch.cat([F.relu(self.a(h)), F.relu(self.b(h))], 1))
+        left, right = h.chunk(2, dim=1)
+        h = self.shuffle(torch.cat([left, F.relu(self.c(self.norm(right)))], 1))
+        return self.fc(h.mean((2, 3)))
+
+
 # name: (model, example input shape, the form the structured spec must hold)
 STRUCTURED = {
     "concatenation": (DenseBlock, (2, 3, 5, 5), Segments),
@@ -88,6 +113,7 @@ STRUCTURED = {
     "grouped-convolution": (GroupedConv, (2, 3, 5, 5), Blocks),
     "attention-heads": (Attention, (2, 6, 5), Blocks),
     "recurrent": (Recurrent, (2, 5, 4), "two axes"),
+    "channel-shuffle": (ChannelShuffle, (2, 3, 5, 5), Interleaved),
 }
 
 

@@ -202,6 +202,34 @@ class ConvNeXtBlock(nn.Module):
         return self.out(h.mean((2, 3)))
 
 
+class ShuffleUnits(nn.Module):
+    """ShuffleNetV2: a unit concatenating two branches, then two halving their input (the first half passes on,
+    the second through a branch), each channel-shuffled; torchvision's without BatchNorm, with GELU (no dead units
+    for activation matching to tie)."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.left, self.right = nn.Conv2d(8, c // 2, 1), nn.Conv2d(8, c // 2, 1)
+        self.branches = nn.ModuleList(nn.Sequential(nn.Conv2d(c // 2, c // 2, 1), nn.GELU(),
+                                                    nn.Conv2d(c // 2, c // 2, 3, padding=1, groups=c // 2),
+                                                    nn.Conv2d(c // 2, c // 2, 1), nn.GELU()) for _ in range(2))
+        self.fc = head(nn.Linear(c, 4))
+
+    @staticmethod
+    def shuffle(h: torch.Tensor) -> torch.Tensor:
+        n, c, hh, ww = h.shape
+        return h.view(n, 2, c // 2, hh, ww).transpose(1, 2).reshape(n, c, hh, ww)
+
+    def forward(self, x):
+        h = F.relu(self.stem(x))
+        h = self.shuffle(torch.cat((F.relu(self.left(h)), F.relu(self.right(h))), 1))
+        for branch in self.branches:
+            passed, rest = h.chunk(2, dim=1)
+            h = self.shuffle(torch.cat((passed, branch(rest)), 1))
+        return self.fc(h.mean((2, 3)))
+
+
 # name: (factory, example input shape or a callable making it, share of hidden units permuted: flat, structured)
 CASES = {
     "densenet-block": (DenseNetBlock, (2, 3, 8, 8), 0.0, 1.0),
@@ -215,6 +243,7 @@ CASES = {
     "grouped-conv-block": (GroupedConvBlock, (2, 3, 8, 8), 0.5, 1.0),
     "inverted-residual-se": (InvertedResidual, (2, 3, 8, 8), 1.0, 1.0),
     "convnext-block": (ConvNeXtBlock, (2, 3, 16, 16), 1.0, 1.0),
+    "shufflenet-units": (ShuffleUnits, (2, 3, 8, 8), 0.56, 1.0),
 }
 
 
@@ -251,7 +280,8 @@ def test_architecture(case, structured):
 
 # The cases whose full symmetry needs structured axes.
 STRUCTURED = {"densenet-block", "unet", "vgg-7x7-flatten", "residual-mlp-1-layer", "lstm-classifier",
-              "gru-classifier", "encoder-mha", "encoder-fused-qkv", "grouped-conv-block"}  # fmt: skip
+              "gru-classifier", "encoder-mha", "encoder-fused-qkv", "grouped-conv-block",
+              "shufflenet-units"}  # fmt: skip
 
 
 def test_fused_qkv_heads_move_as_wholes():
@@ -402,7 +432,8 @@ def test_weight_matching_of_unrelated_traced_models_takes_the_reference_steps(ca
 
 
 @pytest.mark.parametrize("case", ["densenet-block", "unet", "vgg-7x7-flatten", "encoder-fused-qkv", "encoder-mha",
-                                  "residual-mlp-1-layer", "lstm-classifier", "gru-classifier", "grouped-conv-block"])
+                                  "residual-mlp-1-layer", "lstm-classifier", "gru-classifier", "grouped-conv-block",
+                                  "shufflenet-units"])
 def test_activation_matching_on_traced_structured_specs(case):
     """Activation matching with a structured spec recovers a planted permutation of every group it sees."""
     model, result = traced(case, structured=True)

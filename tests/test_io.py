@@ -194,3 +194,43 @@ def test_lightning_style_prefix_is_found_from_the_model(tmp_path):
     save_checkpoint(ckpt, state, tmp_path / "out.ckpt")
     raw = torch.load(tmp_path / "out.ckpt", weights_only=True)
     assert sorted(raw["state_dict"]) == sorted("model." + k for k in state)
+
+
+@pytest.mark.parametrize("layout", ["sharded", "safetensors", "torch"])
+def test_a_failed_write_leaves_no_file_under_a_final_name(tmp_path, monkeypatch, layout):
+    """Every file is written beside its final name and renamed only once all are written: a write that
+    fails halfway (a full disk, a killed process) leaves neither a partial file nor a stale index."""
+    import pyperm.checkpoints as checkpoints
+
+    state = _state()
+    (tmp_path / "in").mkdir()
+    if layout == "sharded":
+        source = _write_sharded(tmp_path / "in", state)
+    elif layout == "safetensors":
+        source = tmp_path / "in" / "m.safetensors"
+        safetensors_torch.save_file(state, str(source))
+    else:
+        source = tmp_path / "in" / "m.pt"
+        torch.save(state, source)
+    ckpt = load_checkpoint(source)
+    calls = []
+
+    def failing(tensors, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == (2 if layout == "sharded" else 1):
+            with open(path, "wb") as f:
+                f.write(b"half a file")  # what a crash mid-write leaves
+            raise OSError("No space left on device")
+        return real(tensors, path, *args, **kwargs)
+
+    if layout == "torch":
+        real = torch.save
+        monkeypatch.setattr(checkpoints.torch, "save", failing)
+    else:
+        real = safetensors_torch.save_file
+        monkeypatch.setattr(safetensors_torch, "save_file", failing)
+    (tmp_path / "out").mkdir()
+    target = tmp_path / "out" / default_name(ckpt, "permuted")
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(ckpt, state, target)
+    assert list((tmp_path / "out").iterdir()) == []

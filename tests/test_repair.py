@@ -224,3 +224,109 @@ def test_a_bundled_models_own_spec_names_the_groups():
     by_spec = repair(model, model.permutation_spec(), a, b, data, t=0.5)
     traced = repair(model, None, a, b, data)  # t defaults to the midpoint
     assert all(torch.equal(by_spec[k], traced[k]) for k in a)
+
+
+class _RMSNorm(nn.Module):
+    """RMSNorm written out, as Hugging Face's LlamaRMSNorm (``plus_one``: as Gemma's, scaling by 1 + weight)."""
+
+    def __init__(self, n, plus_one=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n) if plus_one else torch.ones(n))
+        self.plus_one = plus_one
+
+    def forward(self, x):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return x * (1 + self.weight) if self.plus_one else self.weight * x
+
+
+_NORM_LAYERS = {"layernorm": nn.LayerNorm, "rmsnorm": _RMSNorm, "plus-one": lambda n: _RMSNorm(n, plus_one=True)}
+
+
+class _PreNorm(nn.Module):
+    """A pre-norm transformer block written out (torch.fx traces it): a residual stream read by three norms, an
+    attention of two heads, an MLP."""
+
+    def __init__(self, norm):
+        super().__init__()
+        norm = _NORM_LAYERS[norm]
+        self.embed = nn.Linear(6, 16)
+        self.norm1, self.norm2, self.norm_f = norm(16), norm(16), norm(16)
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+        self.up, self.down, self.head = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 3)
+
+    @staticmethod
+    def _heads(x):
+        return x.reshape(x.shape[0], x.shape[1], 2, 8).transpose(1, 2)
+
+    def forward(self, x):
+        h = self.embed(x)
+        a = self.norm1(h)
+        y = nn.functional.scaled_dot_product_attention(self._heads(self.q(a)), self._heads(self.k(a)),
+                                                       self._heads(self.v(a)))  # fmt: skip
+        h = h + self.o(y.transpose(1, 2).flatten(2))
+        h = h + self.down(nn.functional.gelu(self.up(self.norm2(h))))
+        return self.head(self.norm_f(h)).mean(1)
+
+
+def _prenorm_pair(norm):
+    torch.manual_seed(8)
+    model = _PreNorm(norm).double().eval()
+    a = {k: v + 0.2 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    b = {k: v + 0.5 * torch.randn_like(v) for k, v in a.items()}
+    model.load_state_dict(a)
+    return model, a, b, [torch.randn(n, 5, 6, dtype=torch.float64) for n in (7, 4)]
+
+
+def _changed(repaired, a, b, t=0.5):
+    plain = interpolate(a, b, t)
+    return {k.rpartition(".")[0] for k in a if not torch.equal(repaired[k], plain[k])}
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_a_stream_read_by_norms_is_corrected_at_their_outputs(norm):
+    """The residual stream is corrected where the norms read it, not where the embedding and the output projections
+    write it; the MLP at its first layer; the query, key and value units are left, with one warning."""
+    model, a, b, data = _prenorm_pair(norm)
+    with pytest.warns(RuntimeWarning, match="query, key and value units that meet other activations") as caught:
+        repaired = repair(model, None, a, b, data, t=0.5)
+    assert len(caught) == 1 and all(f"'Linear' of '{p}'" in str(caught[0].message) for p in "qkv")
+    assert _changed(repaired, a, b) == {"norm1", "norm2", "norm_f", "up"}
+    paths = ["norm1", "norm2", "norm_f", "up"]
+    ends = [_unit_stats(model, s, paths, data, axis=-1) for s in (a, b)]
+    got = _unit_stats(model, repaired, paths, data, axis=-1)
+    for p in paths:
+        mean, std = (ends[0][p][i] / 2 + ends[1][p][i] / 2 for i in (0, 1))
+        torch.testing.assert_close(got[p][1], std, rtol=1e-6, atol=0, msg=p)
+        if p == "up" or norm == "layernorm":  # an RMSNorm has no bias: its units' spread only is corrected
+            assert torch.all((got[p][0] - mean).abs() <= 1e-6 * std), p
+    with pytest.warns(RuntimeWarning, match="query, key and value"):
+        at_a = repair(model, None, a, b, data, t=0.0)
+    assert all(torch.allclose(at_a[k], a[k], rtol=1e-9, atol=1e-12) for k in a)
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.shared, self.out = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.shared(torch.relu(self.shared(torch.relu(self.inp(x)))))))
+
+
+def test_sites_that_cannot_take_a_correction_are_left_with_one_warning():
+    # Norms scaling by 1 + weight: the stream is left (not corrected at the embedding either), the MLP repaired.
+    model, a, b, data = _prenorm_pair("plus-one")
+    with pytest.warns(RuntimeWarning) as caught:
+        repaired = repair(model, None, a, b, data)
+    message = str(caught[0].message)
+    assert len(caught) == 1 and message.count("_RMSNorm whose output is not linear in its weight") == 3
+    assert "query, key and value units" in message and "repair leaves the units at 6 site(s)" in message
+    assert _changed(repaired, a, b) == {"up"}
+    # A layer applied twice: its correction would act on both calls.
+    torch.manual_seed(9)
+    twice = _Twice()
+    a = {k: v.clone() for k, v in twice.state_dict().items()}
+    b = {k: torch.randn_like(v) for k, v in a.items()}
+    with pytest.warns(RuntimeWarning, match="'Linear' of 'shared' .*: Linear called 2 times in the forward"):
+        repaired = repair(twice, None, a, b, [torch.randn(20, 4)])
+    assert _changed(repaired, a, b) == {"inp"}

@@ -1,4 +1,4 @@
-"""Structured PermutationSpec axes (Segments, Tiled, one group on two axes): a planted permutation of a
+"""Structured PermutationSpec axes (Segments, Tiled, Interleaved, one group on two axes): a planted permutation of a
 small model written for each form leaves its function unchanged, and bad forms are refused when built."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyperm.nn import Permutations, PermutationSpec, apply_permutation, matching_objective, weight_matching
-from pyperm.nn.spec import Blocks, Segments, Tiled, entry_groups, rename_entry
+from pyperm.nn.spec import Blocks, Interleaved, Segments, Tiled, entry_groups, rename_entry
 from pyperm.testing import assert_same_function, random_permutations
 
 
@@ -228,14 +228,71 @@ def test_recurrent_layer_gates_as_segments(kind):
     assert_exact_symmetry(model, recurrent_spec(model), torch.randn(2, 6, 3))
 
 
+# --------------------------------------------------------------------------- Interleaved
+
+
+class Shuffled(nn.Module):
+    """ShuffleNet's channel shuffle of two branches (5 units each), then a chunk: the first half (units 0-2 of
+    a, 0-1 of b, in turn) to one head, the second (b 2-4 and a 3-4, b first) through a layer to another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 5), nn.Linear(3, 5)
+        self.mid = nn.Linear(5, 4)
+        self.head = nn.Linear(5 + 4, 2)
+
+    def forward(self, x):
+        h = torch.cat([torch.relu(self.a(x)), torch.tanh(self.b(x))], 1)
+        h = h.view(-1, 2, 5).transpose(1, 2).reshape(-1, 10)
+        first, second = h.split([5, 5], dim=1)
+        return self.head(torch.cat([first, torch.relu(self.mid(second))], 1))
+
+
+def interleaved_spec(model: Shuffled) -> PermutationSpec:
+    # Groups a = a0 (3 units) + a1 (2), b = b0 (2) + b1 (3): each piece of the chunk holds some of each.
+    return full_spec(
+        model, {"a0": 3, "a1": 2, "b0": 2, "b1": 3, "m": 4},
+        a__weight=(Segments("a0", "a1"), None), a__bias=(Segments("a0", "a1"),),
+        b__weight=(Segments("b0", "b1"), None), b__bias=(Segments("b0", "b1"),),
+        mid__weight=("m", Interleaved("b1", "a1")), mid__bias=("m",),
+        head__weight=(None, Segments(Interleaved("a0", "b0"), "m")),
+    )  # fmt: skip
+
+
+def test_interleaved_halves():
+    torch.manual_seed(0)
+    model = Shuffled()
+    spec = interleaved_spec(model)
+    assert spec.structured and spec.axis_length("head.weight", 1) == 9
+    assert spec.unit_positions("mid.weight", 1, "a1").tolist() == [[1], [3]]
+    assert spec.unit_positions("head.weight", 1, "b0").tolist() == [[1], [3]]
+    assert_exact_symmetry(model, spec, torch.randn(4, 3))
+
+
+def test_interleaved_index_of_nested_parts():
+    """Entry k*i + j is entry i of part j, parts may be forms (an interleave of interleaves) or fixed entries."""
+    spec = PermutationSpec({"w": (Interleaved(Interleaved("a", "b"), "c", 3),)}, {"a": 2, "b": 1, "c": 3})
+    perms = {"a": torch.tensor([1, 0]), "b": torch.tensor([0]), "c": torch.tensor([2, 1, 0])}
+    # Layout: a0 c0 f0 b0 c1 f1 a1 c2 f2.
+    assert spec.axis_index("w", 0, perms).tolist() == [6, 7, 2, 3, 4, 5, 0, 1, 8]
+    assert spec.unit_positions("w", 0, "c").tolist() == [[1], [4], [7]]
+    t = torch.arange(9.0)
+    back = apply_permutation(spec, Permutations(spec, perms).inverse(), apply_permutation(spec, perms, {"w": t}))
+    assert torch.equal(back["w"], t)
+
+
 # --------------------------------------------------------------------------- errors and equivalence
 
 
 def test_bad_forms_are_refused():
     with pytest.raises(ValueError, match="Segments needs at least one part"):
         Segments()
-    with pytest.raises(TypeError, match="Segments parts must be group names, ints, Tiled or Blocks, got float"):
+    with pytest.raises(TypeError, match="Segments parts must be group names, ints, Tiled, Blocks, Interleaved, got"):
         Segments("a", 2.0)
+    with pytest.raises(ValueError, match="Interleaved needs at least two parts, got 1"):
+        Interleaved("a")
+    with pytest.raises(ValueError, match=r"tensor 'w' axis 0: Interleaved parts span \[2, 4\] entries"):
+        PermutationSpec({"w": (Interleaved("a", "b"),)}, {"a": 2, "b": 4})
     with pytest.raises(ValueError, match="a fixed Segments part must be at least 1, got 0"):
         Segments("a", 0)
     with pytest.raises(ValueError, match="Tiled inner must be at least 1, got 0"):
@@ -281,6 +338,7 @@ def test_groups_and_renaming_of_every_form():
         Blocks("h", "d"): ("h", "d"),
         Blocks(2, "d"): ("d",),
         Segments("a", 3, Tiled("b", outer="c"), Blocks("h", "d"), "a"): ("a", "b", "c", "h", "d"),
+        Interleaved(Interleaved("b", "a"), 2, "c"): ("b", "a", "c"),
     }
     mapping = {g: g.upper() for g in "abcdh"}
     for entry, groups in forms.items():
@@ -332,6 +390,7 @@ FORMS = {
     "tiled-flatten": (FlattenVGG, flatten_spec),
     "tiled-heads": (Attention, attention_spec),
     "two-axes": (OneLayerResidual, two_axes_spec),
+    "interleaved": (Shuffled, interleaved_spec),
     "lstm": (RecurrentClassifier, recurrent_spec),
 }
 

@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pyperm.nn import PermutationSpec, TraceError, models, trace_model
+from pyperm.nn.spec import Segments
 from pyperm.nn.trace import TraceWarning
 from pyperm.testing import assert_same_function
 
@@ -484,9 +485,18 @@ def test_split_along_channels():
             left, right = torch.split(torch.relu(self.a(x)), 4, dim=1)
             return self.b(left) + self.c(right)
 
+    # Structured (the default), the split cuts the class in two: each half its own group.
+    torch.manual_seed(0)
+    model = Split()
+    result = trace_model(model, torch.randn(2, 3), composite="raise")
+    assert result.spec.sizes == {"P_a_0": 4, "P_a_1": 4} and result.composites == ()
+    assert result.spec.axes["a.weight"] == (Segments("P_a_0", "P_a_1"), None)
+    assert result.spec.axes["b.weight"] == (None, "P_a_0") and result.spec.axes["c.weight"] == (None, "P_a_1")
+    assert_same_function(model, result.spec, torch.randn(3, 3), train=True)
+    # Flat, it is reported (or raises).
     with pytest.raises(TraceError, match=r"torch\.split .*splits axis 1"):
-        trace_model(Split(), torch.randn(2, 3), composite="raise")
-    result = trace_model(Split(), torch.randn(2, 3), composite="fix")
+        trace_model(Split(), torch.randn(2, 3), composite="raise", structured=False)
+    result = trace_model(Split(), torch.randn(2, 3), composite="fix", structured=False)
     assert result.spec.sizes == {} and "torch.split" in result.composites[0]
 
 

@@ -109,6 +109,104 @@ def test_scaled_dot_product_attention():
     assert_same_function(model, spec, torch.randn(2, 4, 5))
 
 
+class WindowAttention(nn.Module):
+    """MaxViT's attention: a fused q, k, v chunked in three, heads split by a reshape, scores and mixing
+    written as einsums, and a relative position bias read from a table by an index buffer."""
+
+    def __init__(self, dim: int = 8, heads: int = 2, tokens: int = 3) -> None:
+        super().__init__()
+        self.heads, self.tokens = heads, tokens
+        self.embed, self.qkv, self.out = nn.Linear(4, dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, 2)
+        self.table = nn.Parameter(torch.randn(2 * tokens - 1, heads))
+        index = torch.arange(tokens).view(-1, 1) - torch.arange(tokens).view(1, -1) + tokens - 1
+        self.register_buffer("index", index.reshape(-1))
+
+    def forward(self, x):  # (batch, tokens, 4)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.embed(x)).chunk(3, -1)
+        q, k, v = [p.reshape(b, t, self.heads, -1).transpose(1, 2) for p in (q, k, v)]
+        bias = self.table[self.index].view(t, t, -1).permute(2, 0, 1)
+        scores = torch.einsum("b h i d, b h j d -> b h i j", q, k) + bias
+        mixed = torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v)
+        return self.out(mixed.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_einsum_attention_with_a_relative_position_bias_table():
+    torch.manual_seed(0)
+    model = WindowAttention().double()
+    spec = trace_model(model, torch.randn(2, 3, 4, dtype=torch.float64), composite="raise").spec
+    # The chunk cuts the fused projection in three groups' worth; the heads are one group for q, k, v and the
+    # bias table's columns (the einsums contract q's and k's head dims, the sum adds the bias per head).
+    assert spec.axes["table"][0] is None and isinstance(spec.axes["table"][1], str)
+    heads = spec.axes["table"][1]
+    assert spec.sizes[heads] == 2 and heads in str(spec.axes["qkv.weight"][0]) and heads in str(spec.axes["out.weight"])
+    assert_same_function(model, spec, torch.randn(3, 3, 4, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+
+
+def test_einsum_with_a_parameter_produces_units():
+    class Einsum(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 6))
+            self.head = nn.Linear(6, 2)
+
+        def forward(self, x):  # implicit output, an ellipsis: "...d,de->...e"
+            return self.head(torch.relu(torch.einsum("...d,de", x, self.w)))
+
+    torch.manual_seed(0)
+    model = Einsum()
+    result = trace_model(model, torch.randn(2, 3, 4), composite="raise")
+    assert result.spec.sizes == {"P_w": 6} and result.spec.axes["w"] == (None, "P_w")
+    assert result.post_activation_sites["P_w"][0].op == "torch.relu"
+    assert_same_function(model, result.spec, torch.randn(2, 5, 4))
+
+
+def test_gathering_units_by_an_index_is_reported():
+    model = nn.Sequential(nn.Linear(4, 8), Gather(torch.tensor([3, 1, 2])), nn.Linear(3, 2))
+    with pytest.raises(TraceError, match=r"operator\.getitem .*gathers axis 1, which carries permuted units"):
+        trace_model(model, torch.randn(2, 4), composite="raise")
+
+
+class Gather(nn.Module):
+    def __init__(self, index: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("index", index)
+
+    def forward(self, x):
+        return x[:, self.index]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_torchvision_swin_window_attention(version):
+    """Swin's attention and patch merging are functions torch.fx keeps whole: their rules name the heads (which
+    carry the relative position bias and, v2, the logit scale) and the four copies of the merged channels."""
+    from pyperm.nn import Permutations, apply_permutation, weight_matching
+    from pyperm.testing import random_permutations
+
+    tv = import_torchvision()
+    swin = tv.models.swin_transformer
+    v2 = {"block": swin.SwinTransformerBlockV2, "downsample_layer": swin.PatchMergingV2} if version == 2 else {}
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = swin.SwinTransformer([2, 2], 8, [1, 1], [2, 2], [4, 4], num_classes=3, **v2).double().eval()
+    model.head.is_head = True
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    spec = trace_model(model, x, composite="raise").spec
+    attn = "features.1.0.attn"
+    qkv = spec.axes[f"{attn}.qkv.weight"][0]
+    assert isinstance(qkv, Segments) and len(qkv.parts) == 3 and qkv.parts[0] == qkv.parts[1] != qkv.parts[2]
+    heads = qkv.parts[0].outer
+    assert spec.sizes[heads] == 2 and spec.axes[f"{attn}.proj.weight"][1] == qkv.parts[2]
+    table = f"{attn}.cpb_mlp.2.weight" if version == 2 else f"{attn}.relative_position_bias_table"
+    assert spec.axes[table][1 - (version == 2)] == heads
+    merged = spec.axes["features.2.reduction.weight"][1]
+    assert isinstance(merged, Segments) and len(set(merged.parts)) == 1 and len(merged.parts) == 4
+    assert_same_function(model, spec, x, rtol=1e-10, atol=1e-10)
+    sa = {k: t + 0.1 * torch.randn_like(t) if t.is_floating_point() else t for k, t in model.state_dict().items()}
+    planted = Permutations(spec, random_permutations(spec, 3))
+    assert weight_matching(spec, sa, apply_permutation(spec, planted, sa), seed=0).perms == planted.inverse()
+
+
 # --------------------------------------------------------------------------- recurrent layers
 
 

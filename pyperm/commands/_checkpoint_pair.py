@@ -15,14 +15,36 @@ def load_for_model(paths: list[str], loaded: LoadedModel) -> list[Any]:
     from pyperm.checkpoints import check_against_model, check_pair, load_checkpoint
 
     model_state = loaded.module.state_dict()
+    ties = _ties(loaded.module)
     ckpts = []
     for path in paths:
         ckpt = load_checkpoint(path)
+        _fill_tied(ckpt, ties)
         check_against_model(ckpt, model_state, loaded.name)
         if ckpts:
             check_pair(ckpts[0], ckpt)
         ckpts.append(ckpt)
     return ckpts
+
+
+def _ties(model: Any) -> list[list[str]]:
+    """The groups of ``state_dict`` keys that name one tensor (tied weights), each in the model's order."""
+    by_storage: dict[tuple, list[str]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.numel():
+            by_storage.setdefault((tensor.data_ptr(), tuple(tensor.shape)), []).append(key)
+    return [keys for keys in by_storage.values() if len(keys) > 1]
+
+
+def _fill_tied(ckpt: Any, ties: list[list[str]]) -> None:
+    """Keys of tied weights that the file leaves out (``save_pretrained`` writes one of each), filled from the
+    key of the same tie that it holds; recorded in ``ckpt.tied`` so that writing leaves them out again."""
+    for keys in ties:
+        present = [k for k in keys if k in ckpt.state]
+        for key in keys:
+            if present and key not in ckpt.state:
+                ckpt.state[key] = ckpt.state[present[0]]
+                ckpt.tied[key] = present[0]
 
 
 def refuse_inputs(outputs: list[Path], ckpts: list[Any]) -> None:

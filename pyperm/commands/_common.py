@@ -37,7 +37,9 @@ __all__ = [
 # refused with the list of them all. Listing them here would import torch for `pyperm --help`.
 MODEL_HELP = (
     "a bundled model by name, as pyperm.nn.models.create_model reads it: e.g. mlp:784,512,512,10, resnet20:4, "
-    "vgg16, tinyten:2,in_channels=1; or path/to/file.py:ClassName (constructed without arguments)"
+    "vgg16, tinyten:2,in_channels=1; path/to/file.py:ClassName (constructed without arguments); or hf: the "
+    "checkpoints are Hugging Face save_pretrained folders, the architecture is their config.json's (needs "
+    "transformers), and outputs are folders from_pretrained loads"
 )
 
 
@@ -139,6 +141,17 @@ def cli_errors(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Cal
 # ------------------------------------------------------------------------------ outputs
 
 
+def checkpoint_outputs(like: Any, out: Path, stem: str, model: str) -> list[Path]:
+    """The files a command writes for a checkpoint in ``like``'s layout: ``out/<stem><suffix>`` (and its
+    shards), or for ``--model hf`` a folder ``out/<stem>`` with the input's file names (``from_pretrained``
+    loads it; :func:`pyperm.commands._hf.copy_folder_files` adds the config and tokenizer)."""
+    from pyperm.checkpoints import default_name, output_paths
+
+    if model == "hf":
+        return output_paths(like, out / stem / like.path.name)
+    return output_paths(like, out / default_name(like, stem))
+
+
 def prepare_out(out: str | Path, names: list[str], force: bool) -> Path:
     """Create the output folder and refuse, before any work, to overwrite one of ``names`` without ``--force``."""
     out = Path(out)
@@ -148,6 +161,8 @@ def prepare_out(out: str | Path, names: list[str], force: bool) -> Path:
         if (out / name).exists() and not force:
             raise CommandError(f"{out / name}: exists; pass --force to overwrite it")
     out.mkdir(parents=True, exist_ok=True)
+    for name in names:  # an output folder of --model hf
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
     return out
 
 
@@ -195,11 +210,14 @@ class LoadedModel:
     module: Any
     spec: Any
     input_shape: tuple[int, ...] | None
+    example: Any = None  # an input batch of the model's own kind (token ids), when random floats are not
 
     def example_input(self, device: Any = "cpu") -> Any:
-        """A seeded random input batch, or None when the input shape is unknown."""
+        """The example batch, else a seeded random one, or None when the input shape is unknown."""
         import torch
 
+        if self.example is not None:
+            return self.example.to(device)
         if self.input_shape is None:
             return None
         return torch.randn(self.input_shape, generator=torch.Generator().manual_seed(0)).to(device)
@@ -242,8 +260,9 @@ def _user_model(spec_text: str, shape: tuple[int, ...] | None) -> LoadedModel:
     return LoadedModel(spec_text, model, PermutationSpec.from_model(model, example), shape)
 
 
-def build_model(spec_text: str, shape: tuple[int, ...] | None = None) -> LoadedModel:
-    """The model named by ``--model`` and its permutation spec; ``shape`` is ``--example-input-shape``.
+def build_model(spec_text: str, shape: tuple[int, ...] | None = None, checkpoint: str | None = None) -> LoadedModel:
+    """The model named by ``--model`` and its permutation spec; ``shape`` is ``--example-input-shape``;
+    ``checkpoint`` the first checkpoint argument (``--model hf`` reads the architecture beside it).
 
     Raises
     ------
@@ -252,6 +271,10 @@ def build_model(spec_text: str, shape: tuple[int, ...] | None = None) -> LoadedM
     """
     if ".py:" in spec_text:
         return _user_model(spec_text, shape)
+    if spec_text == "hf":
+        from pyperm.commands._hf import hf_model
+
+        return hf_model(checkpoint or ".", shape)
     from pyperm.nn.models import create_model, input_shape
 
     try:

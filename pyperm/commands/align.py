@@ -72,20 +72,30 @@ def path_barriers(
 @cli_errors("align")
 def run(args: argparse.Namespace) -> int:
     """Align, write the permuted checkpoint and the reports; print where they are."""
-    from pyperm.checkpoints import default_name, output_paths, save_checkpoint
+    from pyperm.checkpoints import save_checkpoint
     from pyperm.commands._checkpoint_pair import function_gap, load_for_model, refuse_inputs
-    from pyperm.commands._common import build_model, check_inputs, float_state, load_data, prepare_out, resolve_device
+    from pyperm.commands._common import (
+        build_model,
+        check_inputs,
+        checkpoint_outputs,
+        float_state,
+        load_data,
+        prepare_out,
+        resolve_device,
+    )
+    from pyperm.commands._hf import copy_folder_files, files_to_copy, folder_of
     from pyperm.commands._matching import match
     from pyperm.nn import apply_permutation, plot_paths
 
     device = resolve_device(args.device)
-    loaded = build_model(args.model, args.example_input_shape)
+    loaded = build_model(args.model, args.example_input_shape, args.a)
     ckpt_a, ckpt_b = load_for_model([args.a, args.b], loaded)
     out = Path(args.out)
-    stem = ckpt_b.path.name.split(".")[0] + "_permuted"
-    ckpt_files = output_paths(ckpt_b, out / default_name(ckpt_b, stem))
+    stem = (folder_of(ckpt_b.path).name if args.model == "hf" else ckpt_b.path.name.split(".")[0]) + "_permuted"
+    ckpt_files = checkpoint_outputs(ckpt_b, out, stem, args.model)
+    copies = [ckpt_files[0].parent / p.name for p in files_to_copy(ckpt_b)] if args.model == "hf" else []
     names = (
-        [p.name for p in ckpt_files]
+        [str(p.relative_to(out)) for p in ckpt_files + copies]
         + ["permutations.json", "report.json", "report.md"]
         + (["barrier.png"] if args.data else [])
     )
@@ -125,13 +135,16 @@ def run(args: argparse.Namespace) -> int:
         report["barriers"] = {label: r.to_dict() for label, r in barriers.items()}
 
     written = save_checkpoint(ckpt_b, permuted, ckpt_files[0], force=args.force)
+    if args.model == "hf":
+        written += copy_folder_files(ckpt_b, ckpt_files[0])
     write_json(out / "permutations.json", perms.to_dict())
     write_json(out / "report.json", report)
     if barriers is not None:
         plot_paths(barriers, out / "barrier.png", title=f"{loaded.name}: naive vs {args.method} matching")
     (out / "report.md").write_text(_markdown(report, barriers))
 
-    print(f"B permuted into A's basin by {args.method} matching in {info['seconds']:.2f} s: {written[0]}")
+    where = written[0].parent if args.model == "hf" else written[0]
+    print(f"B permuted into A's basin by {args.method} matching in {info['seconds']:.2f} s: {where}")
     print(f"objective vec(A).vec(pi(B)): {info['identity_objective']:.6g} -> {info['objective']:.6g}")
     if barriers is not None:
         for label, r in barriers.items():

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from pyperm.nn import apply_permutation, plot_paths
 
     device = resolve_device(args.device)
-    loaded = build_model(args.model, args.example_input_shape)
+    loaded = build_model(args.model, args.example_input_shape, args.a)
     ckpt_a, ckpt_b = load_for_model([args.a, args.b], loaded)
     out = prepare_out(Path(args.out), ["report.json", "report.md", "barrier.png"], args.force)
     data = load_data(args, device)

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from pyperm.nn import plot_paths
 
     device = resolve_device(args.device)
-    loaded = build_model(args.model, args.example_input_shape)
+    loaded = build_model(args.model, args.example_input_shape, args.a)
     ckpt_a, ckpt_b = load_for_model([args.a, args.b], loaded)
     out = Path(args.out)
     names = ([CURVE_FILE] if args.curve_command == "train" else []) + list(OUTPUTS)

@@ -56,28 +56,31 @@ def _evaluate(loaded: Any, state: dict, data: Any, device: Any) -> dict[str, flo
 @cli_errors("merge")
 def run(args: argparse.Namespace) -> int:
     """Merge, write the merged checkpoint and the reports."""
-    from pyperm.checkpoints import default_name, output_paths, save_checkpoint
+    from pyperm.checkpoints import save_checkpoint
     from pyperm.commands._checkpoint_pair import load_for_model, refuse_inputs
     from pyperm.commands._common import (
         CommandError,
         Timer,
         build_model,
         check_inputs,
+        checkpoint_outputs,
         float_state,
         load_data,
         prepare_out,
         resolve_device,
     )
+    from pyperm.commands._hf import copy_folder_files, files_to_copy
     from pyperm.nn import average, merge_many
 
     if len(args.checkpoints) < 2:
         raise CommandError(f"merge needs at least two checkpoints, got {len(args.checkpoints)}")
     device = resolve_device(args.device)
-    loaded = build_model(args.model, args.example_input_shape)
+    loaded = build_model(args.model, args.example_input_shape, args.checkpoints[0])
     ckpts = load_for_model(args.checkpoints, loaded)
     out = Path(args.out)
-    ckpt_files = output_paths(ckpts[0], out / default_name(ckpts[0], "merged"))
-    names = [p.name for p in ckpt_files] + ["report.json", "report.md"]
+    ckpt_files = checkpoint_outputs(ckpts[0], out, "merged", args.model)
+    copies = [ckpt_files[0].parent / p.name for p in files_to_copy(ckpts[0])] if args.model == "hf" else []
+    names = [str(p.relative_to(out)) for p in ckpt_files + copies] + ["report.json", "report.md"]
     refuse_inputs([out / n for n in names], ckpts)
     prepare_out(out, names, args.force)
     data = load_data(args, device)
@@ -105,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         report["data"] = {"name": data.name, "test_samples": data.num_test}
         report["evaluation"] = evaluations
     written = save_checkpoint(ckpts[0], merged, ckpt_files[0], force=args.force)
+    if args.model == "hf":
+        written += copy_folder_files(ckpts[0], ckpt_files[0])
     write_json(out / "report.json", report)
     (out / "report.md").write_text(_markdown(report))
     print(f"merged {len(ckpts)} checkpoints in {result.iterations} rounds ({timer.seconds:.2f} s): {written[0]}")

@@ -17,7 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``pyperm reproduce``."""
     parser.epilog = (
         "rebasin: Git Re-Basin Fig. 2 and 4 with MLPs on digits; curves: Tatro et al. Tables 1-2 and Fig. 1; "
-        "teacher-student: Zhan, Li and Wu (2025)'s barrier vs width and PQ index; robust: Tatro et al. Fig. 4. "
+        "teacher-student: Zhan, Li and Wu (2025)'s barrier vs width and PQ index; robust: Tatro et al. Fig. 4; "
+        "transformers: barriers of character-level GPT-2s and ViTs, naive and aligned (needs transformers). "
         "example: pyperm reproduce rebasin --quick --out rebasin/"
     )
     parser.add_argument("name", choices=list(REPORTS), metavar="NAME", help="the report: " + ", ".join(REPORTS))

@@ -28,6 +28,9 @@ bundled models) is *flat*, and stays as it was.
 - :class:`Blocks`: a group of groups. ``Blocks(h, d)`` permutes whole blocks (attention
   heads, the groups of a grouped convolution) by ``h`` and the units within each block by
   ``d``, a different permutation in every block.
+- :class:`Interleaved`: parts taken in turn (ShuffleNet's channel shuffle): with ``k``
+  parts, entry ``k * i + j`` is entry ``i`` of part ``j``. ``Interleaved("a", "b")`` is
+  ``a0 b0 a1 b1 ...``; its parts may be forms themselves (an interleave of interleaves).
 - The same group on two axes of one tensor (a layer applied to its own output, an RNN's
   hidden-to-hidden weight: ``P W P^T``): name the group on both axes.
 
@@ -40,6 +43,7 @@ matrix per block), REPAIR, barriers and curves.
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,7 +51,16 @@ from typing import Any
 
 from pyperm._checks import check_positive_int
 
-__all__ = ["AxisEntry", "Blocks", "PermutationSpec", "Segments", "Tiled", "entry_groups", "rename_entry"]
+__all__ = [
+    "AxisEntry",
+    "Blocks",
+    "Interleaved",
+    "PermutationSpec",
+    "Segments",
+    "Tiled",
+    "entry_groups",
+    "rename_entry",
+]
 
 AxisGroups = tuple  # tuple[AxisEntry, ...], one entry per tensor axis
 
@@ -185,10 +198,11 @@ class Segments:
 
     Parameters
     ----------
-    *parts : str, int, Tiled or Blocks
+    *parts : str, int, Tiled, Blocks or Interleaved
         In axis order: a group name (its units), a number of units that are never
         permuted (a model input concatenated to features, say), a :class:`Tiled` or a
-        :class:`Blocks` part (the q, k and v thirds of a fused projection).
+        :class:`Blocks` part (the q, k and v thirds of a fused projection), or an
+        :class:`Interleaved` one (a shuffled half).
         A group may appear in several parts (its permutation then acts on each).
 
     Examples
@@ -204,18 +218,10 @@ class Segments:
 
     parts: tuple
 
-    def __init__(self, *parts: str | int | Tiled | Blocks) -> None:
+    def __init__(self, *parts: str | int | Tiled | Blocks | Interleaved) -> None:
         if not parts:
             raise ValueError("Segments needs at least one part")
-        for part in parts:
-            if isinstance(part, (str, Tiled, Blocks)):
-                continue
-            if isinstance(part, numbers.Integral) and not isinstance(part, bool):
-                check_positive_int(part, "a fixed Segments part")
-                continue
-            raise TypeError(f"Segments parts must be group names, ints, Tiled or Blocks, got {type(part).__name__}")
-        # Fixed parts as Python ints: the rest of the spec tells them from groups with isinstance(part, int).
-        object.__setattr__(self, "parts", tuple(p if isinstance(p, (str, Tiled, Blocks)) else int(p) for p in parts))
+        object.__setattr__(self, "parts", _checked_parts("Segments", parts, (str, Tiled, Blocks, Interleaved)))
 
     def __repr__(self) -> str:
         return f"Segments({', '.join(map(repr, self.parts))})"
@@ -229,7 +235,77 @@ class Segments:
         return Segments(*[part if isinstance(part, int) else rename_entry(part, mapping) for part in self.parts])
 
 
-AxisEntry = str | Tiled | Blocks | Segments | None
+@dataclass(frozen=True, init=False)
+class Interleaved:
+    """Parts taken in turn along one axis: with ``k`` parts, entry ``k * i + j`` is entry ``i`` of part ``j``.
+
+    ShuffleNet's channel shuffle (``cat(a, b)`` viewed as ``(2, C/2)``, transposed and merged
+    back) interleaves two halves, each permuted on its own. The parts have equal lengths, or
+    the first ones one entry more than the rest (the parts' lengths are non-increasing and
+    differ by at most one): taking them in turn then fills the axis with no gap, as a
+    ``chunk`` of an interleave leaves it.
+
+    Parameters
+    ----------
+    *parts : str, int, Tiled, Blocks, Segments or Interleaved
+        At least two, in turn order: a group name (its units), a number of entries that are
+        never permuted, or a form laid out along the part (an interleave of interleaves is
+        what a deep stack of channel shuffles builds).
+
+    Examples
+    --------
+    A layer reading two shuffled halves of 3 units each:
+
+    >>> spec = PermutationSpec({"a.weight": ("a", None), "b.weight": ("b", None),
+    ...                         "head.weight": (None, Interleaved("a", "b"))}, {"a": 3, "b": 3})
+    >>> spec.axis_index("head.weight", 1, {"a": [2, 1, 0], "b": [0, 2, 1]}).tolist()
+    [4, 1, 2, 5, 0, 3]
+    """
+
+    parts: tuple
+
+    def __init__(self, *parts: str | int | Tiled | Blocks | Segments | Interleaved) -> None:
+        if len(parts) < 2:
+            raise ValueError(f"Interleaved needs at least two parts, got {len(parts)}")
+        object.__setattr__(self, "parts", _checked_parts("Interleaved", parts, (str, Tiled, Blocks, Segments,
+                                                                                Interleaved)))  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"Interleaved({', '.join(map(repr, self.parts))})"
+
+    def groups(self) -> tuple[str, ...]:
+        """The groups the parts name, in turn order, each once."""
+        return tuple(dict.fromkeys(g for part in self.parts if not isinstance(part, int) for g in entry_groups(part)))
+
+    def renamed(self, mapping: Mapping[str, str]) -> Interleaved:
+        """The same parts over the groups ``mapping`` gives for their own (every one must be there)."""
+        return Interleaved(*[part if isinstance(part, int) else rename_entry(part, mapping) for part in self.parts])
+
+
+def _checked_parts(form: str, parts: tuple, kinds: tuple) -> tuple:
+    """The parts of a Segments or Interleaved form, fixed ones as Python ints (the rest of the spec tells
+    them from groups with ``isinstance(part, int)``)."""
+    checked = []
+    for part in parts:
+        if isinstance(part, kinds):
+            checked.append(part)
+        elif isinstance(part, numbers.Integral) and not isinstance(part, bool):
+            checked.append(check_positive_int(part, f"a fixed {form} part"))
+        else:
+            names = ", ".join(k.__name__ for k in kinds if k is not str)
+            raise TypeError(f"{form} parts must be group names, ints, {names}, got {type(part).__name__}")
+    return tuple(int(p) if isinstance(p, int) else p for p in checked)
+
+
+def _leaf_parts(entry: Any) -> list[Any]:
+    """The parts of an axis entry that are no concatenation or interleave (groups, ints, Tiled, Blocks),
+    found through nested Segments and Interleaved forms."""
+    if isinstance(entry, (Segments, Interleaved)):
+        return [leaf for part in entry.parts for leaf in _leaf_parts(part)]
+    return [] if entry is None else [entry]
+
+
+AxisEntry = str | Tiled | Blocks | Segments | Interleaved | None
 
 
 def entry_groups(entry: AxisEntry) -> tuple[str, ...]:
@@ -247,11 +323,7 @@ def entry_groups(entry: AxisEntry) -> tuple[str, ...]:
 
 def _entry_blocks(entry: Any) -> list[Blocks]:
     """The Blocks parts of an axis entry."""
-    if isinstance(entry, Blocks):
-        return [entry]
-    if isinstance(entry, Segments):
-        return [part for part in entry.parts if isinstance(part, Blocks)]
-    return []
+    return [part for part in _leaf_parts(entry) if isinstance(part, Blocks)]
 
 
 def rename_entry(entry: AxisEntry, mapping: Mapping[str, str]) -> AxisEntry:
@@ -316,12 +388,12 @@ class PermutationSpec:
             named = [g for g in groups if isinstance(g, str)]
             structured = structured or len(named) != len(set(named))
             for axis, entry in enumerate(groups):
-                if entry is not None and not isinstance(entry, (str, Tiled, Blocks, Segments)):
+                if entry is not None and not isinstance(entry, (str, Tiled, Blocks, Segments, Interleaved)):
                     raise TypeError(
-                        f"tensor {key!r} axis {axis}: an axis entry must be a group name, Segments, Tiled, Blocks or "
-                        f"None, got {type(entry).__name__}"
+                        f"tensor {key!r} axis {axis}: an axis entry must be a group name, Segments, Tiled, Blocks, "
+                        f"Interleaved or None, got {type(entry).__name__}"
                     )
-                structured = structured or isinstance(entry, (Tiled, Blocks, Segments))
+                structured = structured or isinstance(entry, (Tiled, Blocks, Segments, Interleaved))
                 for g in entry_groups(entry):
                     if g not in sizes:
                         raise ValueError(f"tensor {key!r} axis {axis} names unknown group {g!r}")
@@ -331,6 +403,8 @@ class PermutationSpec:
             raise ValueError(f"groups {unused} act on no tensor axis")
         blocks = self._check_blocks(axes, sizes)
         object.__setattr__(self, "axes", axes)
+        object.__setattr__(self, "sizes", sizes)
+        self._check_interleaves()
         object.__setattr__(self, "sizes", sizes)
         object.__setattr__(self, "group_axes", {g: tuple(w) for g, w in used.items()})
         object.__setattr__(self, "_structured", structured)
@@ -352,8 +426,7 @@ class PermutationSpec:
             for axis, entry in enumerate(groups):
                 # Every use of an inner group other than as a Blocks inner (a plain entry, a
                 # Tiled or Segments part, an outer group) would permute across its blocks.
-                parts = entry.parts if isinstance(entry, Segments) else (entry,)
-                for part in parts:
+                for part in _leaf_parts(entry):
                     named = [part] if isinstance(part, str) else list(part.groups()) if isinstance(part, Tiled) else []
                     named += [part.outer] if isinstance(part, Blocks) and isinstance(part.outer, str) else []
                     for g in named:
@@ -409,6 +482,26 @@ class PermutationSpec:
             return self.sizes[entry.inner]
         return sum(part if isinstance(part, int) else self._length(part) for part in entry.parts)  # type: ignore[misc]
 
+    def _check_interleaves(self) -> None:
+        """Raise ValueError unless every Interleaved form's parts fill its axis in turn: their lengths
+        non-increasing and within one of each other."""
+
+        def check(entry: Any, key: str, axis: int) -> None:
+            if isinstance(entry, (Segments, Interleaved)):
+                for part in entry.parts:
+                    check(part, key, axis)
+            if isinstance(entry, Interleaved):
+                lengths = [part if isinstance(part, int) else self._length(part) for part in entry.parts]
+                if any(a < b for a, b in zip(lengths, lengths[1:])) or lengths[0] - lengths[-1] > 1:
+                    raise ValueError(
+                        f"tensor {key!r} axis {axis}: Interleaved parts span {lengths} entries; taken in turn they "
+                        "must have equal lengths, or the first ones one entry more than the rest"
+                    )
+
+        for key, groups in self.axes.items():
+            for axis, entry in enumerate(groups):
+                check(entry, key, axis)
+
     def _copies(self, entry: Tiled) -> int:
         """The number of copies of a Tiled entry (its outer group's size when it names one)."""
         return self.sizes[entry.outer] if isinstance(entry.outer, str) else entry.outer
@@ -453,12 +546,17 @@ class PermutationSpec:
                 fixed = not isinstance(entry.outer, str)
                 p = torch.arange(entry.outer) if fixed else torch.as_tensor(perms[entry.outer], dtype=torch.int64)
                 return d.view(p.numel(), -1)[p.to(d.device)].reshape(-1)
-            pieces, offset = [], 0
-            for part in entry.parts:
-                piece = torch.arange(part) if isinstance(part, int) else index(part)
-                pieces.append(piece.to(pieces[0].device if pieces else piece.device) + offset)
-                offset += piece.numel()
-            return torch.cat(pieces)
+            parts = [torch.arange(part) if isinstance(part, int) else index(part) for part in entry.parts]
+            device = parts[0].device
+            if isinstance(entry, Interleaved):
+                # Entry k*i + j is entry i of part j: part j's index, scaled into its turns.
+                k = len(parts)
+                out = torch.empty(sum(p.numel() for p in parts), dtype=torch.int64, device=device)
+                for j, part in enumerate(parts):
+                    out[j::k] = part.to(device) * k + j
+                return out
+            offsets = [0] + [p.numel() for p in parts[:-1]]
+            return torch.cat([p.to(device) + o for p, o in zip(parts, itertools.accumulate(offsets))])
 
         entry = self.axes[key][axis]
         return None if entry is None else index(entry)
@@ -486,29 +584,32 @@ class PermutationSpec:
             raise ValueError(f"unknown group {group!r}")
         n = self.sizes[group]
 
-        def positions(entry: Any, offset: int) -> list[Any]:
+        def positions(entry: Any, place: torch.Tensor) -> list[Any]:
+            # ``place``: the axis position of every entry of ``entry`` (a part sits at a slice or a stride).
             if entry == group:
-                return [torch.arange(n).view(n, 1) + offset]
+                return [place.reshape(n, 1)]
             if isinstance(entry, Tiled) and entry.group == group:
                 inner = torch.arange(entry.inner).view(1, 1, -1)
                 outer = torch.arange(self._copies(entry)).view(1, -1, 1) * (n * entry.inner)
-                return [(torch.arange(n).view(-1, 1, 1) * entry.inner + outer + inner).reshape(n, -1) + offset]
+                return [place[(torch.arange(n).view(-1, 1, 1) * entry.inner + outer + inner).reshape(n, -1)]]
             if isinstance(entry, Tiled) and entry.outer == group:  # whole copies
-                return [torch.arange(self._length(entry)).view(n, -1) + offset]  # type: ignore[arg-type]
+                return [place.reshape(n, -1)]
             if isinstance(entry, Blocks) and entry.inner == group:
-                return [torch.arange(n).view(n, 1) + offset]
+                return [place.reshape(n, 1)]
             if isinstance(entry, Blocks) and entry.outer == group and outer_blocks:
-                return [torch.arange(self.sizes[entry.inner]).view(n, -1) + offset]
-            if isinstance(entry, Segments):
-                found = []
-                for part in entry.parts:
-                    if not isinstance(part, int):
-                        found += positions(part, offset)
-                    offset += part if isinstance(part, int) else self._length(part)  # type: ignore[operator]
+                return [place.reshape(n, -1)]
+            if isinstance(entry, (Segments, Interleaved)):
+                found, offset, k = [], 0, len(entry.parts)
+                for j, part in enumerate(entry.parts):
+                    length = part if isinstance(part, int) else self._length(part)
+                    sub = place[j::k] if isinstance(entry, Interleaved) else place[offset : offset + length]
+                    found += [] if isinstance(part, int) else positions(part, sub)
+                    offset += length  # type: ignore[operator]
                 return found
             return []
 
-        found = positions(self.axes[key][axis], 0)
+        entry = self.axes[key][axis]
+        found = positions(entry, torch.arange(self._length(entry) or 0))
         if not found:
             if not outer_blocks and (key, axis) in self.group_axes[group]:
                 return torch.zeros(n, 0, dtype=torch.int64)  # only Blocks parts here
@@ -542,7 +643,8 @@ class PermutationSpec:
     def from_model(
         cls, model: Any, example_input: Any, *, composite: str | None = None, structured: bool = True
     ) -> PermutationSpec:
-        """Build the spec of ``model`` by tracing it with :mod:`torch.fx`.
+        """Build the spec of ``model`` by tracing it with :mod:`torch.fx`, or with :mod:`torch.export`
+        where torch.fx cannot trace it (Hugging Face transformers: see :func:`pyperm.nn.trace_model`).
 
         Parameters
         ----------

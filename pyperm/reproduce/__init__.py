@@ -24,6 +24,7 @@ REPORTS = {
     "teacher-student": "pyperm.reproduce.teacher_student",
     "curves": "pyperm.reproduce.curves",
     "robust": "pyperm.reproduce.robust",
+    "transformers": "pyperm.reproduce.transformers",
 }
 SCALES = ("smoke", "quick", "full")
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 import pyperm
 from pyperm._progress import progress_bar
 from pyperm.nn._runtime import eval_mode, model_inputs, module_device
-from pyperm.nn.spec import PermutationSpec, Segments, Tiled, entry_groups
+from pyperm.nn.spec import Interleaved, PermutationSpec, Segments, Tiled, entry_groups
 from pyperm.nn.trace import ActivationSite, TraceError
 from pyperm.nn.trace.sites import Projection
 
@@ -45,6 +45,7 @@ class Reading:
     form: Any
     copies: tuple[int, int] = (1, 1)  # (outer, inner) copies of a Tiled part folded into samples
     projection: Projection | None = None  # see ActivationSite.projection
+    step: int = 1  # the part's entries are start, start + step, ... (a part of an Interleaved axis)
 
     @property
     def units(self) -> int:
@@ -67,7 +68,7 @@ class Reading:
             z = z @ state[p.weight][p.rows[0] : p.rows[1]].to(z.dtype).T
             if p.bias is not None:
                 z = z + state[p.bias][p.bias_rows[0] : p.bias_rows[1]].to(z.dtype)  # type: ignore[index]
-        z = z[:, self.start : self.start + self.length]
+        z = z[:, self.start : self.start + self.step * (self.length - 1) + 1 : self.step]
         outer, inner = self.copies
         if outer * inner > 1:
             z = z.reshape(-1, outer, self.units, inner).transpose(2, 3).reshape(-1, self.units)
@@ -75,17 +76,30 @@ class Reading:
 
 
 def readings_of(spec: PermutationSpec, site: ActivationSite) -> list[Reading]:
-    """The parts of ``site``'s axis that hold units, each with its form."""
-    parts = site.form.parts if isinstance(site.form, Segments) else (site.form,)
-    readings, offset = [], 0
-    for part in parts:
-        length = part if isinstance(part, int) else spec._length(part)
-        if isinstance(part, Tiled) and not isinstance(part.outer, str):
-            copies = (part.outer, part.inner)
-            readings.append(Reading(site.node, site.axis, offset, length, part.group, copies, site.projection))
-        elif not isinstance(part, int):
-            readings.append(Reading(site.node, site.axis, offset, length, part, projection=site.projection))
-        offset += length
+    """The parts of ``site``'s axis that hold units, each with its form (found through nested
+    concatenations and interleaves, each part at its place: a slice, strided for an interleave)."""
+    readings: list[Reading] = []
+
+    def walk(entry: Any, start: int, step: int) -> None:
+        if isinstance(entry, (Segments, Interleaved)):
+            offset, k = 0, len(entry.parts)
+            for j, part in enumerate(entry.parts):
+                if isinstance(entry, Interleaved):  # part j's entry i sits at k * i + j
+                    walk(part, start + j * step, step * k)
+                else:
+                    walk(part, start + offset * step, step)
+                offset += part if isinstance(part, int) else spec._length(part)
+            return
+        if isinstance(entry, int):
+            return
+        length = spec._length(entry)
+        if isinstance(entry, Tiled) and not isinstance(entry.outer, str):
+            copies = (entry.outer, entry.inner)
+            readings.append(Reading(site.node, site.axis, start, length, entry.group, copies, site.projection, step))
+        else:
+            readings.append(Reading(site.node, site.axis, start, length, entry, projection=site.projection, step=step))
+
+    walk(site.form, 0, 1)
     return readings
 
 

@@ -91,7 +91,9 @@ def _relaxed_start(joint: PermutationSpec, mats: Mapping[str, np.ndarray]) -> di
                 cost += m
             elif isinstance(form, Tiled) and form.group == g and form.outer in start:
                 outer = start[form.outer].numpy()  # A's block k meets B's block outer[k]
-                cost += m.reshape(len(outer), n, len(outer), n)[np.arange(len(outer)), :, outer, :].sum(0)
+                blocks = m.reshape(len(outer), n, form.inner, len(outer), n, form.inner)
+                # A's unit i of block k meets B's unit j of block outer[k], entry by entry of their inner copies.
+                cost += np.einsum("kitjt->ij", blocks[np.arange(len(outer)), :, :, outer])
             elif isinstance(form, Blocks) and form.inner == g and form.outer in start:
                 outer = start[form.outer]
                 start[g] = inner_of_pairs(outer, torch.as_tensor(pairs[form][np.arange(len(outer)), outer.numpy()]))

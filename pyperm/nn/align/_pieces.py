@@ -8,6 +8,8 @@ observation: every form is a plain axis after a reshape or a cut.
   the outer group, or not at all), the group's units, and ``inner`` unpermuted entries.
 - :class:`~pyperm.nn.spec.Segments` is a concatenation: each part is its own piece of the
   tensor (a slice along that axis), and the objective is the sum over the pieces.
+- :class:`~pyperm.nn.spec.Interleaved` is a concatenation too, its parts taken in turn: part
+  ``j`` of ``k`` is the strided slice ``j::k`` (a part of a part, the product of the strides).
 - :class:`~pyperm.nn.spec.Blocks` stays one axis, labelled by the form itself: other groups
   see it permuted by its whole index (the inner permutation with its blocks reordered by the
   outer one), and its inner group's similarity is read off it unpermuted (the assignment of
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pyperm.nn.spec import Blocks, PermutationSpec, Tiled
+from pyperm.nn.spec import Blocks, Interleaved, PermutationSpec, Tiled
 
 Label = Any  # None, a group name, or a Blocks form
 
@@ -42,8 +44,8 @@ class Piece:
     ----------
     key : str
         The state-dict entry.
-    cuts : tuple of (axis, start, length)
-        The slices of the entry it takes (its Segments parts).
+    cuts : tuple of (axis, start, length, step)
+        The slices of the entry it takes (its Segments parts; a step > 1 for Interleaved parts).
     shape : tuple of int
         Its shape once every axis is split into its sub-axes.
     labels : tuple
@@ -51,14 +53,17 @@ class Piece:
     """
 
     key: str
-    cuts: tuple[tuple[int, int, int], ...]
+    cuts: tuple[tuple[int, int, int, int], ...]
     shape: tuple[int, ...]
     labels: tuple[Label, ...]
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         """The piece of ``tensor`` (a view when the cuts and the reshape allow one)."""
-        for axis, start, length in self.cuts:
-            tensor = tensor.narrow(axis, start, length)
+        for axis, start, length, step in self.cuts:
+            if step == 1:
+                tensor = tensor.narrow(axis, start, length)
+            else:
+                tensor = tensor[(slice(None),) * axis + (slice(start, start + step * (length - 1) + 1, step),)]
         return tensor.reshape(self.shape)
 
 
@@ -78,44 +83,46 @@ def lower(spec: PermutationSpec, shapes: Mapping[str, tuple[int, ...]], keys: It
         if all(e is None for e in entries):
             continue
         per_axis = [
-            _axis_parts(spec, e) if e is not None else [(0, n, [n], [None])] for e, n in zip(entries, shapes[key])
+            _axis_parts(spec, e) if e is not None else [(0, 1, n, [n], [None])] for e, n in zip(entries, shapes[key])
         ]
         for combo in itertools.product(*per_axis):
             cuts, shape, labels = [], [], []
-            for axis, (start, length, sub_shape, sub_labels) in enumerate(combo):
+            for axis, (start, step, length, sub_shape, sub_labels) in enumerate(combo):
                 if length != shapes[key][axis]:
-                    cuts.append((axis, start, length))
+                    cuts.append((axis, start, length, step))
                 shape += sub_shape
                 labels += sub_labels
             pieces.append(Piece(key, tuple(cuts), tuple(shape), tuple(labels)))
     return pieces
 
 
-def _axis_parts(spec: PermutationSpec, entry: Any) -> list[tuple[int, int, list[int], list[Label]]]:
-    """The parts of an axis entry: ``(start, length, sub_shape, sub_labels)`` each."""
+def _axis_parts(spec: PermutationSpec, entry: Any) -> list[tuple[int, int, int, list[int], list[Label]]]:
+    """The parts of an axis entry: ``(start, step, length, sub_shape, sub_labels)`` each (the part's
+    entries are ``start, start + step, ...``)."""
+    if isinstance(entry, int):
+        return [(0, 1, entry, [entry], [None])]
     if isinstance(entry, str):
         n = spec.sizes[entry]
-        return [(0, n, [n], [entry])]
+        return [(0, 1, n, [n], [entry])]
     if isinstance(entry, Blocks):
         n = spec.sizes[entry.inner]
-        return [(0, n, [n], [entry])]
+        return [(0, 1, n, [n], [entry])]
     if isinstance(entry, Tiled):
         copies = spec.sizes[entry.outer] if isinstance(entry.outer, str) else entry.outer
         subs = [(copies, entry.outer if isinstance(entry.outer, str) else None),
                 (spec.sizes[entry.group], entry.group), (entry.inner, None)]  # fmt: skip
         # Unpermuted sub-axes of length 1 dropped: Tiled("g") lowers like "g" itself.
         subs = [(n, label) for n, label in subs if label is not None or n > 1] or [(1, None)]
-        return [(0, math.prod(n for n, _ in subs), [n for n, _ in subs], [label for _, label in subs])]
-    # A Segments entry (the spec allows no other form, and no Segments inside one).
-    parts, offset = [], 0
-    for part in entry.parts:
-        if isinstance(part, int):
-            parts.append((offset, part, [part], [None]))
-            offset += part
-            continue
-        for start, length, shape, labels in _axis_parts(spec, part):
-            parts.append((offset + start, length, shape, labels))
-            offset += length
+        return [(0, 1, math.prod(n for n, _ in subs), [n for n, _ in subs], [label for _, label in subs])]
+    # A Segments or an Interleaved entry: every part of a part lands at the place its parent gives it.
+    parts, offset, k = [], 0, len(entry.parts)
+    for j, part in enumerate(entry.parts):
+        for start, step, length, shape, labels in _axis_parts(spec, part):
+            if isinstance(entry, Interleaved):  # part j's entry i sits at k * i + j
+                parts.append((j + k * start, k * step, length, shape, labels))
+            else:
+                parts.append((offset + start, step, length, shape, labels))
+        offset += part if isinstance(part, int) else spec._length(part)
     return parts
 
 

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 import pyperm
-from pyperm.nn.spec import Blocks, PermutationSpec, Tiled, entry_groups
+from pyperm.nn.spec import Blocks, Interleaved, PermutationSpec, Tiled, entry_groups
 
 __all__ = [
     "StepSizes",
@@ -122,7 +122,8 @@ def _relax_axis(entry: Any, matrices: Mapping[str, torch.Tensor], tensor: torch.
     """``tensor``'s axis 0 (laid out as ``entry``) with every group's matrix multiplied in: on a plain
     axis the group's matrix; on a Tiled axis the group's within every copy and the outer group's
     across copies; on a Blocks axis each block's matrix within its block and the outer group's across
-    blocks; on a Segments axis each part's on its slice."""
+    blocks; on a Segments axis each part's on its slice; on an Interleaved axis each part's on its
+    strided slice."""
     if entry is None or isinstance(entry, int):
         return tensor
     if isinstance(entry, str):
@@ -142,6 +143,11 @@ def _relax_axis(entry: Any, matrices: Mapping[str, torch.Tensor], tensor: torch.
         if isinstance(entry.outer, str):
             out = _multiply_axis(matrices[entry.outer], out, 0)
         return out.reshape(tensor.shape)
+    if isinstance(entry, Interleaved):
+        k, out = len(entry.parts), torch.empty_like(tensor)
+        for j, part in enumerate(entry.parts):  # part j's entries sit at j, j + k, ...
+            out[j::k] = _relax_axis(part, matrices, tensor[j::k])
+        return out
     pieces = tensor.split([_length(part, matrices) for part in entry.parts])
     return torch.cat([_relax_axis(part, matrices, piece) for part, piece in zip(entry.parts, pieces)])
 

@@ -50,7 +50,8 @@ from pyperm.nn.align._activations import Reading, Statistics, collect_statistics
 from pyperm.nn.align._joint import solve_joint
 from pyperm.nn.permutations import Permutations
 from pyperm.nn.spec import PermutationSpec, entry_groups, rename_entry
-from pyperm.nn.trace import ActivationSite, TraceResult, symbolic_trace, trace_model
+from pyperm.nn.trace import ActivationSite, TraceResult, trace_model
+from pyperm.nn.trace.tracer import build_graph
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,8 @@ def activation_matching(
 
     Notes
     -----
-    The models are run through their traced graphs (``torch.fx``), which hand every
+    The models are run through their traced graphs (``torch.fx``, or ``torch.export`` for
+    models torch.fx cannot trace, such as Hugging Face transformers), which hand every
     site's output to the accumulators as soon as it is computed, so an in-place
     operation after a site (``ReLU(inplace=True)`` after a pre-activation) cannot alter
     it. Both models' site activations of one batch are held, then accumulated in ``dtype``
@@ -256,7 +258,8 @@ def _trace_models(
         composite = "fix"  # the given spec names the groups: the tracer only finds their sites
     device = module_device(model_a)
     traced = trace_model(model_a, tuple(t.to(device) for t in inputs), composite=composite, structured=structured)
-    graph_b = symbolic_trace(model_b)
+    # B's graph from A's front end (torch.export runs B on the batch too): the same graph, or not one architecture.
+    graph_b, _ = build_graph(model_b, tuple(t.to(module_device(model_b)) for t in inputs), traced.frontend)
     if str(graph_b.graph) != str(traced.graph_module.graph):
         raise ValueError("model_a and model_b trace to different graphs: activation matching needs one architecture")
     return traced, graph_b

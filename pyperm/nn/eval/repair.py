@@ -28,6 +28,11 @@ logger = logging.getLogger(__name__)
 _PRODUCERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_FOLDS_INTO = ("a Linear, Conv1d/2d/3d, Conv1D (GPT-2), BatchNorm, LayerNorm, GroupNorm or RMSNorm module called "
+               "once in the forward")  # fmt: skip
+
+# Operators that multiply two activations: attention's scores (q k^T) and its weighted sum of the values.
+_ATTENTION_OPS = frozenset({"scaled_dot_product_attention", "matmul", "bmm", "baddbmm", "einsum"})
 
 # A unit whose standard deviation is below this fraction of its site's largest is constant
 # (a dead or zeroed unit): it is only shifted, never divided by (almost) zero.
@@ -42,55 +47,90 @@ class _Site:
     node: str
     path: str
     module: nn.Module
-    axis: int
+    axis: int  # the units' axis in the module's output
     weight: str | None
     bias: str | None
     running: bool  # a BatchNorm with running statistics: measured at its input, reset and folded into the affine
+    dim: int = 0  # the units' axis of the weight: 0 (rows, affine weights), 1 (GPT-2's Conv1D, stored (in, out))
 
     def describe(self) -> str:
         return f"{type(self.module).__name__} {self.path!r} (group {self.group!r})"
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's ``Conv1D`` (``transformers.pytorch_utils``): ``y = x @ W + b`` with ``W`` stored (in, out), known
+    by its weight of shape ``(nx, nf)`` and its attribute ``nf`` (duck typing: no transformers import)."""
+    w = getattr(module, "weight", None)
+    return (not isinstance(module, _PRODUCERS) and isinstance(w, torch.Tensor) and w.ndim == 2
+            and getattr(module, "nf", None) == w.shape[1])  # fmt: skip
+
+
+def _units_norm(module: nn.Module) -> bool | None:
+    """For a module with a 1-D affine ``weight`` (and ``bias``): None unless it normalises over the last axis
+    (its output unchanged when the input is scaled: LayerNorm, RMSNorm, whatever its class), else whether a
+    per-unit correction folds into its affine (its output becomes ``a y + c`` with the weight ``a w`` and the
+    bias ``a b + c``; not for a norm scaling by ``1 + w``). Probed on a random input, in float32."""
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    if (isinstance(module, _PRODUCERS + _BATCHNORMS + (nn.GroupNorm,)) or not isinstance(w, nn.Parameter)
+            or w.ndim != 1 or (b is not None and (not isinstance(b, torch.Tensor) or b.shape != w.shape))):  # fmt: skip
+        return None
+    n, gen = w.numel(), torch.Generator().manual_seed(0)
+    x, weight, a, c, bias = (torch.randn(shape, generator=gen).to(w.device) for shape in ((4, n), n, n, n, n))
+    a, bias = a.abs() + 0.5, None if b is None else bias
+
+    def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+        params = {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
+        return torch.func.functional_call(module, params, (x,))
+
+    try:  # a module that cannot run on a (4, n) input with these parameters alone is no such norm
+        with torch.no_grad():
+            y = run(100 * x, weight, bias)
+            if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+                return None
+            if not torch.allclose(run(300 * x, weight, bias), y, rtol=1e-4, atol=1e-4):
+                return None
+            folded = run(100 * x, a * weight, None if bias is None else a * bias + c)
+    except Exception:
+        return None
+    return torch.allclose(folded, a * y + (0 if bias is None else c), rtol=1e-4, atol=1e-4)
+
 
 def _make_site(
     group: str, site: ActivationSite, model: nn.Module, state: Mapping[str, torch.Tensor], calls: Mapping[str, int]
-) -> _Site:
-    """Where the correction of ``site`` folds in; ValueError when it cannot be folded."""
-    where = f"pre-activation site {site.node!r} of group {group!r}"
+) -> _Site | str:
+    """Where the correction of ``site`` folds in, or why it cannot be folded."""
     try:
-        module = model.get_submodule(site.module) if site.module else model
+        module = model.get_submodule(site.module) if site.module else None
     except AttributeError:
         module = None
-    if calls.get(site.module, 0) != 1 or module is None or not isinstance(module, _PRODUCERS + _NORMS):
-        raise ValueError(
-            f"repair cannot fold a correction into the {where}: it must be the output of a Linear, Conv1d/2d/3d, "
-            f"BatchNorm, LayerNorm or GroupNorm module called once in the forward, got {site.op!r} "
-            f"(module {site.module!r})"
-        )
-    prefix = f"{site.module}." if site.module else ""
-    weight = prefix + "weight" if getattr(module, "weight", None) is not None else None
-    bias = prefix + "bias" if getattr(module, "bias", None) is not None else None
+    if module is None:
+        return "not computed by a module"
+    kind = type(module).__name__
+    if calls.get(site.module, 0) != 1:
+        return f"{kind} called {calls.get(site.module, 0)} times in the forward"
+    if isinstance(module, _PRODUCERS + _NORMS) and getattr(module, "weight", None) is None:
+        return f"{kind} without an affine weight"
+    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1:
+        return f"{kind} over {tuple(module.normalized_shape)}, not one axis of units"
+    conv1d = _is_conv1d(module)
+    # A LayerNorm subclass with a forward of its own (channels first, say) is probed like any other module.
+    own = isinstance(module, nn.LayerNorm) and type(module).forward is not nn.LayerNorm.forward
+    typed = isinstance(module, _PRODUCERS + _NORMS) and not own
+    if not (typed or conv1d):
+        norm = _units_norm(module)
+        if not norm:
+            return kind if norm is None else f"{kind} whose output is not linear in its weight"
+    prefix = f"{site.module}."
+    weight, bias = prefix + "weight", prefix + "bias" if getattr(module, "bias", None) is not None else None
     running = isinstance(module, _BATCHNORMS) and module.track_running_stats
-    if weight is None:
-        raise ValueError(
-            f"repair cannot fold a correction into the {where}: {type(module).__name__} "
-            f"{site.module!r} has no affine weight"
-        )
     for key in (weight, bias) + ((prefix + "running_mean", prefix + "running_var") if running else ()):
         if key is not None and key not in state:
-            raise ValueError(f"repair: {key!r} of the {where} is not in the state dicts")
-    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1:
-        raise ValueError(
-            f"repair cannot fold a correction into the {where}: LayerNorm {site.module!r} normalises "
-            f"over {tuple(module.normalized_shape)}, not one axis of units"
-        )
-    if bias is None:
-        logger.warning(
-            "repair: %s %r has no bias; only the standard deviation of its units is corrected",
-            type(module).__name__,
-            site.module,
-        )
-    return _Site(group, site.node, site.module, module, site.axis, weight, bias, running)
+            raise ValueError(f"repair: {key!r} of the pre-activation site {site.node!r} of group {group!r} is not in "
+                             "the state dicts")  # fmt: skip
+    # Linear, Conv1D and the norms over units act on the last axis of their output; the rest on the traced one.
+    last = isinstance(module, (nn.Linear, nn.LayerNorm)) or conv1d or not typed
+    return _Site(group, site.node, site.module, module, -1 if last else site.axis, weight, bias, running,
+                 dim=1 if conv1d else 0)  # fmt: skip
 
 
 def _order(traced: TraceResult, sites: list[_Site]) -> list[int]:
@@ -149,7 +189,9 @@ def _measure(
             for i, batch in iterate_batches(data, max_batches, name="data"):
                 fired.clear()
                 try:
-                    torch.func.functional_call(model, state, to_device(model_inputs(batch, i), device))
+                    # Every key is given, tied ones (GPT-2's embedding and head) each with its own tensor object.
+                    torch.func.functional_call(model, state, to_device(model_inputs(batch, i), device),
+                                               tie_weights=False)  # fmt: skip
                 except _Done:
                     pass
     finally:
@@ -204,9 +246,109 @@ def _fold(site: _Site, acc: Moments, mean: torch.Tensor, std: torch.Tensor, stat
     flat = sigma <= _FLAT * sigma.max()
     a = torch.where(flat, torch.ones_like(sigma), std / sigma.clamp_min(1e-300))
     w = state[site.weight].to(torch.float64)
-    put(site.weight, w * a.reshape((-1,) + (1,) * (w.ndim - 1)))
+    put(site.weight, w * a.reshape([-1 if d == site.dim else 1 for d in range(w.ndim)]))
     if site.bias:
         put(site.bias, (state[site.bias].to(torch.float64) - mu) * a + mean)
+
+
+def _module_calls(graph: torch.fx.Graph) -> dict[str, int]:
+    """How many times the forward calls each module: a torch.fx leaf once per ``call_module`` node, a module
+    traced through (every module under torch.export) once per key of the nodes' ``nn_module_stack`` naming it
+    (both front ends key a module's second call ``path@1``, its third ``path@2``, ...)."""
+    calls: dict[str, int] = {}
+    keys: dict[str, set[str]] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+            continue
+        for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
+            keys.setdefault(str(path), set()).add(key)
+    for path, seen in keys.items():
+        calls[path] = calls.get(path, 0) + len(seen)
+    return calls
+
+
+def _in_module(node: torch.fx.Node, path: str) -> bool:
+    if node.op == "call_module":
+        return node.target == path
+    stack = node.meta.get("nn_module_stack") or {}
+    return any(p == path or str(p).startswith(path + ".") for p, _ in stack.values())
+
+
+def _output_node(graph: torch.fx.Graph, path: str) -> torch.fx.Node | None:
+    """The node holding the output of the module at ``path``: the last of its nodes read outside it."""
+    region = [n for n in graph.nodes if _in_module(n, path)]
+    inside = set(region)
+    read = [n for n in region if any(u not in inside for u in n.users)]
+    return read[-1] if read else None
+
+
+def _parameter_nodes(graph: torch.fx.Graph, model: nn.Module) -> set[torch.fx.Node]:
+    """The nodes whose value is a parameter of ``model`` or computed from parameters alone (``W.T``)."""
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    out: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target in names:
+            out.add(node)
+        elif node.op in ("call_function", "call_method") and node.all_input_nodes and \
+                all(a in out for a in node.all_input_nodes):  # fmt: skip
+            out.add(node)
+    return out
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    return target if isinstance(target, str) else getattr(getattr(target, "overloadpacket", target), "__name__", "")
+
+
+def _feeds_attention(node: torch.fx.Node, parameters: set[torch.fx.Node]) -> bool:
+    """Whether the units at ``node`` meet another activation in a product before any layer reads them: the query,
+    key and value units of an attention written out (or exported), which reach ``q k^T``, ``softmax(.) v`` or
+    ``scaled_dot_product_attention`` through reshapes and rotary embeddings only. Renormalising them would change
+    what the heads attend to, not restore a unit's spread before its nonlinearity."""
+    todo, seen = [node], {node}
+    while todo:
+        for user in todo.pop().users:
+            if user in seen or user.op == "call_module" or any(a in parameters for a in user.all_input_nodes):
+                continue  # a layer: the units end here
+            if user.op in ("call_function", "call_method") and _op_name(user) in _ATTENTION_OPS:
+                return True
+            seen.add(user)
+            todo.append(user)
+    return False
+
+
+@dataclass
+class _Candidate:
+    """A traced site and the groups whose units it holds (spec names, traced names)."""
+
+    site: ActivationSite
+    names: list[str]
+    traced: set[str]
+    norm: bool = False  # a normalisation layer reading its groups
+
+    def describe(self, why: str = "") -> str:
+        where = f" of {self.site.module!r}" if self.site.module else ""
+        return f"{self.site.op!r}{where} ({', '.join(map(repr, self.names))}){why}"
+
+
+def _norm_sites(traced: TraceResult, groups: Mapping[str, str], model: nn.Module) -> dict[str, _Candidate]:
+    """The normalisation layers over units (LayerNorm, RMSNorm) whose affine weight carries a traced group of
+    ``groups``, by module path: they read the group's units (in a transformer, the residual stream as each block
+    and the head read it), and its statistics are corrected at their outputs."""
+    names: dict[str, list[str]] = {}
+    for g, h in groups.items():
+        names.setdefault(h, []).append(g)
+    out: dict[str, _Candidate] = {}
+    for path, module in model.named_modules():
+        entry = traced.spec.axes.get(f"{path}.weight")
+        if not path or entry is None or len(entry) != 1 or entry[0] not in names or _units_norm(module) is None:
+            continue
+        node = _output_node(traced.graph_module.graph, path)
+        if node is not None:
+            site = ActivationSite(node.name, path, type(module).__name__, -1, entry[0])
+            out[path] = _Candidate(site, list(names[entry[0]]), {entry[0]}, norm=True)
+    return out
 
 
 def _inside_a_layer(traced: TraceResult, site: ActivationSite) -> bool:
@@ -220,28 +362,76 @@ def _inside_a_layer(traced: TraceResult, site: ActivationSite) -> bool:
     return isinstance(parent, torch.fx.Node) and parent.op == "call_module"
 
 
-def _sites(traced: TraceResult, groups: Mapping[str, str], model: nn.Module, state: Mapping[str, torch.Tensor],
-           calls: Mapping[str, int]) -> list[_Site]:
-    """The sites of ``groups`` (spec group -> traced group), each once (a layer's output can hold the units of
-    several groups of a structured spec: segments of a concatenation, blocks and the units within them).
-
-    Units computed inside a layer (:func:`_inside_a_layer`) cannot take a folded correction: they are left
-    as interpolated, with a warning naming them. Any other site that cannot take one is an error."""
-    found: dict[str, tuple[ActivationSite, list[str]]] = {}
+def _candidates(traced: TraceResult, groups: Mapping[str, str], model: nn.Module) -> list[_Candidate]:
+    """Every site of ``groups`` (spec group -> traced group) once (a layer's output can hold the units of several
+    groups of a structured spec: segments of a concatenation, blocks and the units within them), the
+    normalisation layers reading a group among them."""
+    found: dict[tuple[str, str], _Candidate] = {("module", p): c for p, c in _norm_sites(traced, groups, model).items()}
+    norms = {p for _, p in found}
     for g, h in groups.items():
         for site in traced.sites(pre_activation=True)[h]:
-            found.setdefault(site.node, (site, []))[1].append(g)
-    sites, skipped = [], []
-    for site, names in found.values():
-        if _inside_a_layer(traced, site):
-            skipped.append(f"{site.op!r} ({', '.join(map(repr, names))})")
+            key = ("module", site.module) if site.module in norms else ("node", site.node)
+            c = found.setdefault(key, _Candidate(site, [], set()))
+            if g not in c.names:
+                c.names.append(g)
+            c.traced.add(h)
+    order = {n.name: i for i, n in enumerate(traced.graph_module.graph.nodes)}
+    return sorted(found.values(), key=lambda c: order[c.site.node])
+
+
+def _sites(traced: TraceResult, groups: Mapping[str, str], model: nn.Module,
+           state: Mapping[str, torch.Tensor]) -> list[_Site]:
+    """The sites of ``groups`` (spec group -> traced group) to correct and where their corrections fold in.
+
+    A group read by normalisation layers over units (:func:`_norm_sites`) is corrected at their outputs only: its
+    other sites (in a transformer, the embeddings and the residual branches' output projections writing the
+    stream) are left as they are, quietly. Units computed inside a layer (:func:`_inside_a_layer`) or meeting
+    other activations in attention (:func:`_feeds_attention`), and sites whose correction cannot be folded, are
+    left as interpolated with one warning naming them; ValueError when that leaves no site at all."""
+    graph = traced.graph_module.graph
+    nodes = {n.name: n for n in graph.nodes}
+    calls, parameters = _module_calls(graph), _parameter_nodes(graph, model)
+    candidates = _candidates(traced, groups, model)
+    read = {h for c in candidates if c.norm for h in c.traced}
+    sites: list[_Site] = []
+    quiet, inside, attention, refused = [], [], [], []
+    for c in candidates:
+        if not c.norm and c.traced <= read:
+            quiet.append(c.describe())
+        elif _inside_a_layer(traced, c.site):
+            inside.append(c.describe())
+        elif not c.norm and _feeds_attention(nodes[c.site.node], parameters):
+            attention.append(c.describe())
         else:
-            sites.append(_make_site(", ".join(names), site, model, state, calls))
-    if skipped:
-        warnings.warn(f"repair leaves the units at {len(skipped)} site(s) as interpolated: they are computed inside "
-                      f"a layer whose weights cannot take a folded correction: {'; '.join(skipped)}", RuntimeWarning,
-                      stacklevel=3)  # fmt: skip
+            made = _make_site(", ".join(c.names), c.site, model, state, calls)
+            if isinstance(made, str):
+                refused.append(c.describe(f": {made}"))
+            else:
+                sites.append(made)
+    if refused and not sites:
+        raise ValueError(f"repair cannot fold a correction into the pre-activation site(s) of any group: each must be "
+                         f"the output of {_FOLDS_INTO}; {'; '.join(refused)}")  # fmt: skip
+    if quiet:
+        logger.info("repair: groups read by normalisation layers are corrected at their outputs, not at %s",
+                    "; ".join(quiet))
+    _warn_left(inside, attention, refused)
+    bare = [s.describe() for s in sites if s.bias is None]
+    if bare:  # once for all of them: an RMSNorm model has many
+        logger.warning("repair: %s ha%s no bias; only the standard deviation of %s units is corrected",
+                       ", ".join(bare), "s" if len(bare) == 1 else "ve", "its" if len(bare) == 1 else "their")
     return sites
+
+
+def _warn_left(inside: list[str], attention: list[str], refused: list[str]) -> None:
+    """One RuntimeWarning naming every site left as interpolated, by reason."""
+    parts = [(inside, "computed inside a layer whose weights cannot take a folded correction"),
+             (attention, "query, key and value units that meet other activations in attention"),
+             (refused, f"not the output of {_FOLDS_INTO}")]  # fmt: skip
+    left = [f"{why}: {'; '.join(what)}" for what, why in parts if what]
+    if left:
+        count = len(inside) + len(attention) + len(refused)
+        warnings.warn(f"repair leaves the units at {count} site(s) as interpolated: {' | '.join(left)}",
+                      RuntimeWarning, stacklevel=4)  # fmt: skip
 
 
 def repair(
@@ -317,8 +507,8 @@ def repair(
     ValueError
         The states do not pair up with each other or with the model (the message
         names the key); ``t`` is outside [0, 1]; ``data`` yields no batches; a group of
-        ``spec`` is not a group of the traced model; a site's correction cannot be
-        folded (see Notes).
+        ``spec`` is not a group of the traced model; no site's correction can be folded
+        (see Notes).
     pyperm.nn.TraceError
         The model cannot be traced.
 
@@ -328,8 +518,9 @@ def repair(
     :math:`c = m - a\mu`) goes, by the module that computes the site:
 
     - Linear, Conv1d/2d/3d: the weight's output rows are scaled by :math:`a` and the bias
-      becomes :math:`a (b - \mu) + m`. Without a bias only the standard deviation can
-      be corrected (a warning is logged).
+      becomes :math:`a (b - \mu) + m`; GPT-2's ``Conv1D`` (weight stored (in, out)) alike,
+      by columns. Without a bias only the standard deviation can be corrected (one warning
+      is logged for all such sites).
     - BatchNorm with running statistics (the pre-activation site is then the
       BatchNorm's output): its running mean and variance are set to the exact
       statistics :math:`(\mu_x, v_x)` of its input in the interpolated model (what
@@ -341,16 +532,32 @@ def repair(
       a rescaling of the affine, as the paper observes; evaluate the result as it is
       (a further ``reset_bn_stats`` on the same data changes it only by the
       difference between train- and eval-mode statistics of the deeper layers).
-    - LayerNorm (over the last axis), GroupNorm, BatchNorm without running
+    - LayerNorm (over the last axis), RMSNorm, GroupNorm, BatchNorm without running
       statistics: the affine weight is scaled by :math:`a` and the bias becomes
-      :math:`a(\beta - \mu) + m`.
+      :math:`a(\beta - \mu) + m` (an RMSNorm, having no bias, gets its standard deviation
+      corrected only). An RMSNorm is recognised by what it computes, whatever its class
+      (Hugging Face's ``LlamaRMSNorm``, ``T5LayerNorm``, ``torch.nn.RMSNorm``): a module
+      with a 1-D ``weight`` whose output does not change when its input is scaled and is
+      linear in that weight.
 
-    A site computed by a function rather than a module (``x @ W``), by a module called
-    more than once, or by a normalisation without an affine weight raises ValueError.
-    A unit that is constant over ``data`` is only shifted to its target mean. Units
-    computed inside a layer and shown only through its output (the query, key and value
-    heads of ``nn.MultiheadAttention``, its output, a recurrent layer's hidden states) are
-    left as interpolated, with a RuntimeWarning naming them. A layer whose output holds the
+    Transformers: a group that normalisation layers over its units read (the residual
+    stream of a pre-norm transformer, read by every block's LayerNorms or RMSNorms and the
+    final one) is corrected at those layers' outputs, where the next layers read it, and
+    not where it is written (embeddings, the attention's and the MLP's output projections,
+    the residual additions). The MLP's hidden units are corrected at their projections.
+    The query, key and value units of an attention are left as interpolated: they meet
+    other activations (``q k^T``, the weighted values) before any layer reads them, so
+    their statistics are not a unit's spread before a nonlinearity. Both front ends of
+    :func:`~pyperm.nn.trace_model` (torch.fx and torch.export) are handled alike.
+
+    Sites that cannot take a folded correction (computed by a function rather than a
+    module, ``x @ W``; by a module called more than once; by an embedding; by a
+    normalisation without an affine weight or not linear in it) are left as interpolated,
+    and so are units computed inside a layer and shown only through its output (the query,
+    key and value heads of ``nn.MultiheadAttention``, its output, a recurrent layer's
+    hidden states) and the attention units above: one RuntimeWarning names them all, by
+    reason. When no site at all can be corrected, ValueError. A unit that is constant
+    over ``data`` is only shifted to its target mean. A layer whose output holds the
     units of several groups of a structured spec (the segments of a concatenation, the
     blocks of a grouped convolution and the units within them) is corrected once, every
     unit of it.
@@ -393,11 +600,7 @@ def repair(
         spec.check_state_dict(state_a, "state_a")
         groups = spec.groups_in(traced.spec)
 
-    calls: dict[str, int] = {}
-    for node in traced.graph_module.graph.nodes:
-        if node.op == "call_module":
-            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
-    sites = _sites(traced, groups, model, state_a, calls)
+    sites = _sites(traced, groups, model, state_a)
 
     working = {k: v.detach().to(device) for k, v in interpolate(state_a, state_b, t).items()}
     if not sites:

@@ -19,6 +19,7 @@ reproductions share.
 """
 
 from pyperm.nn.models._registry import create_model, input_shape, model_names, model_usage, parse_model_name
+from pyperm.nn.models.huggingface import single_output
 from pyperm.nn.models.mlp import MLP
 from pyperm.nn.models.resnet import ResNet20
 from pyperm.nn.models.tinyten import TinyTen
@@ -36,4 +37,5 @@ __all__ = [
     "model_names",
     "model_usage",
     "parse_model_name",
+    "single_output",
 ]

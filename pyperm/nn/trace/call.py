@@ -97,7 +97,10 @@ class TraceCall:
     def target_name(self) -> str:
         """The method or function name of the node (``"view"``, ``"cat"``)."""
         t = self.node.target
-        return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+        if isinstance(t, str):
+            return t
+        t = getattr(t, "overloadpacket", t)  # an ATen operator: its name without the overload ("view")
+        return getattr(t, "__name__", str(t))
 
     def get(self, i: int, name: str, default: Any = None) -> Any:
         """Argument ``i`` (positional) or ``name`` (keyword), else ``default``."""
@@ -192,9 +195,17 @@ class TraceCall:
         """Fixes every class of a (possibly nested) label."""
         self._labeler.units.fix_label(label)
 
+    def is_units(self, atom: Any) -> bool:
+        """Whether ``atom``'s class has reached an activation so far (units, not only a parameter's axis)."""
+        return self._labeler.units.reaches_activation(atom)
+
     def size(self, atom: int) -> int:
         """The number of units of ``atom``'s class."""
         return self._labeler.units.size(atom)
+
+    def is_fixed(self, atom: Any) -> bool:
+        """Whether ``atom``'s class (every class of a structure) is fixed: never permuted."""
+        return self._labeler.units.is_fixed(atom)
 
     def opened(self, atom: int | None, weight_dep: bool = False, name: str | None = None) -> None:
         """Marks ``atom`` as freshly produced units (unless the weight itself depends on the input).
@@ -292,6 +303,11 @@ class TraceCall:
     def structured(self) -> bool:
         """Whether the trace describes concatenated and flattened axes with spec axis forms."""
         return self._labeler.structured
+
+    def cut(self, entry: Any, points: Sequence[int]) -> list[Any] | None:
+        """The labels of the pieces of an axis labelled ``entry`` between ``points``, classes cut
+        through refined into one class per piece; None when the spec has no form for a piece."""
+        return self._labeler.units.cut(entry, points)
 
     def structure(self, atom: Any) -> Any:
         """The structure (concatenation or tiling) a class is bound to, or None."""

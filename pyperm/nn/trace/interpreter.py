@@ -107,6 +107,8 @@ class Labeler(fx.Interpreter):
         if node.op == "call_method":
             return f"Tensor.{node.target}"
         target = node.target
+        if hasattr(target, "overloadpacket"):  # an operator of torch.export's graphs: "aten.view"
+            return f"{target.namespace}.{target.overloadpacket.__name__}"
         name = getattr(target, "__name__", None) or str(target)
         mod = getattr(target, "__module__", None) or ""
         if mod.startswith("torch.nn.functional"):

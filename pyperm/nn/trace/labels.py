@@ -19,11 +19,20 @@ class with a structure *binds* the class to it (a BatchNorm's weight after a
 concatenation is permuted segment by segment); joining two structures joins them part
 by part. These become :class:`~pyperm.nn.spec.Segments`, :class:`~pyperm.nn.spec.Tiled`
 and :class:`~pyperm.nn.spec.Blocks` axes of the spec.
+
+A channel shuffle (a concatenation of ``k`` equal parts viewed as ``(k, n)``, transposed and merged
+back) builds an :class:`InterleaveAxis`: its parts taken in turn, each permuted on its own. On the
+way, the ``(k, n)`` view labels its units axis with a :class:`PartsAxis` (the class differs from
+part to part) beside a fixed class of the ``k`` parts.
+
+A class may also be *cut* (:meth:`UnitClasses.cut`: ``chunk``/``split`` along units, a
+channel shuffle's halves): it is refined into sub-classes, one per piece, by binding it to
+a concatenation of them, so every axis it acts on becomes ``Segments`` of the pieces.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +44,10 @@ from pyperm.nn.trace.errors import TraceError
 __all__ = [
     "BlockAxis",
     "CatAxis",
+    "InterleaveAxis",
     "Label",
     "MovedTileAxis",
+    "PartsAxis",
     "TileAxis",
     "UnitClasses",
     "has_atoms",
@@ -84,8 +95,76 @@ class CatAxis:
     parts: tuple
 
 
+@dataclass(frozen=True)
+class InterleaveAxis:
+    """Parts taken in turn: with ``k`` parts, entry ``k * i + j`` is entry ``i`` of part ``j``; ``(atom or
+    structure or None, length)`` each, lengths non-increasing and within one of each other."""
+
+    parts: tuple
+
+
+@dataclass(frozen=True)
+class PartsAxis:
+    """The units axis of a concatenation of ``k`` equal parts viewed as ``(k, n)``: entry ``(j, i)`` is unit
+    ``i`` of part ``j``. ``selector`` is the (fixed) class of the ``k`` axis; ``parts`` the concatenation's
+    ``(entry, n)`` parts.
+    Only merging the two axes back (in either order) names it; anything else fixes its parts."""
+
+    selector: int
+    parts: tuple
+
+
 def is_structure(x: Any) -> bool:
-    return isinstance(x, (TileAxis, CatAxis, BlockAxis, MovedTileAxis))
+    return isinstance(x, (TileAxis, CatAxis, BlockAxis, MovedTileAxis, InterleaveAxis, PartsAxis))
+
+
+def _split(entry: Any, length: int, points: Sequence[int]) -> list[tuple[Any, int]]:
+    """``length`` entries of ``entry`` as runs between ``points``."""
+    ends = [0] + list(points) + [length]
+    return [(entry, hi - lo) for lo, hi in zip(ends, ends[1:])]
+
+
+def _tile(atom: Any, outer: int, inner: int) -> Any:
+    """``atom`` repeated over ``outer`` copies of blocks of ``inner`` (the atom itself when there is one of each)."""
+    return atom if (outer, inner) == (1, 1) else TileAxis(atom, outer, inner)
+
+
+def _ends(cat: CatAxis) -> list[int]:
+    """Where the parts of a concatenation end."""
+    ends, total = [], 0
+    for _, n in cat.parts:
+        total += n
+        ends.append(total)
+    return ends[:-1]
+
+
+def _pieces(runs: list[tuple[Any, int]], points: list[int], length: int) -> list[Any]:
+    """One entry per piece between consecutive ``points`` for ``runs`` that never straddle a point."""
+    pieces, current, done = [], [], 0
+    ends = iter(points + [length])
+    end = next(ends)
+    for run in runs:  # group the runs between consecutive points
+        current.append(run)
+        done += run[1]
+        if done == end:
+            pieces.append(_concatenation(current))
+            current, end = [], next(ends, length)
+    return pieces
+
+
+def _concatenation(runs: list[tuple[Any, int]]) -> Any:
+    """One entry for consecutive runs: the run itself, None when all are invariant, else a CatAxis
+    (neighbouring invariant runs merged, nested concatenations spliced in)."""
+    if len(runs) == 1 or all(entry is None for entry, _ in runs):
+        return runs[0][0]
+    parts: list[tuple[Any, int]] = []
+    for entry, n in runs:
+        for part in entry.parts if isinstance(entry, CatAxis) else [(entry, n)]:
+            if part[0] is None and parts and parts[-1][0] is None:
+                parts[-1] = (None, parts[-1][1] + part[1])
+            else:
+                parts.append(part)
+    return CatAxis(tuple(parts))
 
 
 class Label(tuple):
@@ -218,6 +297,8 @@ class UnitClasses:
         self._uf = _UnionFind()
         self._atoms: dict[tuple[str, int], int] = {}
         self._bound: dict[int, Any] = {}  # root -> the structure its axis is permuted by
+        self.pieces: dict[int, tuple[int, int]] = {}  # sub-class made by a cut -> (the class cut, piece index)
+        self._alone = 0  # entries a cut leaves in one-unit blocks (see _refine)
         self.conflicts: list[str] = []
         # Tied parameters (one tensor under two names) must be permuted alike: both names
         # share the atoms of the first.
@@ -267,8 +348,10 @@ class UnitClasses:
         """The number of units of ``atom``'s class (the length of a structure)."""
         if isinstance(atom, TileAxis):
             return atom.outer * self.size(atom.atom) * atom.inner
-        if isinstance(atom, CatAxis):
+        if isinstance(atom, (CatAxis, InterleaveAxis)):
             return sum(n for _, n in atom.parts)
+        if isinstance(atom, PartsAxis):
+            return atom.parts[0][1]
         if isinstance(atom, BlockAxis):
             return self.size(atom.inner)
         if isinstance(atom, MovedTileAxis):
@@ -289,6 +372,10 @@ class UnitClasses:
     def is_active(self, atom: int) -> bool:
         return self._uf.active[self._uf.find(atom)]
 
+    def reaches_activation(self, entry: Any) -> bool:
+        """Whether some class of ``entry`` (a class or a structure) has reached an activation so far."""
+        return any(self._uf.active[self._uf.find(a)] for a in self._parts(entry))
+
     def is_group(self, atom: int) -> bool:
         """Whether ``atom``'s class becomes a permutation group (active, not fixed, not bound to a structure)."""
         r = self._uf.find(atom)
@@ -301,8 +388,10 @@ class UnitClasses:
         seen = set() if seen is None else seen
         if isinstance(entry, TileAxis):
             return self._parts(entry.atom, seen)
-        if isinstance(entry, CatAxis):
+        if isinstance(entry, (CatAxis, InterleaveAxis)):
             return [a for part, _ in entry.parts for a in self._parts(part, seen)]
+        if isinstance(entry, PartsAxis):
+            return [entry.selector] + [a for part, _ in entry.parts for a in self._parts(part, seen)]
         if isinstance(entry, BlockAxis):
             return self._parts(entry.outer, seen) + self._parts(entry.inner, seen)
         if isinstance(entry, MovedTileAxis):
@@ -344,6 +433,10 @@ class UnitClasses:
         if any(a is None for a in atoms):
             self.fix(*atoms)
             return None
+        if any(isinstance(a, PartsAxis) for a in atoms):  # units that differ from part to part, met by others
+            self.conflicts.append("the parts of a concatenation viewed as (parts, units) meet other units")
+            self.fix(*atoms)
+            return None
         n = self.size(atoms[0])
         for a in atoms[1:]:
             if self.size(a) != n:
@@ -383,11 +476,18 @@ class UnitClasses:
         return r
 
     def _join_structures(self, structures: list) -> Any:
+        blockwise = all(isinstance(s, (BlockAxis, MovedTileAxis)) for s in structures)
+        if not blockwise:  # meeting a concatenation or a tile: blocks that cannot move are a tile
+            structures = [self.canonical(s) for s in structures]
         first = structures[0]
         moved = [s for s in structures if isinstance(s, MovedTileAxis)]
-        blockwise = all(isinstance(s, (BlockAxis, MovedTileAxis)) for s in structures)
         if moved and len(moved) < len(structures) and blockwise:
             return self._restrict_blocks(structures, moved)
+        if moved and len(moved) < len(structures) and all(isinstance(s, (CatAxis, MovedTileAxis)) for s in structures):
+            return self._join_halves(structures, moved)
+        cut_apart = all(isinstance(s, (CatAxis, TileAxis)) for s in structures)
+        if cut_apart and any(isinstance(s, CatAxis) for s in structures) and len(set(map(self._shape, structures))) > 1:
+            return self._join_refined(structures)
         for other in structures[1:]:
             if type(other) is not type(first) or self._shape(other) != self._shape(first):
                 self.conflicts.append(f"structures {self._shape(first)} and {self._shape(other)} meet on one axis")
@@ -412,7 +512,7 @@ class UnitClasses:
         parts = []
         for i, (_, length) in enumerate(first.parts):
             parts.append((self.join(*[s.parts[i][0] for s in structures]), length))
-        return CatAxis(tuple(parts))
+        return type(first)(tuple(parts))  # a CatAxis or an InterleaveAxis, joined part by part
 
     def _restrict_blocks(self, structures: list, moved: list) -> Any:
         """Blocks with their own inner permutation (BlockAxis) meeting blocks permuted alike
@@ -434,11 +534,179 @@ class UnitClasses:
                 self.join(s.inner, TileAxis(joined.atom, count, 1))
         return MovedTileAxis(outer, joined.atom)
 
+    def _join_halves(self, structures: list, moved: list) -> Any:
+        """Blocks moved as wholes (a split of an axis of units: a channel shuffle's halves) meeting a
+        concatenation: its blocks hold different classes, so they stay in place (the block class is
+        fixed), and the units within every block are permuted alike: each block of the concatenation
+        joins the class within blocks."""
+        joined = moved[0] if len(moved) == 1 else self._join_structures(moved)
+        if not isinstance(joined, MovedTileAxis):
+            self.fix(*structures)
+            return None
+        count, n = self.size(joined.outer), self.size(joined.atom)
+        blocks: list[Any] = []
+        for s in structures:
+            if isinstance(s, CatAxis):
+                pieces = self.cut(s, [n * i for i in range(1, count)])
+                if pieces is None:
+                    self.conflicts.append(f"structures {[self._shape(s) for s in structures]} meet on one axis")
+                    self.fix(*structures)
+                    return None
+                blocks += pieces
+        self.fix(joined.outer)
+        if self.join(joined.atom, *blocks) is None:  # an invariant block: every block stays as it is
+            return None
+        return TileAxis(joined.atom, count, 1)
+
+    def _join_refined(self, structures: list) -> Any:
+        """Concatenations (and tiles) with different boundaries meeting on one axis: every one is cut at
+        all their boundaries (the classes cut through are refined) and the pieces join one by one."""
+        points = sorted({end for s in structures if isinstance(s, CatAxis) for end in _ends(s)})
+        cuts = [self.cut(s, points) for s in structures]
+        if any(c is None for c in cuts):
+            self.conflicts.append(f"structures {[self._shape(s) for s in structures]} meet on one axis")
+            self.fix(*structures)
+            return None
+        lengths = [hi - lo for lo, hi in zip([0] + points, points + [self.size(structures[0])])]
+        return CatAxis(tuple((self.join(*column), n) for column, n in zip(zip(*cuts), lengths)))
+
+    # ---- cutting an axis into pieces
+    def canonical(self, entry: Any) -> Any:
+        """A MovedTileAxis with one side fixed as the TileAxis it is: blocks that stay in place are
+        copies, units that stay in place within blocks moved as wholes are a tile. Anything else as it is."""
+        if isinstance(entry, MovedTileAxis):
+            if self.is_fixed(entry.outer):
+                return TileAxis(entry.atom, self.size(entry.outer), 1)
+            if self.is_fixed(entry.atom):
+                return TileAxis(entry.outer, 1, self.size(entry.atom))
+        return entry
+
+    def cut(self, entry: Any, points: Sequence[int]) -> list[Any] | None:
+        """The pieces of an axis labelled ``entry`` between the cut ``points`` (``chunk``/``split`` along units).
+
+        A class the points go through is *refined*: bound to a concatenation of new classes, one
+        per piece, so every axis it acts on is permuted piece by piece (a spec names it
+        ``Segments`` of the pieces' groups), and a tile is cut through its class. A unit whose
+        block of a tile the cut goes through is cut off alone and fixed (its entries land in two
+        pieces). Returns one entry (a class, a structure or None) per piece, or None when a
+        structure cannot be cut exactly (a cut inside one of several copies, through blocks with
+        their own permutation): the caller then fixes it.
+        """
+        length = self.size(entry)
+        points = sorted({int(p) for p in points if 0 < p < length})
+        self._alone = 0
+        runs = self._runs(entry, length, points, frozenset())
+        if self._alone:  # say why these entries stay: the ties come from earlier operations
+            self.conflicts.append(f"the cut leaves {self._alone} entries in blocks of one unit each (tied by earlier "
+                                  "operations: units within blocks that a split permutes alike)")
+        return None if runs is None else _pieces(runs, points, length)
+
+    def _runs(self, entry: Any, length: int, points: list[int], seen: frozenset,
+              scale: int = 1) -> list[tuple[Any, int]] | None:  # fmt: skip
+        """``entry`` as consecutive ``(entry, length)`` runs, none of them straddling a point (``scale``:
+        how many entries of the axis cut each of its entries is, inside tiles)."""
+        if not points:
+            return [(entry, length)]
+        if entry is None or self.is_fixed(entry):
+            return _split(None, length, points)
+        entry = self.canonical(entry)
+        if isinstance(entry, CatAxis):
+            runs, offset = [], 0
+            for part, n in entry.parts:
+                inside = [p - offset for p in points if offset < p < offset + n]
+                part_runs = self._runs(part, n, inside, seen, scale)
+                if part_runs is None:
+                    return None
+                runs += part_runs
+                offset += n
+            return runs
+        if isinstance(entry, TileAxis):
+            return self._tile_runs(entry, points, seen, scale)
+        if isinstance(entry, InterleaveAxis):
+            return self._interleave_runs(entry, length, points, seen, scale)
+        if is_structure(entry):
+            return None  # blocks with their own permutation, or moved as wholes: no piece is a form
+        r = self._uf.find(entry)
+        if r in seen:
+            return None  # a class bound to a structure that contains it
+        if r in self._bound:
+            return self._runs(self._bound[r], length, points, seen | {r}, scale)
+        return self._refine(r, length, points, scale)
+
+    def _refine(self, r: int, length: int, points: list[int], scale: int) -> list[tuple[int, int]]:
+        """Cut class ``r`` into new classes at ``points`` (bound to their concatenation): its pieces.
+
+        A piece of one unit cannot move; inside a tile (``scale`` > 1) that unit owns a block of
+        entries that earlier operations tied together, which the cut then leaves unpermuted."""
+        ends = [0] + points + [length]
+        subs = []
+        for i, (lo, hi) in enumerate(zip(ends, ends[1:])):
+            sub = self._uf.new(hi - lo)
+            self._uf.active[sub] = self._uf.active[r]  # the pieces are units wherever the class was
+            self._uf.fixed[sub] = hi - lo == 1  # one unit has no order
+            self._alone += scale if hi - lo == 1 and scale > 1 else 0
+            self.pieces[sub] = (r, i)
+            subs.append((sub, hi - lo))
+        self._bound[r] = CatAxis(tuple(subs))
+        return subs
+
+    def _interleave_runs(self, entry: InterleaveAxis, length: int, points: list[int], seen: frozenset,
+                         scale: int) -> list[tuple[Any, int]] | None:  # fmt: skip
+        """Runs of an interleave, one per piece between the points: every part is cut where the points fall
+        among its units (part ``j`` has ``ceil((p - j) / k)`` units before point ``p``), and each piece
+        interleaves the parts' pieces in turn from the part its first entry belongs to."""
+        k, ends = len(entry.parts), [0] + points + [length]
+        columns = []  # per part: its piece (or None where it has no unit) in every piece of the axis
+        for j, (part, n) in enumerate(entry.parts):
+            bounds = [min(n, max(0, -(-(p - j) // k))) for p in ends]
+            inner = sorted({b for b in bounds if 0 < b < n})
+            runs = self._runs(part, n, inner, seen, scale)  # a unit owns one entry of its part
+            if runs is None:
+                return None
+            sub = iter(_pieces(runs, inner, n))
+            columns.append([(next(sub), hi - lo) if hi > lo else None for lo, hi in zip(bounds, bounds[1:])])
+        runs = []
+        for i, (lo, hi) in enumerate(zip(ends, ends[1:])):
+            turns = [columns[(lo + t) % k][i] for t in range(k)]  # the part of entry lo comes first
+            members = tuple(m for m in turns if m is not None)
+            whole = None if all(e is None for e, _ in members) else InterleaveAxis(members)
+            runs.append((members[0][0] if len(members) == 1 else whole, hi - lo))
+        return runs
+
+    def _tile_runs(self, tile: TileAxis, points: list[int], seen: frozenset,
+                   scale: int) -> list[tuple[Any, int]] | None:  # fmt: skip
+        """Runs of a tile: between copies the class stays whole; within the only copy, the class is cut
+        at the units the points fall between, and a unit whose block a point goes through is fixed."""
+        n, inner = self.size(tile.atom), tile.inner
+        copy = n * inner
+        if all(p % copy == 0 for p in points):
+            ends = [0] + [p // copy for p in points] + [tile.outer]
+            return [(_tile(tile.atom, hi - lo, inner), (hi - lo) * copy) for lo, hi in zip(ends, ends[1:])]
+        if tile.outer != 1:
+            return None  # a cut inside one of several copies: its pieces are no form
+        straddled = {p // inner for p in points if p % inner}
+        units = sorted(({p // inner for p in points} | {u + 1 for u in straddled}) - {0, n})
+        unit_runs = self._runs(tile.atom, n, units, seen, scale * inner)
+        if unit_runs is None:
+            return None
+        runs: list[tuple[Any, int]] = []
+        u = 0
+        for sub, m in unit_runs:
+            if u in straddled:  # a run of one unit (it was cut at u and u + 1)
+                self.fix(sub)
+                runs += _split(None, inner, [p - u * inner for p in points if u * inner < p < (u + 1) * inner])
+            else:
+                runs.append((_tile(sub, 1, inner) if sub is not None else None, m * inner))
+            u += m
+        return runs
+
     def _shape(self, entry: Any) -> Any:
         if isinstance(entry, TileAxis):
             return ("tile", entry.outer, entry.inner)
         if isinstance(entry, CatAxis):
             return ("cat", tuple(n for _, n in entry.parts))
+        if isinstance(entry, InterleaveAxis):
+            return ("interleave", tuple(n for _, n in entry.parts))
         if isinstance(entry, BlockAxis):
             return ("blocks", self.size(entry.outer), self.size(entry.inner))
         if isinstance(entry, MovedTileAxis):

@@ -165,7 +165,9 @@ def lookup_module(module: nn.Module) -> Rule | None:
 
 
 def lookup_function(fn: Any) -> Rule | None:
-    """The rule of a function: by identity, else by qualified name (functions of libraries not imported)."""
+    """The rule of a function: by identity, else by qualified name (functions of libraries not imported); an
+    ATen operator (``torch.ops.aten.view.default``): its own rule, its packet's (``torch.ops.aten.view``), else
+    the rule of its Python counterpart (:func:`_counterpart`)."""
     try:
         rule = _functions.get(fn)
     except TypeError:  # an unhashable callable object
@@ -173,6 +175,29 @@ def lookup_function(fn: Any) -> Rule | None:
     if rule is None and _named_functions:
         name = _qualified_name(fn)
         rule = _named_functions.get(name) if name is not None else None
+    packet = getattr(fn, "overloadpacket", None)
+    if rule is None and packet is not None:  # an ATen operator of a graph from torch.export
+        rule = _functions.get(packet) or _counterpart(packet.__name__)
+    return rule
+
+
+def _counterpart(name: str) -> Rule | None:
+    """The rule of the ``torch.nn.functional`` function, ``torch`` function or Tensor method named like an
+    ATen operator: rules registered for those apply to graphs from torch.export too, whose operators keep
+    the name and the argument order of their Python counterparts (operators that differ have rules of their
+    own in :mod:`pyperm.nn.trace.rules.aten`); an in-place operator (``aten.silu_``) gets the rule of its
+    out-of-place one, which labels the same result."""
+    import torch
+    import torch.nn.functional as F
+
+    for namespace in (F, torch):
+        fn = getattr(namespace, name, None)
+        rule = _functions.get(fn) if callable(fn) else None
+        if rule is not None:
+            return rule
+    rule = _methods.get(name)
+    if rule is None and name.endswith("_") and not name.endswith("__"):  # in place (aten.silu_): as its result
+        rule = _counterpart(name[:-1])
     return rule
 
 

@@ -19,16 +19,20 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from pyperm.nn.spec import Blocks, PermutationSpec, Segments, Tiled
+from pyperm.nn.spec import Blocks, Interleaved, PermutationSpec, Segments, Tiled
 from pyperm.nn.trace import registry
 from pyperm.nn.trace.errors import TraceError
+from pyperm.nn.trace.export import export_graph
 from pyperm.nn.trace.interpreter import COMPOSITE_POLICIES, Labeler
-from pyperm.nn.trace.labels import BlockAxis, MovedTileAxis, TileAxis
+from pyperm.nn.trace.labels import BlockAxis, InterleaveAxis, MovedTileAxis, PartsAxis, TileAxis
 from pyperm.nn.trace.sites import ActivationSite, find_sites
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TraceResult", "TraceWarning", "symbolic_trace", "trace_model"]
+__all__ = ["FRONTENDS", "TraceResult", "TraceWarning", "build_graph", "symbolic_trace", "trace_model"]
+
+#: The front ends that build a model's graph, in the order they are tried.
+FRONTENDS = ("fx", "export")
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,9 @@ class TraceResult:
         One line per cause of units left unpermuted although they reach an activation
         (a composite axis, a group on two axes of one tensor, a module without a trace
         rule), naming the operation and its module path.
+    frontend : {"fx", "export"}
+        What built ``graph_module``: ``torch.fx`` (call_module nodes, the model's own
+        modules) or ``torch.export`` (ATen operators, the model's own parameters).
     """
 
     spec: PermutationSpec
@@ -55,6 +62,7 @@ class TraceResult:
     pre_activation_sites: Mapping[str, tuple[ActivationSite, ...]]
     post_activation_sites: Mapping[str, tuple[ActivationSite, ...]]
     composites: tuple[str, ...] = ()
+    frontend: str = "fx"
 
     def sites(self, pre_activation: bool = False) -> Mapping[str, tuple[ActivationSite, ...]]:
         """The pre- or post-activation sites of every group."""
@@ -81,6 +89,31 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
             f"torch.fx could not trace {type(model).__name__} ({type(exc).__name__}: {exc}); data-dependent "
             "control flow cannot be traced: move it into a leaf module or pass a hand-written PermutationSpec"
         ) from exc
+
+
+def build_graph(model: nn.Module, example_input: Any, frontend: str | None = None) -> tuple[fx.GraphModule, str]:
+    """The graph of ``model`` and the front end that built it: ``torch.fx`` (``"fx"``), ``torch.export`` on
+    ``example_input`` (``"export"``), or (None) torch.fx and, where it cannot trace the model, torch.export.
+
+    Raises TypeError for a model that is not a module, ValueError for another ``frontend``, and TraceError
+    when the front end (both, for None) cannot build the graph, with the reason of each.
+    """
+    if frontend is not None and frontend not in FRONTENDS:
+        raise ValueError(f"frontend must be 'fx' or 'export' (or None: fx, else export), got {frontend!r}")
+    if frontend != "export":
+        try:
+            return symbolic_trace(model), "fx"
+        except TraceError as exc:
+            if frontend == "fx":
+                raise
+            fx_error = exc
+    try:
+        return export_graph(model, _as_args(example_input)), "export"
+    except TraceError as exc:
+        if frontend == "export":
+            raise
+        raise TraceError(f"neither torch.fx nor torch.export can trace {type(model).__name__}: {fx_error}; {exc}"
+                         ) from exc  # fmt: skip
 
 
 def _as_args(example_input: Any) -> tuple:
@@ -127,21 +160,47 @@ class _SpecEntries:
     def __init__(self, labeler: Labeler) -> None:
         self.units = labeler.units
         self.names: dict[int, str] = {}
+        self.producers: dict[int, str] = {}  # class -> its first producer
         for atom, where in labeler.openers.items():
             r = self.units.root(atom)
+            self.producers.setdefault(r, where)
             if r not in self.names and self.units.is_group(atom):
-                self.names[r] = f"P_{where}"
+                self.names[r] = self._unique(f"P_{where}")
+        # A class cut into pieces (UnitClasses.cut) names its pieces: its name, then the piece.
+        self.pieces: dict[int, tuple[int, int]] = {}
+        for sub, (cut, i) in self.units.pieces.items():
+            self.pieces.setdefault(self.units.root(sub), (cut, i))
         self.sizes: dict[str, int] = {}
         self.unnamed: list[tuple[str, Any]] = []
+        self.within: list[tuple[str, Any]] = []  # units within blocks that must stay for the blocks to move
 
     def reset(self) -> None:
         self.sizes.clear()
         self.unnamed.clear()
+        self.within.clear()
+
+    def _unique(self, name: str) -> str:
+        """``name``, or with a suffix when another class has it: two groups never share a name."""
+        taken = set(self.names.values())
+        k, unique = 1, name
+        while unique in taken:
+            unique, k = f"{name}~{k}", k + 1
+        return unique
+
+    def _base(self, r: int, seen: frozenset = frozenset()) -> str | None:
+        """What class ``r`` is named after: its first producer, or the class it was cut from and its piece."""
+        if r in self.producers:
+            return self.producers[r]
+        if r in self.pieces and r not in seen:
+            cut, i = self.pieces[r]
+            base = self._base(self.units.root(cut), seen | {r})
+            return None if base is None else f"{base}_{i}"
+        return None
 
     def group(self, a: int, where: str) -> str:
         r = self.units.root(a)
-        if r not in self.names:  # a class without a producing layer (a free parameter, say)
-            self.names[r] = f"P_{where}"
+        if r not in self.names:  # a class without a producing layer (a piece of one, a free parameter)
+            self.names[r] = self._unique(f"P_{self._base(r) or where}")
         self.sizes.setdefault(self.names[r], self.units.size(a))
         return self.names[r]
 
@@ -155,6 +214,7 @@ class _SpecEntries:
             return self.group(a, where) if units.is_group(a) and units.is_active(a) else None
         if units.is_fixed(a):
             return None
+        structure = units.canonical(structure)
         if isinstance(structure, (BlockAxis, MovedTileAxis)):
             outer = self(structure.outer, where, key)
             inner = self(structure.inner if isinstance(structure, BlockAxis) else structure.atom, where, key)
@@ -167,16 +227,26 @@ class _SpecEntries:
                 # The blocks cannot move; their units still can.
                 count = units.size(structure.outer)
                 return Blocks(count, inner) if isinstance(structure, BlockAxis) else Tiled(inner, count)
+            if isinstance(structure, MovedTileAxis) and isinstance(outer, Tiled) and inner is not None:
+                # Blocks moved by a structured class (query heads tiled over the key/value heads they read): a
+                # spec names their move once the units within every block stay in place, so those are fixed.
+                self.within.append((key, structure.atom))
+                return None
             self.unnamed.append((key, a))  # the spec cannot name it: its units are fixed
             return None
+        if isinstance(structure, PartsAxis):  # never merged back: its parts were fixed
+            return None
+        if isinstance(structure, InterleaveAxis):  # every part its own entry, fixed ones a number of entries
+            turns = [self(part, f"{where}_{i}", key) for i, (part, _) in enumerate(structure.parts)]
+            if all(e is None for e in turns):
+                return None
+            return Interleaved(*[length if e is None else e for e, (_, length) in zip(turns, structure.parts)])
         if isinstance(structure, TileAxis):
             inner = self(structure.atom, where, key)
-            if isinstance(inner, str):
-                return Tiled(inner, structure.outer, structure.inner)
-            if isinstance(inner, Segments) and structure.outer == 1 and all(isinstance(p, str) for p in inner.parts):
-                return Segments(*[Tiled(p, 1, structure.inner) for p in inner.parts])  # flatten of a concatenation
-            self.unnamed.append((key, a))  # the spec cannot name it: its units are fixed
-            return None
+            tiled = None if inner is None else _tiled(inner, structure.outer, structure.inner)
+            if tiled is None and inner is not None:
+                self.unnamed.append((key, a))  # the spec cannot name it: its units are fixed
+            return tiled
         parts: list[Any] = []
         for i, (part, length) in enumerate(structure.parts):
             e = self(part, f"{where}_{i}", key)
@@ -195,6 +265,24 @@ class _SpecEntries:
         return Segments(*merged)
 
 
+def _tiled(entry: Any, outer: int, inner: int) -> Any:
+    """The spec entry of an axis entry repeated over ``outer`` copies of blocks of ``inner`` (a tile of
+    a class that is itself structured: the flatten of a concatenation, a tile of a tile, a class cut
+    into pieces), or None when no axis form says it."""
+    if (outer, inner) == (1, 1):
+        return entry
+    if isinstance(entry, str):
+        return Tiled(entry, outer, inner)
+    if isinstance(entry, Tiled) and isinstance(entry.outer, int):  # copies of copies, blocks of blocks
+        return Tiled(entry.group, outer * entry.outer, entry.inner * inner)
+    if isinstance(entry, Tiled) and outer == 1:  # copies moved by a group, every entry a block
+        return Tiled(entry.group, entry.outer, entry.inner * inner)
+    if isinstance(entry, Segments) and outer == 1:  # every part's entries become blocks
+        parts = [part * inner if isinstance(part, int) else _tiled(part, 1, inner) for part in entry.parts]
+        return None if any(part is None for part in parts) else Segments(*parts)
+    return None
+
+
 def _build_spec(labeler: Labeler) -> tuple[PermutationSpec, _SpecEntries]:
     """One group per class that reaches an activation and is not fixed, and the entries that
     name the form of other axes (the activation sites) alike."""
@@ -205,12 +293,20 @@ def _build_spec(labeler: Labeler) -> tuple[PermutationSpec, _SpecEntries]:
         entries.reset()
         for key in units.state_dict:
             axes[key] = tuple(entries(a, f"{key}_{axis}", key) for axis, a in units.atoms_of(key))
-        if not entries.unnamed:
+        if not entries.unnamed and not entries.within:
             break
         for key, a in entries.unnamed:  # fixing them may change other entries: build again
             units.fix(a)
             labeler.note(f"parameter {key!r} would need a concatenation repeated over a block, which a "
                          "PermutationSpec cannot name: units fixed")  # fmt: skip
+        first: dict[int, tuple[str, Any]] = {}  # one line per class (a weight and its bias share it)
+        for key, a in entries.within:
+            first.setdefault(units.root(a), (key, a))
+        for key, a in first.values():
+            units.fix(a)
+            labeler.note(f"parameter {key!r} has blocks moved by a structured group (grouped-query attention: query "
+                         "heads tiled over the key/value heads they read); a PermutationSpec names that move with the "
+                         "units within every block in place: those units fixed")  # fmt: skip
     sizes = entries.sizes
     # Keep the groups in graph order of their first producer, then the rest.
     ordered: dict[str, int] = {}
@@ -262,16 +358,25 @@ def _warn(composites: Sequence[str], structured: bool) -> None:
 
 
 def trace_model(
-    model: nn.Module, example_input: Any, *, composite: str | None = None, structured: bool = True
+    model: nn.Module,
+    example_input: Any,
+    *,
+    composite: str | None = None,
+    structured: bool = True,
+    frontend: str | None = None,
 ) -> TraceResult:
     """Trace ``model`` and build its permutation spec and activation sites.
 
     Parameters
     ----------
     model : torch.nn.Module
-        The model. It is traced with :func:`torch.fx.symbolic_trace` and run once in
-        eval mode under ``torch.no_grad`` on ``example_input``; its training flags and
-        state are left as they were.
+        The model. It is traced with :func:`torch.fx.symbolic_trace`, or where that
+        cannot trace it (Python control flow, as in Hugging Face transformers) exported
+        by :func:`torch.export.export` on ``example_input`` (:mod:`pyperm.nn.trace.export`),
+        and run once in eval mode under ``torch.no_grad`` on ``example_input``; its
+        training flags and state are left as they were. The model's outputs are never
+        permuted, so a model returning more than it needs (a key/value cache) fixes
+        those units too: return the logits alone.
     example_input : torch.Tensor or tuple
         One input batch (or a tuple of the forward's positional inputs) on the
         model's device.
@@ -285,13 +390,17 @@ def trace_model(
         ``TraceResult.composites``.
     structured : bool, default True
         Describe concatenations along units, flattened feature maps, splits of an axis
-        of units (attention heads, channel shuffles) and layers applied to their own
+        of units (attention heads, channel shuffles), ``chunk``/``split`` along units (a
+        group cut into one group per piece) and layers applied to their own
         output with structured spec axes (:class:`~pyperm.nn.spec.Segments`,
         :class:`~pyperm.nn.spec.Tiled`, :class:`~pyperm.nn.spec.Blocks` for the heads of
         ``nn.MultiheadAttention`` and the channel groups of grouped convolutions, one
         group on two axes), so that their units are permuted too. ``structured=False``
         gives the flat spec (one group per axis), with those units left unpermuted as
         ``composite`` says.
+    frontend : {None, "fx", "export"}, default None
+        What builds the graph: torch.fx, then torch.export where torch.fx fails (None),
+        or only the one named.
 
     Returns
     -------
@@ -305,8 +414,9 @@ def trace_model(
     ValueError
         ``composite`` is not None, "fix" or "raise".
     TraceError
-        The model cannot be traced, or an operation acts on permutable units in a way
-        the tracer cannot follow (the message names the operation and module path).
+        Neither front end can trace the model (the message gives both reasons), or an
+        operation acts on permutable units in a way the tracer cannot follow (the
+        message names the operation and module path).
 
     Examples
     --------
@@ -324,7 +434,7 @@ def trace_model(
     warn = composite is None
     composite = "fix" if composite is None else composite
     args = _as_args(example_input)
-    gm = symbolic_trace(model)
+    gm, frontend = build_graph(model, args, frontend)
     state_dict = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
     if not isinstance(structured, bool):
         raise TypeError(f"structured must be a bool, got {type(structured).__name__}")
@@ -348,4 +458,4 @@ def trace_model(
     if warn:
         _warn(labeler.composites, structured)
     return TraceResult(spec=spec, graph_module=gm, pre_activation_sites=pre, post_activation_sites=post,
-                       composites=tuple(labeler.composites))  # fmt: skip
+                       composites=tuple(labeler.composites), frontend=frontend)  # fmt: skip

@@ -5,7 +5,9 @@ Embedding), ``conv`` (convolutions), ``norms`` (BatchNorm, LayerNorm, GroupNorm,
 ``pointwise`` (activations, arithmetic, residual additions, dropout), ``pooling``
 (pooling, reductions, order-dependent operations), ``shape`` (reshape, transpose,
 indexing, padding), ``combine`` (cat, stack, split), ``recurrent`` (RNN, LSTM, GRU)
-and ``attention`` (MultiheadAttention, scaled dot-product attention). A new layer means one new rule
+and ``attention`` (MultiheadAttention, scaled dot-product attention); ``aten`` holds the ATen operators
+of graphs from torch.export whose name or arguments differ from their Python counterparts (the others
+get their counterpart's rule). A new layer means one new rule
 in the module of its family; a user's own module type gets a rule through
 :func:`pyperm.nn.register_trace_rule`, often one of these:
 
@@ -18,6 +20,7 @@ in the module of its family; a user's own module type gets a rule through
 """
 
 from pyperm.nn.trace.rules import (  # noqa: F401
+    aten,
     attention,
     combine,
     conv,

@@ -3,7 +3,9 @@
 (Residual additions are elementwise: :mod:`pyperm.nn.trace.rules.pointwise` joins the
 classes of their operands.) Concatenating along an axis of units builds an axis out of
 several classes, and splitting one into parts of different classes: a *composite*.
-Along any other axis the parts' classes join.
+Along any other axis the parts' classes join. A structured trace names both: a
+concatenation is a ``Segments`` axis, and a split cuts the classes it goes through into
+one class per piece (:meth:`~pyperm.nn.trace.labels.UnitClasses.cut`).
 """
 
 from __future__ import annotations
@@ -82,13 +84,49 @@ def split(call: TraceCall) -> Any:
         return map_tensors(call.result, lambda v: piece)
     d = int(call.get(2, "dim", 0)) % x.ndim
     lab = lx
-    if lx[d] is not None and any(p.shape[d] != x.shape[d] for p in tensors(call.result)):
+    pieces = tensors(call.result)
+    call.role = Role.PASS
+    if lx[d] is not None and any(p.shape[d] != x.shape[d] for p in pieces):
+        cut = _cut(call, lx[d], [p.shape[d] for p in pieces]) if call.structured else None
+        if cut is not None:
+            labels = iter([Label(entry if i == d else a for i, a in enumerate(lx)) for entry in cut])
+            return map_tensors(call.result, lambda v: next(labels))
         call.composite(f"splits axis {d}, which carries permuted units", [lx[d]])
         lab = Label(None if i == d else a for i, a in enumerate(lx))
-    call.role = Role.PASS
     return map_tensors(call.result, lambda v: lab)
 
 
+def _cut(call: TraceCall, entry: Any, sizes: list[int]) -> list[Any] | None:
+    """The label of every piece of a split along units (empty pieces carry none), or None."""
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    cut = call.cut(entry, ends[:-1])
+    if cut is None:
+        return None
+    pieces = iter(cut)  # one per non-empty piece, in order
+    return [next(pieces) if n else None for n in sizes]
+
+
+# torchvision's Swin patch merging (kept whole by torch.fx.wrap): the four pixels of every 2x2 patch
+# concatenated along the channels, last axis.
+PATCH_MERGING_NAMED = ("torchvision.models.swin_transformer._patch_merging_pad",)
+
+
+def patch_merging(call: TraceCall) -> Label:
+    """``_patch_merging_pad(x)``: ``(..., H, W, C)`` to ``(..., H/2, W/2, 4 C)``, four copies of the channels."""
+    x, lx = call.first()
+    if any(a is not None for a in lx[-3:-1]):
+        call.composite("merges patches along axes that carry permuted units", lx[-3:-1])
+    call.role = Role.PASS
+    channels = lx[-1]
+    if channels is not None and call.structured:
+        channels = _segments(call, [(lx[-1], x.shape[-1])] * 4)
+    elif channels is not None:
+        call.composite(f"concatenates four copies of axis {x.ndim - 1}, which carries permuted units", [channels])
+        channels = None
+    return Label(tuple(lx[:-3]) + (None, None, channels))
+
+
 register_all(CAT_FUNCTIONS, cat)
+register_all(PATCH_MERGING_NAMED, patch_merging)
 register_all([torch.stack], stack)
 register_all(SPLIT_FUNCTIONS + SPLIT_METHODS, split)

@@ -1,4 +1,4 @@
-"""Layers that produce units from a weight matrix: Linear, ``x @ W``, Embedding.
+"""Layers that produce units from a weight matrix: Linear, ``x @ W`` (and ``torch.einsum``), Embedding.
 
 A Linear turns an input labelled ``(.., a)`` into an output labelled ``(.., W0)`` and
 joins ``a`` with ``W1`` (the weight's input axis); its output axis holds fresh units, so
@@ -8,6 +8,7 @@ the node is a *producer* for the activation sites.
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,56 @@ def matmul(call: TraceCall) -> Label:
     return Label(out)
 
 
+def einsum(call: TraceCall) -> Label:
+    """``torch.einsum``: every index letter is one class wherever it appears (a contracted letter sums over
+    units permuted alike, a kept one carries them to the output); letters of parameters alone are new units."""
+    operands, labels, nodes = list(call.args[1:]), list(call.largs[1:]), list(call.node.args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):  # torch.einsum(equation, [a, b])
+        operands, labels, nodes = list(operands[0]), list(labels[0] or ()), list(nodes[0])
+    if not isinstance(call.args[0], str) or not all(isinstance(t, torch.Tensor) for t in operands):
+        raise TraceError(f"{call.where()} expected an equation and tensors")
+    letters, output = _einsum_letters(call.args[0], [t.ndim for t in operands])
+    found: dict[str, list[tuple[Any, int, bool]]] = {}  # letter -> (label, size, input-dependent) per occurrence
+    for t, lab, node, subscript in zip(operands, labels, nodes, letters):
+        lab = lab if isinstance(lab, Label) else Label.invariant(t.ndim)
+        for axis, letter in enumerate(subscript):
+            found.setdefault(letter, []).append((lab[axis], t.shape[axis], call.depends(node)))
+    classes = {letter: _einsum_class(call, seen) for letter, seen in found.items()}
+    for letter in output:  # a parameter's letter that no activation has: units the einsum produces
+        if classes[letter] is not None and not any(dep for _, _, dep in found[letter]):
+            call.opened(classes[letter], False, node_name(nodes[next(i for i, s in enumerate(letters) if letter in s)]))
+    return Label(classes[letter] for letter in output)
+
+
+def _einsum_class(call: TraceCall, seen: list[tuple[Any, int, bool]]) -> Any:
+    """One letter's class: its occurrences joined; broadcast ones (size 1) and an invariant one fix the rest."""
+    n = max(size for _, size, _ in seen)
+    for atom, size, _ in seen:
+        if size == 1 and n != 1:
+            call.fix(atom)
+    atoms = [atom for atom, size, _ in seen if size == n]
+    if any(a is None for a in atoms):
+        call.fix(*atoms)
+        return None
+    return call.join(*atoms)
+
+
+def _einsum_letters(equation: str, ndims: list[int]) -> tuple[list[str], str]:
+    """The index letters of every operand and of the output, an ellipsis spelled out as letters of its own."""
+    equation = equation.replace(" ", "")
+    inputs, arrow, output = equation.partition("->")
+    subscripts = inputs.split(",")
+    if len(subscripts) != len(ndims):
+        raise TraceError(f"einsum equation {equation!r} names {len(subscripts)} operands, got {len(ndims)}")
+    extra = max((n - len(s) + 3 for s, n in zip(subscripts, ndims) if "..." in s), default=0)
+    ellipsis = "".join(chr(0x3B1 + i) for i in range(extra))  # Greek letters: never in an equation
+    letters = [s.replace("...", ellipsis[extra - (n - len(s) + 3):]) for s, n in zip(subscripts, ndims)]
+    if not arrow:  # implicit output: the ellipsis, then the letters used once, in alphabetical order
+        counts = "".join(s.replace("...", "") for s in subscripts)
+        output = "..." * bool(extra) + "".join(sorted(c for c in set(counts) if counts.count(c) == 1))
+    return letters, output.replace("...", ellipsis)
+
+
 def _embedding(call: TraceCall, lidx: Label, w: Label | None, weight_dep: bool) -> Label:
     if w is None:
         raise TraceError(f"{call.where()}: the weight is not a tensor the tracer can follow")
@@ -111,5 +162,6 @@ def embedding_function(call: TraceCall) -> Label:
 register_all([nn.Linear], linear)
 register_all([F.linear], linear_function)
 register_all(MATMUL_FUNCTIONS + MATMUL_METHODS, matmul)
+register_all([torch.einsum], einsum)
 register_all([nn.Embedding], embedding_module)
 register_all([F.embedding], embedding_function)

@@ -18,7 +18,17 @@ from torch import nn
 
 from pyperm.nn.trace.call import TraceCall
 from pyperm.nn.trace.errors import TraceError
-from pyperm.nn.trace.labels import CatAxis, Label, MovedTileAxis, TileAxis, has_atoms, invariant_label, is_label
+from pyperm.nn.trace.labels import (
+    CatAxis,
+    InterleaveAxis,
+    Label,
+    MovedTileAxis,
+    PartsAxis,
+    TileAxis,
+    has_atoms,
+    invariant_label,
+    is_label,
+)
 from pyperm.nn.trace.registry import register_all
 from pyperm.nn.trace.sites import Role
 
@@ -80,6 +90,15 @@ def reshape_labels(call: TraceCall, src: tuple, dst: tuple, lx: Label) -> Label:
         atoms = [lx[i] for i in bi]
         if not any(a is not None for a in atoms):
             continue
+        if any(isinstance(a, PartsAxis) for a in atoms):
+            merged = _merge_parts(atoms) if len(bi) == 2 and len(bj) == 1 else None
+            if merged is None:
+                call.composite("reshapes the parts of a concatenation viewed as (parts, units) other than back "
+                               "into one axis", atoms)  # fmt: skip
+            out[bj[0]] = merged
+            continue
+        if len(bi) == 1 and len(bj) == 2 and call.structured and _split_parts(call, atoms[0], dst[bj[0]], out, bj):
+            continue
         if len(bi) == 1 and len(bj) == 1:
             out[bj[0]] = atoms[0]
         elif len(bj) == 1 and call.structured and sum(a is not None for a in atoms) == 1:
@@ -129,6 +148,31 @@ def reshape_labels(call: TraceCall, src: tuple, dst: tuple, lx: Label) -> Label:
                 f"(shape {src} -> {dst})"
             )
     return Label(out)
+
+
+def _split_parts(call: TraceCall, atom: Any, k: int, out: list, bj: list[int]) -> bool:
+    """A concatenation of ``k`` equal parts viewed as ``(k, n)`` (a channel shuffle's first step): the parts
+    axis gets a fixed class of its own (the parts differ: they cannot move) and the units axis a
+    :class:`PartsAxis` of the parts, so that merging the axes back transposed interleaves them, each part
+    keeping its own permutation. False for any other split."""
+    cat = call.structure(atom)
+    if not isinstance(cat, CatAxis) or len(cat.parts) != k or len({n for _, n in cat.parts}) != 1:
+        return False
+    selector = call.new_units(k, f"{call.path or call.node.name}.{call.node.name}.parts")
+    call.fix(selector)
+    out[bj[0]], out[bj[1]] = selector, PartsAxis(selector, cat.parts)
+    return True
+
+
+def _merge_parts(atoms: list) -> Any:
+    """Two axes merged, one of them a :class:`PartsAxis` beside its own parts axis: ``(units, parts)`` (the
+    shuffle, transposed) interleaves the parts, ``(parts, units)`` concatenates them back. None otherwise."""
+    first, second = atoms
+    if isinstance(first, PartsAxis) and second == first.selector:
+        return InterleaveAxis(first.parts)
+    if isinstance(second, PartsAxis) and first == second.selector:
+        return CatAxis(second.parts)
+    return None
 
 
 def reshape(call: TraceCall) -> Label:
@@ -226,6 +270,9 @@ def get_item(call: TraceCall) -> Any:
 def _index_labels(call: TraceCall, x: torch.Tensor, lx: Label, idx: Any) -> Label:
     items = list(idx) if isinstance(idx, tuple) else [idx]
     if any(isinstance(it, (torch.Tensor, list, bool)) for it in items):
+        gathered = _gather_labels(call, x, lx, items)
+        if gathered is not None:
+            return gathered
         if any(a is not None for a in lx):
             raise TraceError(f"unsupported advanced indexing {call.where()} of a tensor that carries permuted units")
         return invariant_label(call.result)
@@ -260,6 +307,27 @@ def _index_labels(call: TraceCall, x: torch.Tensor, lx: Label, idx: Any) -> Labe
             raise TraceError(f"unsupported index {it!r} at {call.where()}")
         axis += 1
     return Label(out)
+
+
+def _gather_labels(call: TraceCall, x: torch.Tensor, lx: Label, items: list) -> Label | None:
+    """``x[..., index, ...]`` with one integer index tensor and full slices elsewhere (a relative position bias
+    table read at every pair of positions): the index's axes replace the indexed one, invariant; the other axes
+    keep their classes. None for any other advanced indexing."""
+    if Ellipsis in items:
+        e = items.index(Ellipsis)
+        items = items[:e] + [slice(None)] * (x.ndim - len(items) + 1) + items[e + 1 :]
+    found = [k for k, it in enumerate(items) if isinstance(it, (torch.Tensor, list))]
+    if len(found) != 1 or len(items) > x.ndim or any(
+            it != slice(None) for k, it in enumerate(items) if k != found[0]):  # fmt: skip
+        return None
+    k = found[0]
+    index = torch.as_tensor(items[k])
+    if index.dtype in (torch.bool, torch.uint8) or index.is_floating_point():
+        return None
+    if lx[k] is not None and call.is_units(lx[k]):  # units picked by an index: their order matters
+        call.composite(f"gathers axis {k}, which carries permuted units, by an index tensor", [lx[k]])
+    call.fix(lx[k])  # the rows of a parameter table: not units, their order stays
+    return Label(tuple(lx[:k]) + (None,) * index.ndim + tuple(lx[k + 1 :]))
 
 
 def _pad_labels(call: TraceCall, lx: Label, pad: Sequence[int]) -> Label:

@@ -1,0 +1,101 @@
+"""``--model hf``: Hugging Face ``save_pretrained`` folders in the checkpoint sub-commands.
+
+The architecture comes from the folder's ``config.json`` (its ``architectures`` entry, built by
+``transformers`` at random initialisation; the weights come from the checkpoints as for any
+model). The model is given a forward that takes one tensor and returns one (the logits, or the
+last hidden state of a model without a head), so that tracing, barriers and the function check
+treat it as any other model; its ``state_dict`` keys stay the folder's. An output is a folder
+that ``from_pretrained`` loads: the weights in the input's layout (one file, or the same shards
+and index) and every other file of the input folder (config, generation config, tokenizer)
+copied beside them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from pyperm.commands._common import CommandError, LoadedModel
+
+__all__ = ["copy_folder_files", "files_to_copy", "folder_of", "hf_model"]
+
+# Files of a save_pretrained folder that hold weights: written by the command, never copied.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def folder_of(path: str | Path) -> Path:
+    """The ``save_pretrained`` folder a checkpoint argument names (the folder itself, or a file in it)."""
+    path = Path(path)
+    return path if path.is_dir() else path.parent
+
+
+def _transformers() -> Any:
+    try:
+        from pyperm.testing import import_torchvision
+
+        import_torchvision()  # transformers imports torchvision when it is installed
+        import transformers
+    except ImportError as exc:
+        raise CommandError(f"--model hf needs transformers: pip install 'pyperm[hf]' ({exc})") from exc
+    return transformers
+
+
+def _example_shape(config: Any) -> tuple[int, ...]:
+    """An input batch's shape: images (``image_size``, ``num_channels``) or 8 token ids."""
+    image = getattr(config, "image_size", None)
+    if image is not None:
+        size = image if isinstance(image, int) else image[0]
+        return (2, getattr(config, "num_channels", 3), size, size)
+    return (2, 8)
+
+
+def hf_model(checkpoint: str | Path, shape: tuple[int, ...] | None) -> LoadedModel:
+    """The model of the ``save_pretrained`` folder holding ``checkpoint``, and its traced spec."""
+    import torch
+
+    from pyperm.nn import PermutationSpec
+    from pyperm.nn.models import single_output
+
+    folder = folder_of(checkpoint)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise CommandError(f"--model hf: {folder} has no config.json (a save_pretrained folder has one)")
+    transformers = _transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(folder))
+    except Exception as exc:
+        raise CommandError(f"--model hf: {config_file} cannot be read by transformers ({exc})") from exc
+    names = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if names else None
+    if cls is None:
+        raise CommandError(f"--model hf: {config_file} names no architecture transformers has ({names or 'none'})")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = cls(config)
+    single_output(model).eval()
+    shape = shape or _example_shape(config)
+    vocab = getattr(config, "vocab_size", None)
+    generator = torch.Generator().manual_seed(0)
+    if len(shape) == 2 and vocab:  # token ids
+        example = torch.randint(0, vocab, shape, generator=generator)
+    else:
+        example = torch.randn(shape, generator=generator)
+    spec = PermutationSpec.from_model(model, example)
+    return LoadedModel(f"hf ({names[0]})", model, spec, tuple(shape), example)
+
+
+def files_to_copy(source: Any) -> list[Path]:
+    """The files of ``source``'s folder that are not weights: config, generation config, tokenizer."""
+    folder = folder_of(source.path)
+    return [p for p in sorted(folder.iterdir())
+            if p.is_file() and p.suffix not in _WEIGHT_SUFFIXES and not p.name.endswith(".index.json")]  # fmt: skip
+
+
+def copy_folder_files(source: Any, target: Path) -> list[Path]:
+    """Copy :func:`files_to_copy` of ``source`` into the folder of ``target`` (the written weights)."""
+    copied = []
+    for path in files_to_copy(source):
+        shutil.copyfile(path, target.parent / path.name)
+        copied.append(target.parent / path.name)
+    return copied
