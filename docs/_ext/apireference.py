@@ -27,7 +27,7 @@ MODULES: list[tuple[str, str, list[str] | None]] = [
     ("pyperm", "pyperm: assignment, Birkhoff-von Neumann, cross-correlation", None),
     ("pyperm.nn", "pyperm.nn: specs, alignment, barriers, curves", None),
     ("pyperm.nn.models", "pyperm.nn.models: the bundled models", None),
-    ("pyperm.nn.spec", "pyperm.nn.spec: structured axes", ["Segments", "Tiled", "Blocks"]),
+    ("pyperm.nn.spec", "pyperm.nn.spec: structured axes", ["Segments", "Tiled", "Blocks", "Interleaved"]),
     ("pyperm.nn.align", "pyperm.nn.align: alignment methods", None),
     ("pyperm.nn.eval", "pyperm.nn.eval: barriers, BatchNorm, REPAIR, robustness", None),
     ("pyperm.nn.curves", "pyperm.nn.curves: mode-connecting curves", None),

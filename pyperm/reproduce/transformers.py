@@ -44,6 +44,13 @@ SETTINGS = {
     "full": {"gpt2_layers": 4, "gpt2_width": 256, "context": 128, "gpt2_epochs": 4, "text_bytes": 4_000_000,
              "vit_layers": 4, "vit_width": 128, "vit_epochs": 100, "points": 17},
 }  # fmt: skip
+INTRO = ("Two pairs of transformers, each trained from two seeds on data that needs no download: character-level "
+         "GPT-2s (Hugging Face `GPT2LMHeadModel`, bytes as characters) on the Python standard library's own source "
+         "files, evaluated on held-out files, and small ViTs (`ViTForImageClassification`, 2x2 patches) on "
+         "scikit-learn's 8x8 digits. For each: the loss along the straight path between the two models, naively, "
+         "after weight matching, after activation matching, and after weight matching with REPAIR at every point "
+         "(LayerNorm statistics). The spec is traced (`PermutationSpec.from_model`, through torch.export): the "
+         "residual stream, the MLP's hidden units, the attention heads and the head dimensions.")
 HEADS = 4
 BATCH = 32
 EVAL_BATCHES = 8  # held-out text batches of every evaluation (and of activation matching, REPAIR)
@@ -305,7 +312,7 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     findings = _findings(gpt2, vit)
     seconds = time.perf_counter() - start
     _plot(out, gpt2, vit)
-    lines = [f"# {TITLE}", "", __doc__.split("\n\n")[2].replace("\n", " "), "",
+    lines = [f"# {TITLE}", "", INTRO, "",
              f"## Character-level GPT-2s ({cfg['gpt2_layers']} layers, width {cfg['gpt2_width']}, {HEADS} heads)", "",
              f"Traced spec: {gpt2['groups']} groups, {gpt2['units']} units. Loss in nats per byte on held-out files.",
              "", *_table(gpt2), "", "![GPT-2 paths](gpt2_paths.png)", "",

@@ -31,8 +31,10 @@ operators are never reached, since export traces through them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -71,6 +73,21 @@ def _leaves(model: nn.Module) -> tuple[str, ...]:
     return tuple(paths)
 
 
+@contextlib.contextmanager
+def _quiet_export_logs() -> Iterator[None]:
+    """torch.export logs a warning for every dynamic axis the model specialises (a sequence of one token):
+    expected here (the fallback to fixed shapes handles it), so kept from the user's terminal."""
+    loggers = [logging.getLogger(name) for name in ("torch._export", "torch.export", "torch.fx.experimental")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _export(model: nn.Module, args: tuple) -> tuple[torch.export.ExportedProgram, tuple[str, ...]]:
     """The exported program and the modules it kept whole: dynamic shapes where the model allows them,
     else the example's shapes; modules kept whole where export allows it, else none."""
@@ -79,8 +96,9 @@ def _export(model: nn.Module, args: tuple) -> tuple[torch.export.ExportedProgram
                                                                      if leaves else [])  # fmt: skip
     for i, (kept, shapes) in enumerate(attempts):
         try:
-            program = torch.export.export(model, args, strict=False, dynamic_shapes=shapes,
-                                          preserve_module_call_signature=kept)  # fmt: skip
+            with _quiet_export_logs():
+                program = torch.export.export(model, args, strict=False, dynamic_shapes=shapes,
+                                              preserve_module_call_signature=kept)  # fmt: skip
             return program, kept
         except Exception as exc:  # shapes that must be fixed, a module that cannot be kept whole: try the next
             if i == len(attempts) - 1:
