@@ -142,3 +142,23 @@ def test_corrected_units_match_their_targets(name):
         if corrected[p]:  # a module without a bias can have only its units' spread corrected
             assert torch.all((got[p][0] - mean).abs() <= 1e-5 * std), p
         assert not torch.allclose(before[p][1], std, rtol=1e-3), p  # not vacuous: the interpolation is off
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_attention_units_are_corrected_on_request(name):
+    """``attention=True``: the query, key and value projections take a correction too, and their units reach the
+    interpolation of the endpoints' statistics; nothing is left to warn about."""
+    model, sa, sb, data = _setting(name)
+    corrected, left = CASES[name][3], CASES[name][4]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out = repair(model, None, sa, sb, data, attention=True)
+    plain = interpolate(sa, sb, 0.5)
+    changed = {k.rpartition(".")[0] for k in sa if not torch.equal(out[k], plain[k])}
+    assert changed == set(corrected) | set(left)
+    ends = [_unit_stats(model, s, left, data) for s in (sa, sb)]
+    got = _unit_stats(model, out, left, data)
+    for p in left:
+        torch.testing.assert_close(got[p][1], ends[0][p][1] / 2 + ends[1][p][1] / 2, rtol=1e-5, atol=0, msg=p)
+    with pytest.raises(TypeError, match="attention"):
+        repair(model, None, sa, sb, data, attention="yes")

@@ -54,7 +54,7 @@ INTRO = ("Two pairs of transformers, each trained from two seeds on data that ne
 HEADS = 4
 BATCH = 32
 EVAL_BATCHES = 8  # held-out text batches of every evaluation (and of activation matching, REPAIR)
-METHODS = ("naive", "weight", "activation", "weight + REPAIR")
+METHODS = ("naive", "weight", "activation", "weight + REPAIR", "weight + REPAIR with q, k, v")
 
 
 def _transformers() -> Any:
@@ -156,7 +156,9 @@ def _paths(model: Any, sa: dict, sb: dict, train: list, test: list, points: int,
     results["activation"] = barrier(model, sa, by_activation, test, num_points=points)
     repair_error = None
     try:
-        results["weight + REPAIR"] = _repaired_path(model, spec, sa, by_weight, train, test, points)
+        results["weight + REPAIR"] = _repaired_path(model, spec, sa, by_weight, train, test, points, False)
+        results["weight + REPAIR with q, k, v"] = _repaired_path(model, spec, sa, by_weight, train, test, points,
+                                                                 True)  # fmt: skip
     except ValueError as exc:  # no site of this model can take a folded correction
         repair_error = str(exc)
         logger.warning("transformers: REPAIR is not available here: %s", exc)
@@ -165,9 +167,11 @@ def _paths(model: Any, sa: dict, sb: dict, train: list, test: list, points: int,
             "repair_error": repair_error}  # fmt: skip
 
 
-def _repaired_path(model: Any, spec: Any, sa: dict, sb: dict, train: list, test: list, points: int) -> Any:
+def _repaired_path(model: Any, spec: Any, sa: dict, sb: dict, train: list, test: list, points: int,
+                   attention: bool) -> Any:
     """The path of REPAIR's model: at every inner point t, the interpolation with its units'
-    statistics renormalised (:func:`~pyperm.nn.repair`); the endpoints as they are."""
+    statistics renormalised (:func:`~pyperm.nn.repair`; ``attention``: the query, key and value
+    units too); the endpoints as they are."""
     import warnings
 
     import numpy as np
@@ -182,7 +186,8 @@ def _repaired_path(model: Any, spec: Any, sa: dict, sb: dict, train: list, test:
     for t in ts:
         with warnings.catch_warnings():  # units REPAIR cannot correct are listed in the report
             warnings.simplefilter("ignore", RuntimeWarning)
-            state = repair(model, spec, sa, sb, inputs, t=float(t)) if 0.0 < t < 1.0 else (sa if t == 0 else sb)
+            state = (repair(model, spec, sa, sb, inputs, t=float(t), attention=attention) if 0.0 < t < 1.0
+                     else (sa if t == 0 else sb))  # fmt: skip
         loss, accuracy = evaluate(_loaded(model, state), test)
         losses.append(loss)
         accuracies.append(accuracy)
@@ -274,7 +279,7 @@ def _table(setting: dict) -> list[str]:
         seconds = setting["seconds"].get(method.split(" ")[0])
         rows.append([method, f"{r.loss[0]:.4f}", f"{r.loss[len(r.ts) // 2]:.4f}", f"{r.loss[-1]:.4f}",
                      f"{r.loss_barrier:.4f}", f"{100 * r.accuracy_barrier:.2f}",
-                     "" if seconds is None or method == "weight + REPAIR" else f"{seconds:.2f}"])  # fmt: skip
+                     "" if seconds is None or "REPAIR" in method else f"{seconds:.2f}"])  # fmt: skip
     lines = [markdown_table(["path", "loss at A", "loss at the midpoint", "loss at B", "loss barrier",
                              "accuracy barrier (pp)", "matching s"], rows)]  # fmt: skip
     if setting["repair_error"]:
@@ -319,8 +324,8 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
              f"## ViTs on digits ({cfg['vit_layers']} layers, width {cfg['vit_width']}, {HEADS} heads)", "",
              f"Traced spec: {vit['groups']} groups, {vit['units']} units.", "", *_table(vit), "",
              "![ViT paths](vit_paths.png)", "", findings_section(findings), "",
-             "REPAIR corrects the statistics of the units it can fold a correction into (the LayerNorms' affine, "
-             "the MLP's first layer); the query, key and value units inside attention stay as interpolated.", "",
+             "REPAIR corrects the statistics of the units it can fold a correction into: the LayerNorms' affine and "
+             "the MLP's first layer, and with `attention=True` the query, key and value projections too.", "",
              settings_section(scale, cfg, ["models of 1-4 layers and widths of 32-256, trained for minutes on a CPU "
                                            "(the papers: BERT-base and ViT-B sized models, trained for days)"],
                               seconds, device)]  # fmt: skip

