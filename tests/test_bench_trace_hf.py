@@ -1,5 +1,6 @@
-"""``pyperm bench trace --hf`` on three cheap Hugging Face models: GPT-2, Llama (grouped-query attention,
-rotary embeddings, float32 RMSNorm) and ViT, each traced, its function kept and a planted permutation found."""
+"""``pyperm bench trace --hf`` on four cheap Hugging Face models: GPT-2, Llama (grouped-query attention,
+rotary embeddings, float32 RMSNorm), Phi (partial rotary embeddings) and ViT, each traced, its function kept and
+a planted permutation found."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ pytest.importorskip("transformers")
 from pyperm.benchmarks import _hf_models as hf  # noqa: E402
 from pyperm.benchmarks import trace  # noqa: E402
 
-NAMES = ["hf:gpt2", "hf:llama", "hf:vit"]
+NAMES = ["hf:gpt2", "hf:llama", "hf:phi", "hf:vit"]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,10 @@ def test_units_by_kind_add_up(rows):
     assert gpt2["mlp"] == [hf.LAYERS * hf.MLP] * 2 + [0, 0]
     assert gpt2["attention"] == [hf.LAYERS * 3 * hf.WIDTH] * 4  # heads and head dims all move
     assert rows["hf:llama"].kinds["attention"][2] == rows["hf:llama"].kinds["attention"][0]  # the heads move
+    # Llama's rotary query/key head dims stay; its value head dims move, read alike by every query head.
+    assert rows["hf:llama"].kinds["attention"][3] == hf.LAYERS * hf.KV_HEADS * (hf.WIDTH // hf.HEADS)
+    phi = rows["hf:phi"]  # partial rotary: the heads move with their pass-through dims
+    assert phi.share >= 0.99 and phi.kinds["attention"][2] == phi.kinds["attention"][0]
 
 
 def test_table_and_flags(rows):

@@ -168,6 +168,134 @@ def test_tiled_head_dim_shared_by_every_head():
     assert_exact_symmetry(model, attention_spec(model, 2), torch.randn(2, 4, 5))
 
 
+class GroupedQueryAttention(nn.Module):
+    """4 query heads over 2 key/value heads (each kv head read by a block of 2 query heads), head dim 3."""
+
+    def __init__(self, d: int = 8, kv: int = 2, per_kv: int = 2, head_dim: int = 3) -> None:
+        super().__init__()
+        self.kv, self.per_kv, self.head_dim = kv, per_kv, head_dim
+        self.embed = nn.Linear(5, d)
+        self.q = nn.Linear(d, kv * per_kv * head_dim)
+        self.k, self.v = nn.Linear(d, kv * head_dim), nn.Linear(d, kv * head_dim)
+        self.o = nn.Linear(kv * per_kv * head_dim, d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        b, t, _ = h.shape
+        q = self.q(h).view(b, t, self.kv * self.per_kv, self.head_dim).transpose(1, 2)
+        k, v = (p(h).view(b, t, self.kv, self.head_dim).transpose(1, 2) for p in (self.k, self.v))
+        k, v = (z.repeat_interleave(self.per_kv, dim=1) for z in (k, v))  # query head i reads kv head i // per_kv
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1)
+        return self.head((h + self.o(a)).mean(1))
+
+
+def grouped_query_spec(model: GroupedQueryAttention) -> PermutationSpec:
+    """kv heads moved by one group, the query heads within every block by another, and the head dims of every
+    query head alike by the head-dim groups of k and v: copies of a tiled unit."""
+    qk, vo = Tiled(Tiled("qk", outer="q_heads"), outer="kv"), Tiled(Tiled("vo", outer="q_heads"), outer="kv")
+    k, v = Tiled("qk", outer="kv"), Tiled("vo", outer="kv")
+    sizes = {"s": 8, "kv": model.kv, "q_heads": model.per_kv, "qk": model.head_dim, "vo": model.head_dim}
+    return full_spec(
+        model, sizes, embed__weight=("s", None), embed__bias=("s",), q__weight=(qk, "s"), q__bias=(qk,),
+        k__weight=(k, "s"), k__bias=(k,), v__weight=(v, "s"), v__bias=(v,), o__weight=("s", vo), o__bias=("s",),
+        head__weight=(None, "s"),
+    )  # fmt: skip
+
+
+def test_tiled_unit_tiled_over_grouped_query_heads():
+    torch.manual_seed(0)
+    model = GroupedQueryAttention()
+    assert_exact_symmetry(model, grouped_query_spec(model), torch.randn(2, 4, 5))
+
+
+def test_tiled_unit_positions_and_relaxation():
+    """Every unit of a tiled unit owns one entry per copy; the relaxation of permutation matrices is the permutation."""
+    from pyperm.nn.align._relaxation import apply_relaxed, one_hot
+
+    spec = PermutationSpec({"w": (Tiled(Tiled("d", outer="q"), outer="k", inner=2), None),
+                            "v": (Tiled(Segments(1, "d"), outer="q"), None)}, {"k": 2, "q": 2, "d": 3})  # fmt: skip
+    assert spec.axis_length("w", 0) == 24
+    assert spec.unit_positions("w", 0, "k").tolist() == [list(range(12)), list(range(12, 24))]
+    assert spec.unit_positions("w", 0, "q").sort(1).values.tolist() == [[0, 1, 2, 3, 4, 5, 12, 13, 14, 15, 16, 17],
+                                                                        [6, 7, 8, 9, 10, 11, 18, 19, 20, 21, 22, 23]]
+    assert sorted(spec.unit_positions("w", 0, "d")[0].tolist()) == [0, 1, 6, 7, 12, 13, 18, 19]
+    perms = random_permutations(spec, 0)
+    state = {"w": torch.randn(24, 3, dtype=torch.float64), "v": torch.randn(8, 3, dtype=torch.float64)}
+    relaxed, permuted = apply_relaxed(spec, one_hot(spec, perms), state), apply_permutation(spec, perms, state)
+    for key in state:
+        torch.testing.assert_close(relaxed[key], permuted[key])
+
+
+@pytest.mark.parametrize("form", ["tiled-grouped-query", "tiled-partial-rotary"])
+def test_weight_matching_of_a_tiled_unit_takes_the_reference_steps(form):
+    """Two unrelated models: the fast matcher over the lowered sub-axes (and their cuts) is the plain reference,
+    sweep for sweep."""
+    from pyperm.nn.align._structured import reference_matching
+
+    torch.manual_seed(0)
+    factory, make_spec = FORMS[form]
+    a, b = factory(), factory()
+    spec, sa, sb = make_spec(a), a.state_dict(), b.state_dict()
+    for seed in (0, 1):
+        fast = weight_matching(spec, sa, sb, seed=seed, init="identity", dtype=torch.float64)
+        plain = reference_matching(spec, sa, sb, seed=seed, dtype=torch.float64)
+        assert fast.perms == plain.perms and fast.iterations == plain.iterations
+        assert fast.objective[-1] == pytest.approx(matching_objective(spec, sa, sb, fast.perms), rel=1e-9)
+
+
+class PartialRotary(nn.Module):
+    """4 heads whose first 2 query/key dims turn by the token's angle (in place), the other 2 passed through."""
+
+    def __init__(self, d: int = 8, heads: int = 4, rotary: int = 2, passed: int = 2) -> None:
+        super().__init__()
+        self.heads, self.rotary, self.head_dim = heads, rotary, rotary + passed
+        self.embed = nn.Linear(5, d)
+        self.q, self.k = nn.Linear(d, heads * self.head_dim), nn.Linear(d, heads * self.head_dim)
+        self.v, self.o = nn.Linear(d, heads * 3), nn.Linear(heads * 3, d)
+        self.head = nn.Linear(d, 3)
+
+    def _turned(self, z):
+        b, t, _ = z.shape
+        z = z.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        angle = torch.arange(t, dtype=z.dtype).view(t, 1)
+        x, y, rest = z[..., 0:1], z[..., 1:2], z[..., self.rotary :]
+        return torch.cat([x * angle.cos() - y * angle.sin(), x * angle.sin() + y * angle.cos(), rest], -1)
+
+    def forward(self, x):
+        h = self.embed(x)
+        b, t, _ = h.shape
+        v = self.v(h).view(b, t, self.heads, 3).transpose(1, 2)
+        a = F.scaled_dot_product_attention(self._turned(self.q(h)), self._turned(self.k(h)), v)
+        return self.head((h + self.o(a.transpose(1, 2).reshape(b, t, -1))).mean(1))
+
+
+def partial_rotary_spec(model: PartialRotary) -> PermutationSpec:
+    """Heads moved by one group; within every head the rotary dims in place and the rest moved alike."""
+    qk, vo = Tiled(Segments(model.rotary, "qk"), outer="h"), Tiled("vo", outer="h")
+    sizes = {"s": 8, "h": model.heads, "qk": model.head_dim - model.rotary, "vo": 3}
+    return full_spec(
+        model, sizes, embed__weight=("s", None), embed__bias=("s",), q__weight=(qk, "s"), q__bias=(qk,),
+        k__weight=(qk, "s"), k__bias=(qk,), v__weight=(vo, "s"), v__bias=(vo,), o__weight=("s", vo), o__bias=("s",),
+        head__weight=(None, "s"),
+    )  # fmt: skip
+
+
+def test_tiled_segments_unit_of_partial_rotary_heads():
+    torch.manual_seed(0)
+    model = PartialRotary()
+    spec = partial_rotary_spec(model)
+    assert_exact_symmetry(model, spec, torch.randn(2, 4, 5))
+    assert spec.unit_positions("q.weight", 0, "qk").tolist() == [[2, 6, 10, 14], [3, 7, 11, 15]]
+    # Swapping the two rotary dims of every head as well changes the function: the Segments unit is needed.
+    axes = {k: (Tiled("qk", outer="h"),) + v[1:] if k[0] in "qk" else v for k, v in spec.axes.items()}
+    wrong = PermutationSpec(axes, {**spec.sizes, "qk": 4})
+    x, swapped = torch.randn(2, 4, 5), PartialRotary()
+    swapped.load_state_dict(apply_permutation(wrong, {**wrong.identity(), "qk": torch.tensor([1, 0, 2, 3])},
+                                              model.state_dict()))  # fmt: skip
+    assert not torch.allclose(swapped(x), model(x))
+
+
 # --------------------------------------------------------------------------- one group on two axes
 
 
@@ -305,8 +433,15 @@ def test_bad_forms_are_refused():
         PermutationSpec({"w": ("a",)}, {"a": 2.0})
     with pytest.raises(ValueError, match=r"sizes\['a'\] must be at least 1, got 0"):
         PermutationSpec({"w": ("a",)}, {"a": 0})
-    with pytest.raises(TypeError, match="Tiled group must be a group name"):
+    with pytest.raises(TypeError, match="Tiled group must be a group name, a Tiled form or a Segments of group names "
+                                        "and ints, got 3"):  # fmt: skip
         Tiled(3)
+    with pytest.raises(TypeError, match=r"Tiled group must be .*, got Segments\('a', Tiled"):
+        Tiled(Segments("a", Tiled("b")), outer="c")
+    with pytest.raises(TypeError, match=r"Tiled group must be .*, got Blocks"):
+        Tiled(Blocks("h", "d"), outer=2)
+    with pytest.raises(ValueError, match=r"Tiled outer must be another group than those of Tiled\(group='a'"):
+        Tiled(Tiled("a", outer="b"), outer="b")
     with pytest.raises(ValueError, match=r"tensor 'w' axis 1 names unknown group 'b'"):
         PermutationSpec({"w": ("a", Segments("a", "b"))}, {"a": 2})
     with pytest.raises(TypeError, match=r"tensor 'w' axis 0: an axis entry must be .* got list"):
@@ -335,6 +470,8 @@ def test_groups_and_renaming_of_every_form():
         None: (),
         Tiled("a", inner=4): ("a",),
         Tiled("a", outer="b"): ("a", "b"),
+        Tiled(Tiled("a", outer="b"), outer="c", inner=2): ("a", "b", "c"),
+        Tiled(Segments(2, "a", "b"), outer="c"): ("a", "b", "c"),
         Blocks("h", "d"): ("h", "d"),
         Blocks(2, "d"): ("d",),
         Segments("a", 3, Tiled("b", outer="c"), Blocks("h", "d"), "a"): ("a", "b", "c", "h", "d"),
@@ -389,6 +526,8 @@ FORMS = {
     "dense-block": (DenseBlock, dense_block_spec),
     "tiled-flatten": (FlattenVGG, flatten_spec),
     "tiled-heads": (Attention, attention_spec),
+    "tiled-grouped-query": (GroupedQueryAttention, grouped_query_spec),
+    "tiled-partial-rotary": (PartialRotary, partial_rotary_spec),
     "two-axes": (OneLayerResidual, two_axes_spec),
     "interleaved": (Shuffled, interleaved_spec),
     "lstm": (RecurrentClassifier, recurrent_spec),

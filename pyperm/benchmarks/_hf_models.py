@@ -464,6 +464,10 @@ def _head_moves(spec: Any, entry: Any) -> tuple[int, int]:
     assert isinstance(entry, Tiled)
     if entry.inner > 1:  # every unit is a whole head
         return n * (_moves(spec, entry.group) or _moves(spec, entry.outer)), 0
+    if not isinstance(entry.group, str):  # a unit form (query heads over kv heads, partial rotary dims)
+        heads, dims = _head_moves(spec, entry.group)
+        unit = _entry_length(spec, entry.group)
+        return (n if _moves(spec, entry.outer) else n // unit * heads), n // unit * dims
     return n * _moves(spec, entry.outer), n * _moves(spec, entry.group)
 
 

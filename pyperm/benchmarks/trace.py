@@ -355,7 +355,7 @@ def _entry_length(spec, entry: Any) -> int:
         return spec.sizes[entry]
     if isinstance(entry, Tiled):
         copies = spec.sizes[entry.outer] if isinstance(entry.outer, str) else entry.outer
-        return copies * spec.sizes[entry.group] * entry.inner
+        return copies * _entry_length(spec, entry.group) * entry.inner
     if isinstance(entry, Blocks):
         return spec.sizes[entry.inner]
     return sum(part if isinstance(part, int) else _entry_length(spec, part) for part in entry.parts)
@@ -372,7 +372,7 @@ def _moved(spec, entry: Any) -> int:
     if isinstance(entry, str):
         groups = [entry]
     elif isinstance(entry, Tiled):
-        groups = [entry.group] + ([entry.outer] if isinstance(entry.outer, str) else [])
+        groups = list(entry.groups())
     else:  # Blocks: its inner group moves units within blocks of more than one
         blocks = spec.sizes[entry.outer] if isinstance(entry.outer, str) else entry.outer
         groups = ([entry.outer] if isinstance(entry.outer, str) else []) + ([entry.inner] * (spec.sizes[entry.inner]

@@ -24,7 +24,8 @@ bundled models) is *flat*, and stays as it was.
 - :class:`Tiled`: one group repeated over a fixed block. ``Tiled(g, inner=H*W)`` is the
   flatten of a ``C x H x W`` feature map (unit ``c`` owns ``H*W`` consecutive features);
   ``Tiled(g, outer=heads)`` is the same permutation of ``head_dim`` units within every
-  attention head.
+  attention head. The repeated unit may be a form itself (a ``Tiled``, or a ``Segments``
+  of groups and fixed entries): the same permutation of a structured block in every copy.
 - :class:`Blocks`: a group of groups. ``Blocks(h, d)`` permutes whole blocks (attention
   heads, the groups of a grouped convolution) by ``h`` and the units within each block by
   ``d``, a different permutation in every block.
@@ -75,10 +76,18 @@ class Tiled:
     (the input channels of a grouped convolution: its groups move, and the channels
     within every group move alike, since every filter of a group reads them in one order).
 
+    The repeated unit may itself be a form, of ``n`` entries, whose own index permutes every
+    copy alike: a ``Tiled`` form (grouped-query attention's output projection reads
+    ``(kv_heads, query heads per kv head, head_dim)``, which is
+    ``Tiled(Tiled(dims, outer=query_heads), outer=kv_heads)``), or a :class:`Segments` of
+    group names and fixed entries (partial rotary embeddings: every head's first ``r`` query
+    dims turn in place, the rest move, ``Tiled(Segments(r, dims), outer=heads)``).
+
     Parameters
     ----------
-    group : str
-        The group (of ``n`` units).
+    group : str, Tiled or Segments
+        The group (of ``n`` units), or a form (of ``n`` entries) repeated as a whole: a ``Tiled``
+        form, or a ``Segments`` of group names and ints.
     outer : int or str, default 1
         The number of copies, or the group permuting them (its size is the number).
     inner : int, default 1
@@ -101,30 +110,46 @@ class Tiled:
     >>> spec = PermutationSpec({"w": (Tiled("c", outer="b"),)}, {"b": 2, "c": 2})
     >>> spec.axis_index("w", 0, {"b": [1, 0], "c": [1, 0]}).tolist()
     [3, 2, 1, 0]
+
+    Copies of a tiled unit: 2 blocks moved by ``k``, each of 2 copies moved by ``q`` of 2 units moved by ``d``:
+
+    >>> spec = PermutationSpec({"w": (Tiled(Tiled("d", outer="q"), outer="k"),)}, {"k": 2, "q": 2, "d": 2})
+    >>> spec.axis_index("w", 0, {"k": [1, 0], "q": [1, 0], "d": [1, 0]}).tolist()
+    [7, 6, 5, 4, 3, 2, 1, 0]
+
+    Heads of 1 fixed entry and 2 units of ``d``, moved by ``h``:
+
+    >>> spec = PermutationSpec({"w": (Tiled(Segments(1, "d"), outer="h"),)}, {"h": 2, "d": 2})
+    >>> spec.axis_index("w", 0, {"h": [1, 0], "d": [1, 0]}).tolist()
+    [3, 5, 4, 0, 2, 1]
     """
 
-    group: str
+    group: str | Tiled | Segments
     outer: int | str = 1
     inner: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.group, str):
-            raise TypeError(f"Tiled group must be a group name, got {type(self.group).__name__}")
+        # A Segments unit of groups and fixed entries only: each part lowers to one cut of the unit's sub-axis.
+        plain = isinstance(self.group, Segments) and all(isinstance(p, (str, int)) for p in self.group.parts)
+        if not isinstance(self.group, (str, Tiled)) and not plain:
+            raise TypeError("Tiled group must be a group name, a Tiled form or a Segments of group names and ints, "
+                            f"got {self.group!r}")  # fmt: skip
         if isinstance(self.outer, str):
-            if self.outer == self.group:
-                raise ValueError(f"Tiled outer must be another group than {self.group!r}")
+            if self.outer in entry_groups(self.group):
+                what = repr(self.group) if isinstance(self.group, str) else f"those of {self.group!r}"
+                raise ValueError(f"Tiled outer must be another group than {what}")
         else:
             object.__setattr__(self, "outer", check_positive_int(self.outer, "Tiled outer"))
         object.__setattr__(self, "inner", check_positive_int(self.inner, "Tiled inner"))
 
     def groups(self) -> tuple[str, ...]:
-        """The groups this form names: its group, then its outer group if it has one."""
-        return (self.group,) + ((self.outer,) if isinstance(self.outer, str) else ())
+        """The groups this form names: its unit's, then its outer group if it has one."""
+        return entry_groups(self.group) + ((self.outer,) if isinstance(self.outer, str) else ())
 
     def renamed(self, mapping: Mapping[str, str]) -> Tiled:
         """The same form over the groups ``mapping`` gives for its own (every one must be there)."""
         outer = mapping[self.outer] if isinstance(self.outer, str) else self.outer
-        return Tiled(mapping[self.group], outer, self.inner)
+        return Tiled(rename_entry(self.group, mapping), outer, self.inner)
 
 
 @dataclass(frozen=True)
@@ -477,7 +502,7 @@ class PermutationSpec:
         if isinstance(entry, str):
             return self.sizes[entry]
         if isinstance(entry, Tiled):
-            return self._copies(entry) * self.sizes[entry.group] * entry.inner
+            return self._copies(entry) * self._length(entry.group) * entry.inner  # type: ignore[operator]
         if isinstance(entry, Blocks):
             return self.sizes[entry.inner]
         return sum(part if isinstance(part, int) else self._length(part) for part in entry.parts)  # type: ignore[misc]
@@ -530,7 +555,7 @@ class PermutationSpec:
             if isinstance(entry, str):
                 return torch.as_tensor(perms[entry], dtype=torch.int64)
             if isinstance(entry, Tiled):
-                p = torch.as_tensor(perms[entry.group], dtype=torch.int64)
+                p = index(entry.group)  # a tiled unit: its own index, alike in every copy
                 n = p.numel()
                 copies = (
                     torch.as_tensor(perms[entry.outer], dtype=torch.int64).to(p.device)
@@ -594,6 +619,10 @@ class PermutationSpec:
                 return [place[(torch.arange(n).view(-1, 1, 1) * entry.inner + outer + inner).reshape(n, -1)]]
             if isinstance(entry, Tiled) and entry.outer == group:  # whole copies
                 return [place.reshape(n, -1)]
+            if isinstance(entry, Tiled) and group in entry_groups(entry.group):  # a unit form, in every copy
+                tiles = place.reshape(self._copies(entry), -1, entry.inner)
+                return [torch.cat([torch.cat(positions(entry.group, tile[:, i]), 1)
+                                   for tile in tiles for i in range(entry.inner)], 1)]  # fmt: skip
             if isinstance(entry, Blocks) and entry.inner == group:
                 return [place.reshape(n, 1)]
             if isinstance(entry, Blocks) and entry.outer == group and outer_blocks:

@@ -112,7 +112,7 @@ def _length(entry: Any, matrices: Mapping[str, torch.Tensor]) -> int:
         return matrices[entry].shape[-1]
     if isinstance(entry, Tiled):
         copies = matrices[entry.outer].shape[-1] if isinstance(entry.outer, str) else entry.outer
-        return copies * matrices[entry.group].shape[-1] * entry.inner
+        return copies * _length(entry.group, matrices) * entry.inner
     if isinstance(entry, Blocks):
         return matrices[entry.inner].shape[0] * matrices[entry.inner].shape[-1]
     return sum(_length(part, matrices) for part in entry.parts)
@@ -130,9 +130,11 @@ def _relax_axis(entry: Any, matrices: Mapping[str, torch.Tensor], tensor: torch.
         return _multiply_axis(matrices[entry], tensor, 0)
     rest = tensor.shape[1:]
     if isinstance(entry, Tiled):
-        d = matrices[entry.group]
-        tiles = tensor.reshape(-1, d.shape[0], entry.inner, *rest)
-        out = _multiply_axis(d, tiles, 1)
+        tiles = tensor.reshape(-1, _length(entry.group, matrices), entry.inner, *rest)
+        if isinstance(entry.group, str):
+            out = _multiply_axis(matrices[entry.group], tiles, 1)
+        else:  # a tiled unit: its own matrices along the unit's axis, alike in every copy
+            out = _relax_axis(entry.group, matrices, tiles.movedim(1, 0)).movedim(0, 1)
         if isinstance(entry.outer, str):
             out = _multiply_axis(matrices[entry.outer], out, 0)
         return out.reshape(tensor.shape)

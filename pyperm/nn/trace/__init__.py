@@ -76,15 +76,17 @@ Attention variants: with grouped-query attention (key/value heads repeated over 
 heads they serve, by ``expand`` + ``reshape`` or SDPA's ``enable_gqa``) the key/value heads
 are a group that moves every key/value head with its block of query heads, and the query
 heads within every block move alike by a group of their own (``Tiled(within, kv, head_dim)``
-on the query projection's rows); the head dims stay in place there, since no axis form names
-a head-dim permutation inside query heads tiled over key/value heads (one line of
-``TraceResult.composites`` per layer says so). Multi-query attention (one key/value head)
-leaves the query heads free. (The query heads within a block need the key/value heads'
+on the query projection's rows); the head dims move by the key's and value's head-dim groups,
+alike in every query head: the query projection's rows and the output projection's columns
+are copies of a tiled unit, ``Tiled(Tiled(dims, outer=within), outer=kv)``. Multi-query
+attention (one key/value head) leaves the query heads free. (The query heads within a block need the key/value heads'
 ``expand`` to give the axes it creates a class, which the ATen rule of ``expand`` does and the
 torch.fx rule does not yet: under torch.fx they stay in order, and so do multi-query attention's
 query heads when ``repeat_kv`` expands the single key/value head.) Rotary position embeddings turn every pair of query/key head
 dims at its own frequency, so no permutation of those dims keeps the function: multiplying by
-the cos/sin tables fixes them (value head dims stay permuted). A fused q/k/v projection is
+the cos/sin tables fixes them (value head dims stay permuted); with partial rotary embeddings
+(Phi: only the first dims of every head turn) every query/key head is a fixed part and a group,
+``Tiled(Segments(rotary, dims), outer=heads)``. A fused q/k/v projection is
 ``Segments`` of q, k and v; GPT-2's ``Conv1D`` (``addmm`` with the weight stored (in, out)),
 RMSNorm written out (pow, mean, rsqrt, mul), gated MLPs (gate and up projections share the
 intermediate group) and tied input and output embeddings (one tensor, one group) need nothing

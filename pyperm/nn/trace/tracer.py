@@ -172,12 +172,10 @@ class _SpecEntries:
             self.pieces.setdefault(self.units.root(sub), (cut, i))
         self.sizes: dict[str, int] = {}
         self.unnamed: list[tuple[str, Any]] = []
-        self.within: list[tuple[str, Any]] = []  # units within blocks that must stay for the blocks to move
 
     def reset(self) -> None:
         self.sizes.clear()
         self.unnamed.clear()
-        self.within.clear()
 
     def _unique(self, name: str) -> str:
         """``name``, or with a suffix when another class has it: two groups never share a name."""
@@ -227,11 +225,16 @@ class _SpecEntries:
                 # The blocks cannot move; their units still can.
                 count = units.size(structure.outer)
                 return Blocks(count, inner) if isinstance(structure, BlockAxis) else Tiled(inner, count)
-            if isinstance(structure, MovedTileAxis) and isinstance(outer, Tiled) and inner is not None:
-                # Blocks moved by a structured class (query heads tiled over the key/value heads they read): a
-                # spec names their move once the units within every block stay in place, so those are fixed.
-                self.within.append((key, structure.atom))
-                return None
+            if isinstance(structure, MovedTileAxis) and _is_unit(inner):
+                # Every block's units alike: a form of its own (partial rotary head dims: a fixed part, then a
+                # group) in blocks moved by a group, in place, or by a structured class (query heads tiled over
+                # the key/value heads they read).
+                if isinstance(outer, str):
+                    return Tiled(inner, outer)
+                if outer is None and units.is_fixed(structure.outer):
+                    return Tiled(inner, units.size(structure.outer))
+                if isinstance(outer, Tiled):
+                    return _tiled_over(inner, outer)
             self.unnamed.append((key, a))  # the spec cannot name it: its units are fixed
             return None
         if isinstance(structure, PartsAxis):  # never merged back: its parts were fixed
@@ -280,7 +283,27 @@ def _tiled(entry: Any, outer: int, inner: int) -> Any:
     if isinstance(entry, Segments) and outer == 1:  # every part's entries become blocks
         parts = [part * inner if isinstance(part, int) else _tiled(part, 1, inner) for part in entry.parts]
         return None if any(part is None for part in parts) else Segments(*parts)
+    if _is_unit(entry):  # copies of a concatenation of groups and fixed entries
+        return Tiled(entry, outer, inner)
     return None
+
+
+def _is_unit(entry: Any) -> bool:
+    """Whether ``entry`` can be the repeated unit of a Tiled form: a group, a Tiled form, or a Segments of
+    groups and fixed entries."""
+    if isinstance(entry, Segments):
+        return all(isinstance(part, (str, int)) for part in entry.parts)
+    return isinstance(entry, (str, Tiled))
+
+
+def _tiled_over(unit: str | Tiled | Segments, copies: str | Tiled) -> Tiled:
+    """The spec entry of copies of ``unit`` moved by the index of the entry ``copies`` (one copy per entry): a
+    Tiled copies form ``(outer, n, inner)`` is copies of copies, the innermost tiling the unit."""
+    if isinstance(copies, str):
+        return Tiled(unit, copies)
+    unit = Tiled(unit, copies.inner) if copies.inner > 1 else unit  # entries of one unit of the copies' group
+    tiled = _tiled_over(unit, copies.group)
+    return tiled if copies.outer == 1 else Tiled(tiled, copies.outer)  # one copy in place: the unit itself
 
 
 def _build_spec(labeler: Labeler) -> tuple[PermutationSpec, _SpecEntries]:
@@ -293,20 +316,12 @@ def _build_spec(labeler: Labeler) -> tuple[PermutationSpec, _SpecEntries]:
         entries.reset()
         for key in units.state_dict:
             axes[key] = tuple(entries(a, f"{key}_{axis}", key) for axis, a in units.atoms_of(key))
-        if not entries.unnamed and not entries.within:
+        if not entries.unnamed:
             break
         for key, a in entries.unnamed:  # fixing them may change other entries: build again
             units.fix(a)
             labeler.note(f"parameter {key!r} would need a concatenation repeated over a block, which a "
                          "PermutationSpec cannot name: units fixed")  # fmt: skip
-        first: dict[int, tuple[str, Any]] = {}  # one line per class (a weight and its bias share it)
-        for key, a in entries.within:
-            first.setdefault(units.root(a), (key, a))
-        for key, a in first.values():
-            units.fix(a)
-            labeler.note(f"parameter {key!r} has blocks moved by a structured group (grouped-query attention: query "
-                         "heads tiled over the key/value heads they read); a PermutationSpec names that move with the "
-                         "units within every block in place: those units fixed")  # fmt: skip
     sizes = entries.sizes
     # Keep the groups in graph order of their first producer, then the rest.
     ordered: dict[str, int] = {}
