@@ -9,13 +9,9 @@ import argparse
 import pytest
 import torch
 
-from pyperm.testing import import_torchvision
+from _vision import import_transformers
 
-try:
-    import_torchvision()  # transformers imports torchvision, which needs patching over the CPU torch
-except ModuleNotFoundError:
-    pass
-pytest.importorskip("transformers")
+import_transformers()
 
 from pyperm.benchmarks import _hf_models as hf  # noqa: E402
 from pyperm.benchmarks import trace  # noqa: E402

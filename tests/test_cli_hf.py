@@ -11,11 +11,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 pytest.importorskip("matplotlib")
 
-from pyperm.cli import main
-from pyperm.testing import import_torchvision
+from _vision import import_transformers
 
-import_torchvision()  # transformers imports torchvision
-transformers = pytest.importorskip("transformers")
+from pyperm.cli import main
+
+transformers = import_transformers()
 
 NO_BARS = ["--no-progress"]
 

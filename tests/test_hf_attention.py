@@ -19,6 +19,7 @@ import warnings
 
 import pytest
 import torch
+from _vision import import_transformers
 from torch import nn
 
 from pyperm.nn import (
@@ -33,17 +34,7 @@ from pyperm.nn.spec import Segments, Tiled
 from pyperm.testing import random_permutations
 
 
-def _import_transformers():
-    from pyperm.testing import import_torchvision
-
-    try:
-        import_torchvision()  # patches torchvision's import over the CPU torch; transformers imports it
-    except ModuleNotFoundError:
-        pass
-    return pytest.importorskip("transformers")
-
-
-transformers = _import_transformers()
+transformers = import_transformers()
 
 
 class Logits(nn.Module):

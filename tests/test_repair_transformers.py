@@ -15,6 +15,7 @@ import warnings
 
 import pytest
 import torch
+from _vision import import_transformers
 from torch import nn
 
 from pyperm.nn import repair
@@ -22,17 +23,7 @@ from pyperm.nn.models import single_output
 from pyperm.nn.state import interpolate
 
 
-def _import_transformers():
-    from pyperm.testing import import_torchvision
-
-    try:
-        import_torchvision()  # patches torchvision's import over the CPU torch; transformers imports it
-    except ModuleNotFoundError:
-        pass
-    return pytest.importorskip("transformers")
-
-
-transformers = _import_transformers()
+transformers = import_transformers()
 
 _GPT2 = {"vocab_size": 50, "n_positions": 16, "n_embd": 16, "n_layer": 1, "n_head": 2, "bos_token_id": 0,
          "eos_token_id": 0}
