@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from _digits import digits, train
 from _structured_models import STRUCTURED, outputs, structured_model
-from torch import nn
 
 from pyperm.nn import MergeResult, Permutations, apply_permutation, merge_many
 from pyperm.nn.models import MLP

@@ -8,9 +8,8 @@ import torch
 import torch.nn.functional as F
 from _digits import batches, digits, train
 
-from pyperm.nn import PermutationSpec, Permutations, STEMatchingResult, interpolate, ste_matching, weight_matching
+from pyperm.nn import Permutations, STEMatchingResult, interpolate, ste_matching, weight_matching
 from pyperm.nn.models import MLP
-from pyperm.nn.spec import Tiled
 from pyperm.testing import random_permutations
 
 WIDTHS = [64, 96, 96, 10]

@@ -103,7 +103,7 @@ def multihead_attention(call: TraceCall) -> Any:
 def scaled_dot_product_attention(call: TraceCall) -> Label:
     """``softmax(q k^T) v``: the query and key features join; the result carries the value features."""
     q, lq = call.first()
-    k, v = call.get(1, "key"), call.get(2, "value")
+    k = call.get(1, "key")
     lk, lv = call.arg(1, "key")[0], call.arg(2, "value")[0]
     if lk is None or lv is None:
         raise TraceError(f"{call.where()} expected query, key and value tensors")
