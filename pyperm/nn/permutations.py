@@ -112,14 +112,22 @@ def apply_permutation(
     spec.check_state_dict(state_dict)
     checked = as_permutations(spec, perms)
     out = {}
-    for key, groups in spec.axes.items():
-        t = state_dict[key]
-        for axis in range(len(groups)):
-            index = spec.axis_index(key, axis, checked)  # structured axes too (Segments, Tiled, Blocks)
-            if index is not None:
-                t = t.index_select(axis, index.to(t.device))
+    for key in spec.axes:
+        t = permute_entry(spec, checked, key, state_dict[key])
         out[key] = t if t is not state_dict[key] else t.clone()
     return out
+
+
+def permute_entry(spec: PermutationSpec, perms: Mapping[str, torch.Tensor], key: str,
+                  tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (the entry ``key`` of a state dict) permuted along every axis a group acts on, in any of the
+    spec's forms; ``perms`` already checked (:func:`as_permutations`). The tensor itself when no axis is
+    permuted (not a copy)."""
+    for axis in range(len(spec.axes[key])):
+        index = spec.axis_index(key, axis, perms)  # structured axes too (Segments, Tiled, Blocks, Interleaved)
+        if index is not None:
+            tensor = tensor.index_select(axis, index.to(tensor.device))
+    return tensor
 
 
 class Permutations(Mapping):

@@ -22,6 +22,7 @@ from torch import nn
 
 from pyperm.nn._runtime import inputs_and_targets, iterate_batches, to_device, training_flags
 from pyperm.nn.curves.bezier import BezierCurve
+from pyperm.nn.permutations import permute_entry
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.state import is_mixable
 
@@ -87,16 +88,7 @@ class CurveFunction:
 
     def permuted_end(self, perms: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """B's entries of ``permuted_keys``, permuted (index selection, no matrices)."""
-        return {k: _permute(self.spec, perms, k, self.sb[k]) for k in self.permuted_keys}
-
-
-def _permute(spec: PermutationSpec, perms: Mapping[str, torch.Tensor], key: str, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (entry ``key``) permuted along every axis a group acts on, in any of the spec's forms."""
-    for axis in range(len(spec.axes[key])):
-        index = spec.axis_index(key, axis, perms)
-        if index is not None:
-            tensor = tensor.index_select(axis, index.to(tensor.device))
-    return tensor
+        return {k: permute_entry(self.spec, perms, k, self.sb[k]) for k in self.permuted_keys}
 
 
 class Judge:

@@ -40,7 +40,7 @@ import pyperm
 from pyperm.nn.align._matcher import WeightMatcher
 from pyperm.nn.align._objective import WeightMatchingResult, _check_state, _objective, _objective_keys
 from pyperm.nn.align._pieces import inner_of_pairs
-from pyperm.nn.permutations import Permutations
+from pyperm.nn.permutations import Permutations, permute_entry
 from pyperm.nn.spec import PermutationSpec
 
 __all__ = ["STARTS", "copy_start", "match_from", "optimal_copy", "signature_start", "stalled"]
@@ -113,20 +113,12 @@ def optimal_copy(spec: PermutationSpec, state_a: Mapping[str, torch.Tensor], sta
     if not norms or any(abs(na - nb) > _COPY_TOL * max(na, nb) for na, nb in norms):
         return None  # a permutation keeps every norm: B is not a permuted copy of A
     perms = copy_start(spec, sa, sb, keys)
-    if not all(torch.equal(_permuted(spec, perms, k, sb[k]), sa[k]) for k in keys):
+    if not all(torch.equal(permute_entry(spec, perms, k, sb[k]), sa[k]) for k in keys):
         return None  # not a permuted copy (or units the fingerprints could not tell apart)
     # pi(B) is A to the last bit: the objective sum ||A_k||^2 is the bound sum ||A_k|| ||B_k||.
     objective = _objective(spec, sa, sb, perms, keys)
     logger.debug("weight_matching: B is a permuted copy of A, found by the copy start (objective %.9g)", objective)
     return WeightMatchingResult(perms=Permutations(spec, perms), objective=[objective], iterations=0, converged=True)
-
-
-def _permuted(spec: PermutationSpec, perms: Mapping[str, torch.Tensor], key: str, t: torch.Tensor) -> torch.Tensor:
-    for axis in range(t.ndim):
-        index = spec.axis_index(key, axis, perms)
-        if index is not None:
-            t = t.index_select(axis, index.to(t.device))
-    return t
 
 
 def _norm(t: torch.Tensor) -> float:

@@ -352,13 +352,12 @@ def _norm_sites(traced: TraceResult, groups: Mapping[str, str], model: nn.Module
     return out
 
 
-def _inside_a_layer(traced: TraceResult, site: ActivationSite) -> bool:
-    """Whether ``site``'s units are computed inside a layer and shown only through it: the query, key and
-    value heads of an attention layer (a projection), or a member of a layer's tuple output (a recurrent
-    layer's hidden states, an attention layer's output)."""
+def _inside_a_layer(site: ActivationSite, node: torch.fx.Node) -> bool:
+    """Whether ``site``'s units (at graph ``node``) are computed inside a layer and shown only through it: the
+    query, key and value heads of an attention layer (a projection), or a member of a layer's tuple output (a
+    recurrent layer's hidden states, an attention layer's output)."""
     if site.projection is not None:
         return True
-    node = next(n for n in traced.graph_module.graph.nodes if n.name == site.node)
     parent = node.args[0] if node.target is operator.getitem and node.args else None
     return isinstance(parent, torch.fx.Node) and parent.op == "call_module"
 
@@ -400,7 +399,7 @@ def _sites(traced: TraceResult, groups: Mapping[str, str], model: nn.Module,
     for c in candidates:
         if not c.norm and c.traced <= read:
             quiet.append(c.describe())
-        elif _inside_a_layer(traced, c.site):
+        elif _inside_a_layer(c.site, nodes[c.site.node]):
             inside.append(c.describe())
         elif not c.norm and not correct_attention and _feeds_attention(nodes[c.site.node], parameters):
             attention.append(c.describe())
