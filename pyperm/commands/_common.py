@@ -144,7 +144,7 @@ def cli_errors(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Cal
 def checkpoint_outputs(like: Any, out: Path, stem: str, model: str) -> list[Path]:
     """The files a command writes for a checkpoint in ``like``'s layout: ``out/<stem><suffix>`` (and its
     shards), or for ``--model hf`` a folder ``out/<stem>`` with the input's file names (``from_pretrained``
-    loads it; :func:`pyperm.commands._hf.copy_folder_files` adds the config and tokenizer)."""
+    loads it; :func:`pyperm.commands._hf.folder_copies` adds the config and tokenizer)."""
     from pyperm.checkpoints import default_name, output_paths
 
     if model == "hf":

@@ -18,7 +18,7 @@ from typing import Any
 
 from pyperm.commands._common import CommandError, LoadedModel
 
-__all__ = ["copy_folder_files", "files_to_copy", "folder_of", "hf_model"]
+__all__ = ["copy_files", "folder_copies", "folder_of", "hf_model"]
 
 # Files of a save_pretrained folder that hold weights: written by the command, never copied.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -85,17 +85,16 @@ def hf_model(checkpoint: str | Path, shape: tuple[int, ...] | None) -> LoadedMod
     return LoadedModel(f"hf ({names[0]})", model, spec, tuple(shape), example)
 
 
-def files_to_copy(source: Any) -> list[Path]:
-    """The files of ``source``'s folder that are not weights: config, generation config, tokenizer."""
+def folder_copies(source: Any, target: Path) -> list[tuple[Path, Path]]:
+    """The files of ``source``'s folder that are not weights (config, generation config, tokenizer), each with
+    its destination beside ``target`` (the written weights)."""
     folder = folder_of(source.path)
-    return [p for p in sorted(folder.iterdir())
+    return [(p, target.parent / p.name) for p in sorted(folder.iterdir())
             if p.is_file() and p.suffix not in _WEIGHT_SUFFIXES and not p.name.endswith(".index.json")]  # fmt: skip
 
 
-def copy_folder_files(source: Any, target: Path) -> list[Path]:
-    """Copy :func:`files_to_copy` of ``source`` into the folder of ``target`` (the written weights)."""
-    copied = []
-    for path in files_to_copy(source):
-        shutil.copyfile(path, target.parent / path.name)
-        copied.append(target.parent / path.name)
-    return copied
+def copy_files(copies: list[tuple[Path, Path]]) -> list[Path]:
+    """Copy every (source, destination) pair of :func:`folder_copies`; returns the destinations."""
+    for src, dst in copies:
+        shutil.copyfile(src, dst)
+    return [dst for _, dst in copies]

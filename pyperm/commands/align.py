@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         prepare_out,
         resolve_device,
     )
-    from pyperm.commands._hf import copy_folder_files, files_to_copy, folder_of
+    from pyperm.commands._hf import copy_files, folder_copies, folder_of
     from pyperm.commands._matching import match
     from pyperm.nn import apply_permutation, plot_paths
 
@@ -93,9 +93,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     stem = (folder_of(ckpt_b.path).name if args.model == "hf" else ckpt_b.path.name.split(".")[0]) + "_permuted"
     ckpt_files = checkpoint_outputs(ckpt_b, out, stem, args.model)
-    copies = [ckpt_files[0].parent / p.name for p in files_to_copy(ckpt_b)] if args.model == "hf" else []
+    copies = folder_copies(ckpt_b, ckpt_files[0]) if args.model == "hf" else []
     names = (
-        [str(p.relative_to(out)) for p in ckpt_files + copies]
+        [str(p.relative_to(out)) for p in ckpt_files + [dst for _, dst in copies]]
         + ["permutations.json", "report.json", "report.md"]
         + (["barrier.png"] if args.data else [])
     )
@@ -135,8 +135,7 @@ def run(args: argparse.Namespace) -> int:
         report["barriers"] = {label: r.to_dict() for label, r in barriers.items()}
 
     written = save_checkpoint(ckpt_b, permuted, ckpt_files[0], force=args.force)
-    if args.model == "hf":
-        written += copy_folder_files(ckpt_b, ckpt_files[0])
+    written += copy_files(copies)  # --model hf: the config and tokenizer beside the weights
     write_json(out / "permutations.json", perms.to_dict())
     write_json(out / "report.json", report)
     if barriers is not None:

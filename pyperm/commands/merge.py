@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         prepare_out,
         resolve_device,
     )
-    from pyperm.commands._hf import copy_folder_files, files_to_copy
+    from pyperm.commands._hf import copy_files, folder_copies
     from pyperm.nn import average, merge_many
 
     if len(args.checkpoints) < 2:
@@ -79,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
     ckpts = load_for_model(args.checkpoints, loaded)
     out = Path(args.out)
     ckpt_files = checkpoint_outputs(ckpts[0], out, "merged", args.model)
-    copies = [ckpt_files[0].parent / p.name for p in files_to_copy(ckpts[0])] if args.model == "hf" else []
-    names = [str(p.relative_to(out)) for p in ckpt_files + copies] + ["report.json", "report.md"]
+    copies = folder_copies(ckpts[0], ckpt_files[0]) if args.model == "hf" else []
+    names = [str(p.relative_to(out)) for p in ckpt_files + [dst for _, dst in copies]] + ["report.json", "report.md"]
     refuse_inputs([out / n for n in names], ckpts)
     prepare_out(out, names, args.force)
     data = load_data(args, device)
@@ -108,8 +108,7 @@ def run(args: argparse.Namespace) -> int:
         report["data"] = {"name": data.name, "test_samples": data.num_test}
         report["evaluation"] = evaluations
     written = save_checkpoint(ckpts[0], merged, ckpt_files[0], force=args.force)
-    if args.model == "hf":
-        written += copy_folder_files(ckpts[0], ckpt_files[0])
+    written += copy_files(copies)  # --model hf: the config and tokenizer beside the weights
     write_json(out / "report.json", report)
     (out / "report.md").write_text(_markdown(report))
     print(f"merged {len(ckpts)} checkpoints in {result.iterations} rounds ({timer.seconds:.2f} s): {written[0]}")
