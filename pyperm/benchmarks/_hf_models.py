@@ -27,7 +27,7 @@ from typing import Any
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyperm._tables import markdown_table, text_table
-from pyperm.benchmarks.trace import SURVEY_TARGET, SurveyRow, survey_flags
+from pyperm.benchmarks.trace import SURVEY_TARGET, SurveyRow, print_survey, survey_flags
 
 __all__ = ["HF_MODELS", "HFSurveyRow", "build_hf", "hf_flags", "hf_names", "hf_table", "run_hf_survey", "survey_hf",
            "survey_hf_model"]  # fmt: skip
@@ -645,13 +645,7 @@ def run_hf_survey(args: Any) -> int:
           "attention: units moved by a group / units; heads, head dims: share of the attention projections' units "
           "moved with their head, within it; max abs out change: float64 outputs under a random permutation of "
           "every group as transformers computes them; all float64: with its float32 casts kept in float64")  # fmt: skip
-    print(hf_table(rows, args.markdown))
-    for line in hf_flags(rows):
-        print(line)
-    failures = [f for r in rows for f in r.failures()]
-    for line in failures:
-        print(f"FAILED: {line}")
-    return 1 if failures else 0
+    return print_survey(rows, hf_table(rows, args.markdown), hf_flags(rows))
 
 
 def _version() -> str:

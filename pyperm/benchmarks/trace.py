@@ -501,8 +501,13 @@ def run_survey(args: argparse.Namespace) -> int:
           f"models at {args.size}x{args.size} (unless the row says otherwise), trace time: median of {args.repeat}; "
           "permuted: the hidden units a group moves; max abs out change: float64 outputs under a random permutation "
           "of every group")  # fmt: skip
-    print(survey_table(rows, args.markdown))
-    for line in survey_flags(rows):
+    return print_survey(rows, survey_table(rows, args.markdown), survey_flags(rows))
+
+
+def print_survey(rows: Sequence[Any], table: str, flags: Sequence[str]) -> int:
+    """Print a survey's table, its flags and its failures (``row.failures()``); 1 when any, else 0."""
+    print(table)
+    for line in flags:
         print(line)
     failures = [f for r in rows for f in r.failures()]
     for line in failures:
