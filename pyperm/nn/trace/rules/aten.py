@@ -31,7 +31,7 @@ from pyperm.nn.trace.rules.combine import split
 from pyperm.nn.trace.rules.conv import convolution
 from pyperm.nn.trace.rules.norms import channel_norm, last_axes_norm
 from pyperm.nn.trace.rules.pointwise import elementwise, nonlinear, same
-from pyperm.nn.trace.rules.pooling import pooling
+from pyperm.nn.trace.rules.pooling import pooling, reduced
 from pyperm.nn.trace.rules.shape import pad_function, reshape
 from pyperm.nn.trace.sites import Role
 
@@ -259,9 +259,7 @@ def vector_norm(call: TraceCall) -> Label:
     dim = [dim] if isinstance(dim, int) else dim
     dims = {int(d) % x.ndim for d in dim} if dim else set(range(x.ndim))  # None or []: every axis
     call.role = Role.PASS
-    if out.ndim == x.ndim:  # keepdim
-        return Label(None if i in dims else a for i, a in enumerate(lx))
-    return Label(a for i, a in enumerate(lx) if i not in dims)
+    return reduced(lx, dims, keepdim=out.ndim == x.ndim)
 
 
 def each_like_input(call: TraceCall) -> Any:

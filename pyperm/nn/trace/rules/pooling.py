@@ -94,9 +94,14 @@ def reduce(call: TraceCall) -> Label:
             dim = arg
     dims = _dims(dim, x.ndim)
     dims = list(range(x.ndim)) if dims is None else dims
-    # Sums, means, maxima over units are invariant under a permutation of those units.
     call.role = Role.PASS
-    if out.ndim == x.ndim:  # keepdim
+    return reduced(lx, dims, keepdim=out.ndim == x.ndim)
+
+
+def reduced(lx: Label, dims: Any, keepdim: bool) -> Label:
+    """The label of a reduction of ``lx`` over ``dims``: sums, means, maxima and norms over units are invariant
+    under a permutation of those units, so the reduced axes go (or stay, with one entry, under ``keepdim``)."""
+    if keepdim:
         return Label(None if i in dims else a for i, a in enumerate(lx))
     return Label(a for i, a in enumerate(lx) if i not in dims)
 
