@@ -540,3 +540,13 @@ def test_weight_matching_recovers_a_planted_permutation(form):
     factory, make_spec = FORMS[form]
     model = factory()
     planted_recovery(model, make_spec(model))
+
+
+def test_entry_length_of_every_form():
+    spec = PermutationSpec({"w": (Segments("a", Tiled("b", inner=3, outer=2), 4), None),
+                            "v": (Interleaved("c", "c"), Blocks("e", "d"))},
+                           {"a": 2, "b": 5, "c": 3, "d": 6, "e": 2})  # fmt: skip
+    assert [spec.entry_length(e) for e in (None, 4, "a", Tiled("b", inner=3, outer=2))] == [None, 4, 2, 30]
+    assert spec.entry_length(spec.axes["w"][0]) == 2 + 30 + 4 == spec.axis_length("w", 0)
+    assert spec.entry_length(Interleaved("c", "c")) == 6 and spec.entry_length(Blocks("e", "d")) == 6
+    assert spec.axis_length("w", 1) is None

@@ -186,6 +186,6 @@ def test_aten_slices_selects_gathers_and_addmm():
     result = trace_model(model, x)
     assert result.frontend == "export" and result.composites == ()
     rows = result.spec.axes["fc.weight"][0]
-    assert isinstance(rows, Segments) and [result.spec._length(p) for p in rows.parts] == [10, 6]
+    assert isinstance(rows, Segments) and [result.spec.entry_length(p) for p in rows.parts] == [10, 6]
     assert result.spec.axes["w"] == (rows.parts[0], result.spec.axes["head.weight"][1])
     _same_function(model, Sliced().double(), result.spec, x)

@@ -449,11 +449,9 @@ def _head_moves(spec: Any, entry: Any) -> tuple[int, int]:
     """
     from pyperm.nn.spec import Blocks, Segments, Tiled
 
-    from pyperm.benchmarks.trace import _entry_length
-
     if entry is None:
         return 0, 0
-    n = _entry_length(spec, entry)
+    n = spec.entry_length(entry)
     if isinstance(entry, Segments):
         parts = [_head_moves(spec, part) for part in entry.parts if not isinstance(part, int)]
         return sum(h for h, _ in parts), sum(d for _, d in parts)
@@ -466,7 +464,7 @@ def _head_moves(spec: Any, entry: Any) -> tuple[int, int]:
         return n * (_moves(spec, entry.group) or _moves(spec, entry.outer)), 0
     if not isinstance(entry.group, str):  # a unit form (query heads over kv heads, partial rotary dims)
         heads, dims = _head_moves(spec, entry.group)
-        unit = _entry_length(spec, entry.group)
+        unit = spec.entry_length(entry.group)
         return (n if _moves(spec, entry.outer) else n // unit * heads), n // unit * dims
     return n * _moves(spec, entry.outer), n * _moves(spec, entry.group)
 

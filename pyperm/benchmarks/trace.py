@@ -347,20 +347,6 @@ def _hidden_axes(model, used: dict[str, bool]) -> list[tuple[str, str, int, bool
     return axes
 
 
-def _entry_length(spec, entry: Any) -> int:
-    """The number of entries an axis entry spans."""
-    from pyperm.nn.spec import Blocks, Tiled
-
-    if isinstance(entry, str):
-        return spec.sizes[entry]
-    if isinstance(entry, Tiled):
-        copies = spec.sizes[entry.outer] if isinstance(entry.outer, str) else entry.outer
-        return copies * _entry_length(spec, entry.group) * entry.inner
-    if isinstance(entry, Blocks):
-        return spec.sizes[entry.inner]
-    return sum(part if isinstance(part, int) else _entry_length(spec, part) for part in entry.parts)
-
-
 def _moved(spec, entry: Any) -> int:
     """How many entries of an axis some group moves (fixed parts of a concatenation, one-unit groups: none)."""
     from pyperm.nn.spec import Interleaved, Segments, Tiled
@@ -377,7 +363,7 @@ def _moved(spec, entry: Any) -> int:
         blocks = spec.sizes[entry.outer] if isinstance(entry.outer, str) else entry.outer
         groups = ([entry.outer] if isinstance(entry.outer, str) else []) + ([entry.inner] * (spec.sizes[entry.inner]
                                                                                               > blocks))  # fmt: skip
-    return _entry_length(spec, entry) if any(spec.sizes[g] > 1 for g in groups) else 0
+    return spec.entry_length(entry) if any(spec.sizes[g] > 1 for g in groups) else 0
 
 
 def _count_units(row: SurveyRow, model, spec, used: dict[str, bool]) -> None:

@@ -494,18 +494,20 @@ class PermutationSpec:
 
     def axis_length(self, key: str, axis: int) -> int | None:
         """The number of entries the spec gives ``axes[key][axis]`` (None when the axis is not permuted)."""
-        return self._length(self.axes[key][axis])
+        return self.entry_length(self.axes[key][axis])
 
-    def _length(self, entry: Any) -> int | None:
-        if entry is None:
-            return None
+    def entry_length(self, entry: Any) -> int | None:
+        """The number of positions an axis entry (or a part of one) spans: a group's size, a fixed
+        part's int, a structured form's total; None for an unpermuted axis (``None``)."""
+        if entry is None or isinstance(entry, int):
+            return entry
         if isinstance(entry, str):
             return self.sizes[entry]
         if isinstance(entry, Tiled):
-            return self._copies(entry) * self._length(entry.group) * entry.inner  # type: ignore[operator]
+            return self._copies(entry) * self.entry_length(entry.group) * entry.inner  # type: ignore[operator]
         if isinstance(entry, Blocks):
             return self.sizes[entry.inner]
-        return sum(part if isinstance(part, int) else self._length(part) for part in entry.parts)  # type: ignore[misc]
+        return sum(self.entry_length(part) for part in entry.parts)  # type: ignore[misc]
 
     def _check_interleaves(self) -> None:
         """Raise ValueError unless every Interleaved form's parts fill its axis in turn: their lengths
@@ -516,7 +518,7 @@ class PermutationSpec:
                 for part in entry.parts:
                     check(part, key, axis)
             if isinstance(entry, Interleaved):
-                lengths = [part if isinstance(part, int) else self._length(part) for part in entry.parts]
+                lengths = [self.entry_length(part) for part in entry.parts]
                 if any(a < b for a, b in zip(lengths, lengths[1:])) or lengths[0] - lengths[-1] > 1:
                     raise ValueError(
                         f"tensor {key!r} axis {axis}: Interleaved parts span {lengths} entries; taken in turn they "
@@ -630,7 +632,7 @@ class PermutationSpec:
             if isinstance(entry, (Segments, Interleaved)):
                 found, offset, k = [], 0, len(entry.parts)
                 for j, part in enumerate(entry.parts):
-                    length = part if isinstance(part, int) else self._length(part)
+                    length = self.entry_length(part)
                     sub = place[j::k] if isinstance(entry, Interleaved) else place[offset : offset + length]
                     found += [] if isinstance(part, int) else positions(part, sub)
                     offset += length  # type: ignore[operator]
@@ -638,7 +640,7 @@ class PermutationSpec:
             return []
 
         entry = self.axes[key][axis]
-        found = positions(entry, torch.arange(self._length(entry) or 0))
+        found = positions(entry, torch.arange(self.entry_length(entry) or 0))
         if not found:
             if not outer_blocks and (key, axis) in self.group_axes[group]:
                 return torch.zeros(n, 0, dtype=torch.int64)  # only Blocks parts here
@@ -663,7 +665,7 @@ class PermutationSpec:
             if len(shape) != len(groups):
                 raise ValueError(f"{name}[{key!r}] has shape {shape}; the spec expects {len(groups)} axes")
             for axis, g in enumerate(groups):
-                n = self._length(g)
+                n = self.entry_length(g)
                 if n is not None and shape[axis] != n:
                     what = f"group {g!r} has size {n}" if isinstance(g, str) else f"{g!r} spans {n} entries"
                     raise ValueError(f"{name}[{key!r}] axis {axis} has size {shape[axis]}; {what}")

@@ -88,11 +88,11 @@ def readings_of(spec: PermutationSpec, site: ActivationSite) -> list[Reading]:
                     walk(part, start + j * step, step * k)
                 else:
                     walk(part, start + offset * step, step)
-                offset += part if isinstance(part, int) else spec._length(part)
+                offset += spec.entry_length(part)
             return
         if isinstance(entry, int):
             return
-        length = spec._length(entry)
+        length = spec.entry_length(entry)
         if isinstance(entry, Tiled) and not isinstance(entry.outer, str):
             copies = (entry.outer, entry.inner)
             readings.append(Reading(site.node, site.axis, start, length, entry.group, copies, site.projection, step))

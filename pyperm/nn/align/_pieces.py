@@ -126,7 +126,7 @@ def _axis_parts(spec: PermutationSpec, entry: Any) -> list[tuple[int, int, int, 
         n = spec.sizes[entry.inner]
         return [(0, 1, n, [(n, 0, n, entry)])]
     if isinstance(entry, Tiled):
-        n = spec._length(entry)
+        n = spec.entry_length(entry)
         # Unpermuted sub-axes of length 1 dropped: Tiled("g") lowers like "g" itself.
         return [(0, 1, n, [sub for sub in subs if sub[3] is not None or sub[0] > 1] or [(1, 0, 1, None)])
                 for subs in _tile_axes(spec, entry)]  # fmt: skip
@@ -138,7 +138,7 @@ def _axis_parts(spec: PermutationSpec, entry: Any) -> list[tuple[int, int, int, 
                 parts.append((j + k * start, k * step, length, subs))
             else:
                 parts.append((offset + start, step, length, subs))
-        offset += part if isinstance(part, int) else spec._length(part)
+        offset += spec.entry_length(part)
     return parts
 
 
@@ -149,7 +149,7 @@ def _tile_axes(spec: PermutationSpec, entry: str | Tiled | Segments) -> list[lis
         n = spec.sizes[entry]
         return [[(n, 0, n, entry)]]
     if isinstance(entry, Segments):
-        n, offset, pieces = spec._length(entry), 0, []
+        n, offset, pieces = spec.entry_length(entry), 0, []
         for part in entry.parts:
             length = part if isinstance(part, int) else spec.sizes[part]
             pieces.append([(n, offset, length, None if isinstance(part, int) else part)])

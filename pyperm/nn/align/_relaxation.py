@@ -104,21 +104,8 @@ def _multiply_axis(matrix: torch.Tensor, tensor: torch.Tensor, axis: int) -> tor
     return out.movedim(0, axis)
 
 
-def _length(entry: Any, matrices: Mapping[str, torch.Tensor]) -> int:
-    """How many positions of an axis ``entry`` (a part of a Segments) covers."""
-    if isinstance(entry, int):
-        return entry
-    if isinstance(entry, str):
-        return matrices[entry].shape[-1]
-    if isinstance(entry, Tiled):
-        copies = matrices[entry.outer].shape[-1] if isinstance(entry.outer, str) else entry.outer
-        return copies * _length(entry.group, matrices) * entry.inner
-    if isinstance(entry, Blocks):
-        return matrices[entry.inner].shape[0] * matrices[entry.inner].shape[-1]
-    return sum(_length(part, matrices) for part in entry.parts)
-
-
-def _relax_axis(entry: Any, matrices: Mapping[str, torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
+def _relax_axis(spec: PermutationSpec, entry: Any, matrices: Mapping[str, torch.Tensor],
+                tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s axis 0 (laid out as ``entry``) with every group's matrix multiplied in: on a plain
     axis the group's matrix; on a Tiled axis the group's within every copy and the outer group's
     across copies; on a Blocks axis each block's matrix within its block and the outer group's across
@@ -130,11 +117,11 @@ def _relax_axis(entry: Any, matrices: Mapping[str, torch.Tensor], tensor: torch.
         return _multiply_axis(matrices[entry], tensor, 0)
     rest = tensor.shape[1:]
     if isinstance(entry, Tiled):
-        tiles = tensor.reshape(-1, _length(entry.group, matrices), entry.inner, *rest)
+        tiles = tensor.reshape(-1, spec.entry_length(entry.group), entry.inner, *rest)
         if isinstance(entry.group, str):
             out = _multiply_axis(matrices[entry.group], tiles, 1)
         else:  # a tiled unit: its own matrices along the unit's axis, alike in every copy
-            out = _relax_axis(entry.group, matrices, tiles.movedim(1, 0)).movedim(0, 1)
+            out = _relax_axis(spec, entry.group, matrices, tiles.movedim(1, 0)).movedim(0, 1)
         if isinstance(entry.outer, str):
             out = _multiply_axis(matrices[entry.outer], out, 0)
         return out.reshape(tensor.shape)
@@ -148,10 +135,10 @@ def _relax_axis(entry: Any, matrices: Mapping[str, torch.Tensor], tensor: torch.
     if isinstance(entry, Interleaved):
         k, out = len(entry.parts), torch.empty_like(tensor)
         for j, part in enumerate(entry.parts):  # part j's entries sit at j, j + k, ...
-            out[j::k] = _relax_axis(part, matrices, tensor[j::k])
+            out[j::k] = _relax_axis(spec, part, matrices, tensor[j::k])
         return out
-    pieces = tensor.split([_length(part, matrices) for part in entry.parts])
-    return torch.cat([_relax_axis(part, matrices, piece) for part, piece in zip(entry.parts, pieces)])
+    pieces = tensor.split([spec.entry_length(part) for part in entry.parts])
+    return torch.cat([_relax_axis(spec, part, matrices, piece) for part, piece in zip(entry.parts, pieces)])
 
 
 def apply_relaxed(spec: PermutationSpec, matrices: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
@@ -171,7 +158,7 @@ def apply_relaxed(spec: PermutationSpec, matrices: Mapping[str, torch.Tensor], s
         for axis, entry in enumerate(spec.axes[key]):
             if entry is not None:
                 cast = {g: matrices[g].to(dtype=t.dtype, device=t.device) for g in entry_groups(entry)}
-                t = _relax_axis(entry, cast, t.movedim(axis, 0)).movedim(0, axis)
+                t = _relax_axis(spec, entry, cast, t.movedim(axis, 0)).movedim(0, axis)
         out[key] = t
     return out
 
