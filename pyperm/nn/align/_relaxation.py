@@ -300,9 +300,9 @@ def nearest_permutations(spec: PermutationSpec, matrices: Mapping[str, torch.Ten
     (a Blocks inner group: each block of it)."""
     out = {}
     for g, d in matrices.items():
-        batch = d.detach().cpu().numpy().reshape(-1, *d.shape[-2:])
-        local = [pyperm.linear_sum_assignment(block, maximize=True)[1] for block in batch]
-        out[g] = _global(spec, g, np.stack(local))
+        batch = np.ascontiguousarray(d.detach().cpu().numpy().reshape(-1, *d.shape[-2:]))
+        _, local = pyperm.batch_linear_sum_assignment(batch, maximize=True)  # every block in one call
+        out[g] = _global(spec, g, local)
     return out
 
 
