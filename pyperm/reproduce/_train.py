@@ -10,11 +10,20 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["SGD_COSINE", "digits_data", "evaluate"]
+__all__ = ["SGD_COSINE", "digits_data", "evaluate", "loaded_copy"]
 
 # How every reproduction trains its endpoints (train_classifier's options): SGD with
 # momentum 0.9, the step 0.05 decayed to zero along a cosine.
 SGD_COSINE = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "schedule": "cosine"}
+
+
+def loaded_copy(model: nn.Module, state: Any) -> nn.Module:
+    """A copy of ``model`` holding ``state`` (the model itself is left as it is)."""
+    import copy
+
+    other = copy.deepcopy(model)
+    other.load_state_dict(state)
+    return other
 
 
 def evaluate(model: nn.Module, batches: Any) -> tuple[float, float]:

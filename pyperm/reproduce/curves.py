@@ -10,7 +10,6 @@ alignment and of each curve's midpoint to an endpoint (Figure 1).
 
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -57,17 +56,12 @@ def digits_batches(device: Any) -> dict[str, Any]:
     return digits_data(device, EVAL_BATCH, train=BATCH, train_eval=EVAL_BATCH)
 
 
-def _loaded(model: Any, state: dict) -> Any:
-    m = copy.deepcopy(model)
-    m.load_state_dict(state)
-    return m
-
-
 def _midpoint_model(model: Any, curve: Any, data: dict) -> Any:
     """The curve's midpoint network with its BatchNorm statistics recomputed on the training data."""
     from pyperm.nn import reset_bn_stats
+    from pyperm.reproduce._train import loaded_copy
 
-    mid = _loaded(model, {k: v.detach() for k, v in curve.state_at(0.5).items()})
+    mid = loaded_copy(model, {k: v.detach() for k, v in curve.state_at(0.5).items()})
     reset_bn_stats(mid, data["train_eval"])
     return mid.eval()
 
@@ -76,7 +70,7 @@ def _one_pair(cfg: dict, data: dict, device: Any, seed: int, pair: int, progress
     """Train two endpoints and the four curves between them; evaluate everything."""
     from pyperm.nn import connect, correlation_signature, evaluate_curve, pam
     from pyperm.nn._training import train_classifier
-    from pyperm.reproduce._train import SGD_COSINE, evaluate
+    from pyperm.reproduce._train import SGD_COSINE, evaluate, loaded_copy
 
     model = cnn(cfg["width"]).to(device)
     seeds = (100 * seed + 2 * pair + 1, 100 * seed + 2 * pair + 2)
@@ -124,7 +118,7 @@ def _one_pair(cfg: dict, data: dict, device: Any, seed: int, pair: int, progress
         k: evaluate_curve(c, data["train_eval"], num_points=cfg["points"], bn_data=data["train_eval"])
         for k, c in curves.items()
     }
-    model_a, model_b = _loaded(model, sa).eval(), _loaded(model, sb).eval()
+    model_a, model_b = loaded_copy(model, sa).eval(), loaded_copy(model, sb).eval()
     endpoints = correlation_signature(model_a, model_b, spec, data["train_eval"])
     midpoints = {
         k: correlation_signature(model_a, _midpoint_model(model, curves[k], data), spec, data["train_eval"])

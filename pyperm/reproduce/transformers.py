@@ -139,8 +139,9 @@ def _vit(cfg: dict, seed: int) -> Any:
 
 
 def _paths(model: Any, sa: dict, sb: dict, train: list, test: list, points: int, seed: int) -> dict[str, Any]:
-    """The four paths of :data:`METHODS` on ``test``, their matching seconds, and the traced spec's summary."""
+    """The paths of :data:`METHODS` on ``test``, their matching seconds, and the traced spec's summary."""
     from pyperm.nn import PermutationSpec, activation_matching, barrier, weight_matching
+    from pyperm.reproduce._train import loaded_copy
 
     example = train[0][0][:2]
     spec = PermutationSpec.from_model(model, example)
@@ -150,7 +151,7 @@ def _paths(model: Any, sa: dict, sb: dict, train: list, test: list, points: int,
     seconds["weight"] = time.perf_counter() - start
     results["weight"] = barrier(model, sa, by_weight, test, num_points=points)
     start = time.perf_counter()
-    model_a, model_b = _loaded(model, sa), _loaded(model, sb)
+    model_a, model_b = loaded_copy(model, sa).eval(), loaded_copy(model, sb).eval()
     by_activation = activation_matching(model_a, model_b, spec, [x for x, _ in train]).perms.apply(sb)
     seconds["activation"] = time.perf_counter() - start
     results["activation"] = barrier(model, sa, by_activation, test, num_points=points)
@@ -178,7 +179,7 @@ def _repaired_path(model: Any, spec: Any, sa: dict, sb: dict, train: list, test:
 
     from pyperm.nn import BarrierResult, repair
     from pyperm.nn.eval.path import chord
-    from pyperm.reproduce._train import evaluate
+    from pyperm.reproduce._train import evaluate, loaded_copy
 
     inputs = [x for x, _ in train]
     ts = np.linspace(0.0, 1.0, points)
@@ -188,21 +189,13 @@ def _repaired_path(model: Any, spec: Any, sa: dict, sb: dict, train: list, test:
             warnings.simplefilter("ignore", RuntimeWarning)
             state = (repair(model, spec, sa, sb, inputs, t=float(t), attention=attention) if 0.0 < t < 1.0
                      else (sa if t == 0 else sb))  # fmt: skip
-        loss, accuracy = evaluate(_loaded(model, state), test)
+        loss, accuracy = evaluate(loaded_copy(model, state), test)
         losses.append(loss)
         accuracies.append(accuracy)
     loss, accuracy = np.array(losses), np.array(accuracies)
     return BarrierResult(ts=ts, loss=loss, accuracy=accuracy, loss_barrier=float(np.max(loss - chord(ts, loss))),
                          accuracy_barrier=float(np.max(chord(ts, accuracy) - accuracy)),
                          num_samples=sum(len(y) for _, y in test), bn_reset=False)  # fmt: skip
-
-
-def _loaded(model: Any, state: dict) -> Any:
-    import copy
-
-    other = copy.deepcopy(model)
-    other.load_state_dict(state)
-    return other.eval()
 
 
 def _gpt2_setting(cfg: dict, device: Any, seed: int) -> dict[str, Any]:
