@@ -289,3 +289,27 @@ def test_out_of_range_options_name_the_model():
         create_model("vgg16:num_classes=0")
     with pytest.raises(TypeError, match="model name must be a str"):
         create_model(16)
+
+
+def test_single_output_gives_a_model_a_one_tensor_forward():
+    import torch
+
+    from pyperm.nn.models import single_output
+
+    class Outputs(torch.nn.Module):  # a forward returning an object with .logits, as transformers models do
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return type("Out", (), {"logits": self.lin(x), "last_hidden_state": x})()
+
+    model = Outputs()
+    keys = list(model.state_dict())
+    x = torch.randn(4, 3)
+    assert single_output(model) is model and torch.equal(model(x), model.lin(x))
+    cls = type(model)
+    assert single_output(model) is model and type(model) is cls  # not wrapped twice
+    assert list(model.state_dict()) == keys
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        single_output(object())
