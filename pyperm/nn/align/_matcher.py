@@ -41,13 +41,37 @@ from pyperm.nn.align._objective import (
     _objective_keys,
 )
 from pyperm.nn.align._pieces import Piece, blocks_index, inner_of_pairs, label_groups, lower
-from pyperm.nn.align._similarity import GroupSimilarity, Term, accurate_dot, frobenius_norm
+from pyperm.nn.align._similarity import (
+    CostCache,
+    GroupSimilarity,
+    Products,
+    Term,
+    Work,
+    accurate_dot,
+    frobenius_norm,
+)
 from pyperm.nn.permutations import Permutations, as_permutations
 from pyperm.nn.spec import Blocks, PermutationSpec
 
 __all__ = ["WeightMatcher"]
 
 logger = logging.getLogger(__name__)
+
+# The similarity matrices kept between visits take at most this fraction of model B's matched
+# bytes, or COST_BUDGET_MIN bytes when that is more (small models keep all of theirs).
+COST_BUDGET_FRACTION = 0.4
+COST_BUDGET_MIN = 256 << 20
+
+
+def _product_dtype(product_dtype: Any, dtype: torch.dtype, tensors: list[torch.Tensor]) -> torch.dtype:
+    """The dtype of the similarity products: as asked, else bfloat16 for a bfloat16 model (the
+    hardware's float32 accumulation), else the similarity's own."""
+    if product_dtype is None:
+        floats = {t.dtype for t in tensors if t.is_floating_point()}
+        return torch.bfloat16 if floats == {torch.bfloat16} and dtype == torch.float32 else dtype
+    if product_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        raise TypeError(f"product_dtype must be None or a floating-point torch.dtype, got {product_dtype!r}")
+    return product_dtype
 
 
 @dataclass(frozen=True)
@@ -109,6 +133,17 @@ class WeightMatcher:
         The entries that enter the objective (default: every floating-point entry).
     dtype : torch.dtype, default torch.float32
         Precision of the similarity matrices.
+    product_dtype : torch.dtype, optional
+        The dtype the similarity products run in (see :func:`~pyperm.nn.weight_matching`).
+
+    Notes
+    -----
+    Memory: the tensors are read where they are stored (views; blocks of
+    ``BLOCK_ELEMENTS`` elements gathered and arranged into reused work buffers), and the
+    similarity matrices kept between visits (so that a visit only corrects them) are held
+    within :data:`COST_BUDGET_FRACTION` of model B's matched bytes (at least
+    :data:`COST_BUDGET_MIN` bytes); beyond it the least recently used one is rebuilt at its
+    next visit.
     """
 
     def __init__(
@@ -118,6 +153,7 @@ class WeightMatcher:
         *,
         keys: Iterable[str] | None = None,
         dtype: torch.dtype = torch.float32,
+        product_dtype: torch.dtype | None = None,
     ) -> None:
         self.spec = check_spec(spec)
         self.dtype = _check_dtype(dtype)
@@ -127,6 +163,11 @@ class WeightMatcher:
         if len(devices) > 1:
             raise ValueError(f"state_b must be on one device, found {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
+        self.product_dtype = _product_dtype(product_dtype, self.dtype, [self.state_b[k] for k in self.keys])
+        self._work = Work()
+        self._products = Products(self.dtype, self.product_dtype, self._work)
+        matched = sum(self.state_b[k].numel() * self.state_b[k].element_size() for k in self.keys)
+        self._cache = CostCache(max(int(COST_BUDGET_FRACTION * matched), COST_BUDGET_MIN))
         self._pieces = lower(spec, {k: tuple(self.state_b[k].shape) for k in self.keys}, self.keys)
         self._b_views = [p.of(self.state_b[p.key]) for p in self._pieces]
         # Where each group's similarity is read: the axes it labels; a Blocks inner group's are
@@ -149,7 +190,6 @@ class WeightMatcher:
                 self._dependents[h].append(g)
         self._norms_b: dict[str, float] | None = None  # ||B|| of the grouped entries (overflow bounds)
         self._groups: dict[str, GroupSimilarity] | None = None  # built at the first match (they need an A)
-        self._scratch: dict = {}
         self._a_views: list[torch.Tensor] | None = None
         self._state_a: Mapping[str, torch.Tensor] = {}
 
@@ -161,15 +201,15 @@ class WeightMatcher:
             self._groups = {}
             for g, n in spec.sizes.items():
                 terms = [
-                    Term(ax, self._pieces[i].labels, self._pieces[i].of(sa[self._pieces[i].key]).to(dtype),
-                         self._b_views[i].to(dtype), self._scratch)
+                    Term(ax, self._pieces[i].labels, self._pieces[i].of(sa[self._pieces[i].key]),
+                         self._b_views[i], self._work)
                     for i, ax in self._where[g]
                 ]  # fmt: skip
-                self._groups[g] = GroupSimilarity(g, n, terms, dtype, self.device)
+                self._groups[g] = GroupSimilarity(g, n, terms, self._products, self._cache, self.device)
         else:
             for g, group in self._groups.items():
                 for t, (i, _) in zip(group.all_terms, self._where[g]):
-                    t.set_a(self._pieces[i].of(sa[self._pieces[i].key]).to(dtype))
+                    t.set_a(self._pieces[i].of(sa[self._pieces[i].key]))
                 group.a_changed()
         keys_of = {g: [self._pieces[i].key for i, _ in where] for g, where in self._where.items()}
         if self._norms_b is None:
@@ -240,6 +280,7 @@ class WeightMatcher:
                         continue  # moved with its outer group, or no neighbour moved: the same answer
                     for x in reads:
                         groups[x].stale = False
+                    self._cache.next_step()
                     if step.inners:
                         proposal, old_val, new_val = self._blocks_step(step, groups, perms, cpu_fallback)
                     else:

@@ -17,261 +17,313 @@ import torch
 
 from pyperm.lap.warm import WarmAssigner
 
-# A rank-k correction costs two gathers and a subtraction more per moved unit than a
-# recomputation; past this fraction of moved units a term is recomputed from scratch, and
-# after _MAX_CORRECTIONS corrections too (recomputing clears the float rounding that
-# corrections accumulate).
+# Past this fraction of a group's moved columns its cost is rebuilt rather than corrected (a
+# correction costs two gathers and a subtraction more per moved unit), and after
+# _MAX_CORRECTIONS corrections too (rebuilding clears the float rounding corrections accumulate).
 _REBUILD_FRACTION = 0.5
 _MAX_CORRECTIONS = 64
 # Groups up to this size keep one incremental assignment solver between visits (see GroupSimilarity.assign).
 _INCREMENTAL_UP_TO = 1024
+# Elements of one block of a tensor taken into a product: the bound on every work buffer (32 MiB in float32).
+BLOCK_ELEMENTS = 1 << 23
+# Blocks narrower than this many columns are joined with others into one product (see Pending).
+_NARROW = 128
+
+
+class Work:
+    """Flat buffers reused by every product of a matcher, one per (slot, dtype, device), grown on demand:
+    blocks of tensors are gathered and arranged into them instead of fresh allocations (whose page
+    faults cost as much as the copy), and no buffer exceeds what one block needs."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, slot: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        key = (slot, dtype, device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+class Products:
+    """``out -= X @ Y.T`` for (n, K) blocks into a similarity matrix ``out``, in the chosen precision.
+
+    ``compute``: the dtype the products run in. Blocks of another dtype are converted into work
+    buffers first; a product whose dtype is narrower than ``out``'s (bfloat16 blocks into a float32
+    similarity) is one matrix multiply in that dtype, which accumulates in float32 and rounds its
+    result once (torch has no float32 output for it on the CPU), added into ``out`` in float32.
+    """
+
+    def __init__(self, out_dtype: torch.dtype, compute: torch.dtype, work: Work) -> None:
+        self.out_dtype = out_dtype
+        self.compute = compute
+        self.work = work
+
+    def subtract(self, out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+        if x.dtype != self.compute:
+            x = self.work.get("x_cast", x.shape, self.compute, x.device).copy_(x)
+        if y.dtype != self.compute:
+            y = self.work.get("y_cast", y.shape, self.compute, y.device).copy_(y)
+        if self.compute == out.dtype:
+            out.addmm_(x, y.T, alpha=-1)
+        else:
+            product = self.work.get("product", out.shape, self.compute, out.device)
+            torch.mm(x, y.T, out=product)
+            out.sub_(product)
+
+
+class Pending:
+    """Moved units' (n, k) blocks of several terms, joined along k until one product takes them all:
+    a visit's small corrections cost one pass over the similarity instead of one per term."""
+
+    def __init__(self, n: int, products: Products, device: torch.device) -> None:
+        self.n = n
+        self.products = products
+        self.capacity = max(1, BLOCK_ELEMENTS // max(n, 1))
+        self.x = products.work.get("pending_x", (self.capacity, n), products.compute, device)
+        self.y = products.work.get("pending_y", (self.capacity, n), products.compute, device)
+        self.k = 0
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Queues ``-x @ y.T`` (x, y: (n, K)); flushes into ``out`` when full."""
+        k = x.shape[1]
+        if k > self.capacity - self.k:
+            self.flush(out)
+        if k > self.capacity:  # a block this large is its own product
+            self.products.subtract(out, x, y)
+            return
+        self.x[self.k:self.k + k].copy_(x.T)
+        self.y[self.k:self.k + k].copy_(y.T)
+        self.k += k
+
+    def flush(self, out: torch.Tensor) -> None:
+        if self.k:
+            self.products.subtract(out, self.x[:self.k].T, self.y[:self.k].T)
+            self.k = 0
 
 
 class Term:
-    """One (tensor, axis) pair of a group: its contribution to the group's similarity.
+    """One (tensor piece, axis) pair of a group: its contribution to the group's similarity.
 
-    ``a`` and ``b`` are arranged so that the contribution and its rank-``k`` corrections
-    are single matrix products of ``(n, K)`` views (:meth:`rows`): ``(n, m, r)`` (the
-    group's axis first, the axis of the one other group second, everything else flattened
-    into ``r``) for a convolution's output axis and for any first axis without another
-    group (views, and gathers copy blocks of ``r``), else ``(m, r, n)`` (a view for a
-    linear layer's input axis; a linear layer's output axis is transposed once, so that
-    its gathers copy whole rows). ``m = 1`` when there is no other group; permuting it is
-    one gather along axis ``gather_dim``. A
-    tensor with two or more other groups (rare) is kept as it is and its term recomputed
-    whole when any of them changes. ``value`` is minus the (n, n) contribution at the
-    permutations in ``snap`` (the solvers minimise; a product with ``alpha=-1`` rounds
-    exactly like the negated product, so the sign costs nothing).
+    ``a`` and ``b`` are the stored tensors themselves (views, never copies): the contribution
+    ``A_(n, K) @ pi(B)_(n, K).T`` (the group's axis as rows, every other axis flattened into
+    ``K``, B permuted by the other groups) is summed over blocks of the *block axis* (the axis
+    of the one other group, else the longest other axis), each block of B gathered by the
+    other group's permutation into a reused buffer (:class:`Work`) and arranged there only
+    when its layout cannot be read as a matrix as it is (a linear layer's blocks never are).
+    A correction for ``k`` moved units of the other group is the same product over those
+    ``k`` units: ``A[S] (B[cur(S)] - B[snap(S)])^T``. A tensor with two or more other groups
+    (rare) has every axis but the block axis permuted in each block, and its group rebuilds
+    the similarity whenever one of them moves.
     """
 
-    __slots__ = (
-        "axis", "other", "general_axes", "a", "b", "gather_dim", "snap", "value", "corrections", "scratch",
-        "arrangement",
-    )
+    __slots__ = ("axis", "other", "general_axes", "block_axis", "a", "b", "snap", "work", "block")
 
-    def __init__(self, axis: int, groups: tuple, ta: torch.Tensor, tb: torch.Tensor, scratch: dict) -> None:
+    def __init__(self, axis: int, groups: tuple, ta: torch.Tensor, tb: torch.Tensor, work: Work) -> None:
         self.axis = axis
         others = [(ax, g) for ax, g in enumerate(groups) if g is not None and ax != axis]
-        self.other: str | None = None
-        self.general_axes: list[tuple[int, str]] | None = None
-        self.snap: torch.Tensor | None = None
-        self.value: torch.Tensor | None = None
-        self.corrections = 0  # rank-k corrections applied to value since it was computed whole
-        self.scratch = scratch  # gather buffers shared by the terms of one matcher
-        n = ta.shape[axis]
-        if len(others) <= 1:
-            middle = [ax for ax, _ in others]
-            rest = [ax for ax in range(ta.ndim) if ax != axis and ax not in middle]
-            m = ta.shape[middle[0]] if middle else 1
-            r = math.prod(ta.shape[ax] for ax in rest)
-            if axis == 0 and (r > 1 or not others):  # a view: no copy
-                order, shape, self.gather_dim = [axis, *middle, *rest], (n, m, -1), 1
-            else:
-                order, shape, self.gather_dim = [*middle, *rest, axis], (m, -1, n), 0
-            self.arrangement: tuple = (order, shape)
-            self.b = tb.permute(order).reshape(shape).contiguous()
-            if others:
-                self.other = others[0][1]
+        self.other: str | None = others[0][1] if len(others) == 1 else None
+        self.general_axes: list[tuple[int, str]] | None = others if len(others) > 1 else None
+        rest = [ax for ax in range(ta.ndim) if ax != axis]
+        if others:
+            self.block_axis: int | None = others[0][0]
         else:
-            self.general_axes = others
-            self.arrangement = ([axis, *(ax for ax in range(ta.ndim) if ax != axis)], (n, -1))
-            self.b = tb
+            self.block_axis = max(rest, key=lambda ax: ta.shape[ax]) if rest else None
+        self.b = tb
+        self.work = work
+        # Units of the block axis per block: BLOCK_ELEMENTS elements at most (one unit at least).
+        per_unit = ta.numel() // ta.shape[self.block_axis] if self.block_axis is not None and ta.numel() else 1
+        self.block = max(1, BLOCK_ELEMENTS // max(per_unit, 1))
+        self.snap: torch.Tensor | None = None
         self.set_a(ta)
 
     def set_a(self, ta: torch.Tensor) -> None:
-        """Arrange a new tensor of model A; the contribution is then recomputed whole at its next use."""
-        order, shape = self.arrangement
-        self.a = ta.permute(order).reshape(shape).contiguous()
-        self.value = None
+        """A new tensor of model A; the contribution is then computed whole at its next use."""
+        self.a = ta
         self.snap = None
-        self.corrections = 0
 
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (arranged like ``a``) as an (n, K) matrix view, the group's units as rows."""
-        return x.view(x.shape[0], -1) if self.gather_dim == 1 else x.view(-1, x.shape[-1]).T
+    @property
+    def columns(self) -> int:
+        """K: the columns of the contribution's product."""
+        return self.a.numel() // max(self.a.shape[self.axis], 1)
 
-    def _gather(self, index: torch.Tensor, slot: int) -> torch.Tensor:
-        """``b`` with ``index`` taken along ``gather_dim``, written into a reused buffer
-        (fresh allocations of this size cost page faults comparable to the copy itself)."""
+    def matrix(self, t: torch.Tensor, slot: str) -> torch.Tensor:
+        """A block (axes as ``a``'s) as an (n, K) matrix: a view when its strides allow, else arranged in ``slot``."""
+        moved = t.movedim(self.axis, 0)
+        try:
+            return moved.view(moved.shape[0], -1)
+        except RuntimeError:
+            buf = self.work.get(slot, moved.shape, t.dtype, t.device)
+            return buf.copy_(moved).view(moved.shape[0], -1)
+
+    def _gather(self, index: torch.Tensor, slot: str) -> torch.Tensor:
+        """``b`` taken at ``index`` along the block axis, into a work buffer."""
         shape = list(self.b.shape)
-        shape[self.gather_dim] = index.numel()
-        key = (tuple(shape), self.b.dtype, self.b.device, slot)
-        buf = self.scratch.get(key)
-        if buf is None:
-            buf = self.scratch[key] = torch.empty(shape, dtype=self.b.dtype, device=self.b.device)
-        return torch.index_select(self.b, self.gather_dim, index, out=buf)
+        shape[self.block_axis] = index.numel()
+        buf = self.work.get(slot, tuple(shape), self.b.dtype, self.b.device)
+        return torch.index_select(self.b, self.block_axis, index, out=buf)
 
-    def _permuted_b(self, index: torch.Tensor) -> torch.Tensor:
-        """``b`` permuted by the other group: itself at the identity (the usual start), which
-        saves a copy of the whole tensor."""
-        if bool((index == torch.arange(index.numel(), device=index.device)).all()):
-            return self.b
-        return self._gather(index, 0)
-
-    def full(self, perms: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Minus the whole contribution at the given permutations (into ``value`` when it exists)."""
-        if self.general_axes is not None:
-            n = self.a.shape[0]
-            b = self.b
-            for ax, g in self.general_axes:
-                b = b.index_select(ax, perms[g])
-            x, y = self.a, b.movedim(self.axis, 0).reshape(n, -1)
-        else:
-            x = self.rows(self.a)
-            y = self.rows(self.b if self.other is None else self._permuted_b(perms[self.other]))
-        out = self.value if self.value is not None else x.new_empty((x.shape[0], y.shape[0]))
-        return torch.addmm(out, x, y.T, beta=0, alpha=-1, out=out)
-
-    def add_full_to(self, out: torch.Tensor, perms: Mapping[str, torch.Tensor]) -> None:
-        """Subtracts the whole contribution at the given permutations from ``out`` and
-        records them in ``snap`` (row-layout terms, see ``GroupSimilarity.summed``)."""
-        x, y = self.rows(self.a), self.rows(self._permuted_b(perms[self.other]))
-        torch.addmm(out, x, y.T, alpha=-1, out=out)
-        self.snap = perms[self.other].clone()
-
-    def change(self, cur: torch.Tensor, idx: torch.Tensor, reuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Minus the contribution's change since ``snap`` is ``-X @ Y.T``, for the units
-        ``idx`` of the other group that moved to ``cur``; returns ``(X, Y)``, each (n, K),
-        and advances ``snap``.
-
-        ``A[S] (B[cur(S)] - B[snap(S)])^T`` over the moved units ``S``: rank ``k`` (times
-        ``r``). ``reuse``: gather into the reused buffers (the result must then be used
-        before the next gather of this call), else into fresh tensors.
-        """
-        if reuse:
-            diff = self._gather(cur[idx], 1).sub_(self._gather(self.snap[idx], 2))
-        else:
-            diff = self.b.index_select(self.gather_dim, cur[idx]).sub_(
-                self.b.index_select(self.gather_dim, self.snap[idx])
-            )
-        moved = self.a.index_select(self.gather_dim, idx)
-        self.snap = cur.clone()
-        return self.rows(moved), self.rows(diff)
-
-    def current(self, perms: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def current(self, perms: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """The permutations this contribution depends on (None: none)."""
         if self.general_axes is not None:
             return torch.cat([perms[g] for _, g in self.general_axes])
-        return perms[self.other]
+        return perms[self.other] if self.other is not None else None
 
-    def update(self, perms: Mapping[str, torch.Tensor]) -> bool:
-        """Brings ``value`` up to date; returns whether it changed."""
-        cur = self.current(perms)
-        if self.value is None:
-            self.value = self.full(perms)
-            self.snap = cur.clone()
-            return True
+    def add_full_to(self, out: torch.Tensor, perms: Mapping[str, torch.Tensor], pending: Pending) -> None:
+        """Subtracts the whole contribution at the given permutations from ``out`` (narrow blocks are
+        queued in ``pending``, whose caller flushes it); records the permutations in ``snap``."""
+        if self.block_axis is None:  # a vector: one column
+            pending.add(out, self.a.view(-1, 1), self.b.view(-1, 1))
+            return
+        index = perms[self.other] if self.other is not None else None
         if self.general_axes is not None:
-            if torch.equal(cur, self.snap):
-                return False
-            self.value = self.full(perms)
-            self.snap = cur.clone()
-            return True
-        idx = torch.nonzero(cur != self.snap).flatten()
-        k = idx.numel()
-        if k == 0:
-            return False
-        if k > _REBUILD_FRACTION * self.a.shape[self.gather_dim] or self.corrections >= _MAX_CORRECTIONS:
-            # Most units moved: recompute (exact, and clears the rounding corrections accumulate).
-            self.full(perms)
-            self.corrections = 0
-            self.snap = cur.clone()
-        else:
-            # Only the k moved units of the other group: a rank-k (times r) correction.
-            x, y = self.change(cur, idx, reuse=True)
-            self.value.addmm_(x, y.T, alpha=-1)
-            self.corrections += 1
-        return True
+            index = perms[self.general_axes[0][1]]
+        size = self.a.shape[self.block_axis]
+        for start in range(0, size, self.block):
+            length = min(self.block, size - start)
+            x = self.a.narrow(self.block_axis, start, length)
+            rows = None if index is None else index[start:start + length]
+            if rows is None or _is_range(rows, start):
+                y = self.b.narrow(self.block_axis, start, length)
+            else:
+                y = self._gather(rows, "gather")
+            if self.general_axes is not None:
+                for ax, g in self.general_axes[1:]:
+                    y = y.index_select(ax, perms[g])
+            x, y = self.matrix(x, "arrange_x"), self.matrix(y, "arrange_y")
+            if x.shape[1] < _NARROW:
+                pending.add(out, x, y)
+            else:
+                pending.products.subtract(out, x, y)
+        cur = self.current(perms)
+        self.snap = None if cur is None else cur.clone()
+
+    def add_change_to(self, out: torch.Tensor, cur: torch.Tensor, idx: torch.Tensor, pending: Pending) -> None:
+        """Queues minus the contribution's change since ``snap`` for the moved units ``idx`` of the other
+        group (now at ``cur``) and advances ``snap``: ``A[S] (B[cur(S)] - B[snap(S)])^T``, in blocks."""
+        for start in range(0, idx.numel(), self.block):
+            part = idx[start:start + self.block]
+            diff = self._gather(cur[part], "change_new").sub_(self._gather(self.snap[part], "change_old"))
+            moved = torch.index_select(self.a, self.block_axis, part,
+                                       out=self.work.get("change_a", diff.shape, self.a.dtype, self.a.device))
+            pending.add(out, self.matrix(moved, "arrange_x"), self.matrix(diff, "arrange_y"))
+        self.snap = cur.clone()
+
+
+def _is_range(index: torch.Tensor, start: int) -> bool:
+    """Whether ``index`` is ``start, start + 1, ...`` (B's block is then a view)."""
+    return bool((index == torch.arange(start, start + index.numel(), device=index.device)).all())
+
+
+class CostCache:
+    """The similarity matrices kept between visits, within a budget of bytes.
+
+    A kept similarity is corrected by the moved units at the next visit; one evicted (the least
+    recently used first, never one used by the current step) is rebuilt from the tensors.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.held: dict[GroupSimilarity, int] = {}  # in order of use
+        self.step = 0
+
+    def next_step(self) -> None:
+        self.step += 1
+
+    def claim(self, group: GroupSimilarity) -> torch.Tensor:
+        if group.cost is not None:
+            self.held.pop(group)
+            self.held[group] = self.step
+            return group.cost
+        need = group.n * group.n * torch.empty((), dtype=group.dtype).element_size()
+        for other in list(self.held):
+            if sum(o.cost.numel() * o.cost.element_size() for o in self.held) + need <= self.budget:
+                break
+            if self.held[other] != self.step:
+                del self.held[other]
+                other.evict()
+        group.cost = torch.empty((group.n, group.n), dtype=group.dtype, device=group.device)
+        self.held[group] = self.step
+        return group.cost
 
 
 class GroupSimilarity:
     """A group's similarity matrix, kept in sync with its neighbours' permutations."""
 
-    def __init__(self, name: str, n: int, terms: list[Term], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, name: str, n: int, terms: list[Term], products: Products, cache: CostCache,
+                 device: torch.device) -> None:  # fmt: skip
         self.name = name
         self.n = n
-        self.all_terms = list(terms)  # in the caller's order, for Term.set_a
-        self.terms = [t for t in terms if t.other is not None or t.general_axes is not None]
-        # Minus the sum of the terms that involve no other group (biases, BatchNorm vectors,
-        # the model's input and output layers): one product over their joined columns.
-        self.fixed = [t for t in terms if t.other is None and t.general_axes is None]
-        self.const: torch.Tensor | None = None
-        self.neighbours = {t.other for t in self.terms if t.other is not None}
-        self.neighbours |= {g for t in self.terms if t.general_axes for _, g in t.general_axes}
+        self.dtype = products.out_dtype
+        self.device = device
+        self.products = products
+        self.cache = cache
+        self.all_terms = list(terms)
+        self.moving = [t for t in terms if t.other is not None or t.general_axes is not None]
+        self.neighbours = {t.other for t in self.moving if t.other is not None}
+        self.neighbours |= {g for t in self.moving if t.general_axes for _, g in t.general_axes}
+        self.columns = sum(t.columns for t in self.moving)
         self.stale = True  # whether the neighbours moved since the last assignment
-        self.cost = torch.empty((n, n), dtype=dtype, device=device)  # minus the similarity, rewritten at each visit
+        self.cost: torch.Tensor | None = None  # minus the similarity, held while the cache keeps it
         # Warm-started solves of cost: its state survives new A tensors (see a_changed), so the
         # projections of STE matching and the matchings of merge_many start warm too.
         self.assigner = WarmAssigner(incremental_up_to=_INCREMENTAL_UP_TO)
         self.may_overflow = True  # whether its similarity entries could overflow the dtype
-        # Summed mode (see negated_similarity): every term in the row layout (m, r, n).
-        self.summed = bool(self.terms) and all(t.general_axes is None and t.gather_dim == 0 for t in self.terms)
-        self.built = False  # summed mode: cost holds the similarity at the terms' snaps
-        self.corrections = 0  # summed mode: corrections applied to cost since it was built
-        self.a_changed()
+        self.built = False  # cost holds the similarity at the terms' snaps
+        self.corrections = 0  # corrections applied to cost since it was built
 
     def a_changed(self) -> None:
         """Model A's tensors were replaced (``Term.set_a``): recompute everything at the next visit."""
-        if self.fixed:
-            x = torch.cat([t.rows(t.a) for t in self.fixed], dim=1)
-            y = torch.cat([t.rows(t.b) for t in self.fixed], dim=1)
-            if self.const is None:
-                self.const = x.new_empty((self.n, self.n))
-            torch.addmm(self.const, x, y.T, beta=0, alpha=-1, out=self.const)
         self.stale = True
         self.built = False
-        self.corrections = 0
+
+    def evict(self) -> None:
+        """The cache took the similarity back: rebuilt at the next visit, solved cold."""
+        self.cost = None
+        self.built = False
+        self.assigner.reset()
 
     def negated_similarity(self, perms: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Minus the similarity matrix at the current permutations (the solvers minimise),
-        written into this group's own ``cost`` matrix.
+        """Minus the similarity matrix at the current permutations (the solvers minimise), in ``cost``.
 
-        Summed mode (every term in the row layout, as in MLPs): ``cost`` itself is kept, and
-        a visit applies the changes of all its terms as one product whose inner dimension
-        concatenates their moved units. No term keeps its own value and no sum is taken per
-        visit; a term whose other group moved almost entirely is corrected all the same (as
-        many operations as recomputing it, gathers of whole rows). After _MAX_CORRECTIONS
-        corrections, ``cost`` is rebuilt from scratch, which clears their rounding.
-
-        Otherwise each term keeps its value (corrected in place, or recomputed when most of
-        its other group moved, which a convolution's output layout makes cheaper than a
-        correction), and ``cost`` is summed afresh from them at each visit.
+        A kept similarity is corrected: the moved units of every term are queued and applied
+        as few products as their number allows (:class:`Pending`); it is rebuilt from the
+        tensors when it was evicted, when more than half of its columns moved, when a term
+        with several other groups changed, and after _MAX_CORRECTIONS corrections.
         """
-        if self.summed:
-            if self.built and self.corrections < _MAX_CORRECTIONS:
-                changes = []
-                for t in self.terms:
-                    cur = perms[t.other]
-                    idx = torch.nonzero(cur != t.snap).flatten()
-                    if idx.numel():
-                        changes.append(t.change(cur, idx, reuse=False))
+        cost = self.cache.claim(self)
+        if self.built and self.corrections < _MAX_CORRECTIONS:
+            changes, moved, rebuild = [], 0, False
+            for t in self.moving:
+                cur = t.current(perms)
+                if t.general_axes is not None:
+                    rebuild |= not torch.equal(cur, t.snap)
+                    continue
+                idx = torch.nonzero(cur != t.snap).flatten()
+                if idx.numel():
+                    changes.append((t, cur, idx))
+                    moved += idx.numel() * (t.columns // t.a.shape[t.block_axis])
+            if not rebuild and moved <= _REBUILD_FRACTION * self.columns:
                 if changes:
-                    # Row-layout operands are transposed views of (K, n) blocks: joined as such.
-                    x = torch.cat([c[0].T for c in changes]).T
-                    y = torch.cat([c[1].T for c in changes]).T
-                    self.cost.addmm_(x, y.T, alpha=-1)
+                    pending = Pending(self.n, self.products, self.device)
+                    for t, cur, idx in changes:
+                        t.add_change_to(cost, cur, idx, pending)
+                    pending.flush(cost)
                     self.corrections += 1
-                return self.cost
-            if self.const is None:
-                self.cost.zero_()
-            else:
-                self.cost.copy_(self.const)
-            for t in self.terms:
-                t.add_full_to(self.cost, perms)
-            self.built = True
-            self.corrections = 0
-            return self.cost
-        for t in self.terms:
-            t.update(perms)
-        parts = ([self.const] if self.const is not None else []) + [t.value for t in self.terms]
-        if not parts:  # no entry of the objective reads this group (``keys`` left them out)
-            self.cost.zero_()
-        elif len(parts) == 1:
-            self.cost.copy_(parts[0])
-        elif len(parts) > 1:
-            torch.add(parts[0], parts[1], out=self.cost)
-            for part in parts[2:]:
-                self.cost += part
-        return self.cost
+                return cost
+        cost.zero_()
+        pending = Pending(self.n, self.products, self.device)
+        for t in self.all_terms:
+            t.add_full_to(cost, perms, pending)
+        pending.flush(cost)
+        self.built = True
+        self.corrections = 0
+        return cost
 
     def assign(self) -> torch.Tensor:
         """The minimising assignment (column of each row) of ``cost``, on its device.
@@ -287,22 +339,26 @@ class GroupSimilarity:
 
 def accurate_dot(a: torch.Tensor, b: torch.Tensor) -> float:
     """``sum(a * b)`` of two equal-shape tensors: float32 dot products of rows of 1024,
-    accumulated in float64 (as accurate as a float64 dot here, without float64 copies)."""
+    accumulated in float64 (as accurate as a float64 dot here, without float64 copies), taken in
+    blocks so that no more than a block of either tensor is ever converted."""
     a = a.reshape(-1)
     b = b.reshape(-1)
     if a.dtype == torch.float64 or b.dtype == torch.float64:
         return float(torch.dot(a.double(), b.double()))
-    a = a.float()
-    b = b.float()
-    k = a.numel() // 1024 * 1024
     total = 0.0
-    if k:
-        total += float(torch.linalg.vecdot(a[:k].view(-1, 1024), b[:k].view(-1, 1024)).double().sum())
-    if k < a.numel():
-        total += float(torch.dot(a[k:].double(), b[k:].double()))
+    for start in range(0, a.numel(), BLOCK_ELEMENTS):
+        x = a[start:start + BLOCK_ELEMENTS].float()
+        y = b[start:start + BLOCK_ELEMENTS].float()
+        k = x.numel() // 1024 * 1024
+        if k:
+            total += float(torch.linalg.vecdot(x[:k].view(-1, 1024), y[:k].view(-1, 1024)).double().sum())
+        if k < x.numel():
+            total += float(torch.dot(x[k:].double(), y[k:].double()))
     return total
 
 
 def frobenius_norm(t: torch.Tensor) -> float:
     """Frobenius norm (inf when it overflows float32, which only makes the bound conservative)."""
-    return float(torch.linalg.vector_norm(t if t.dtype == torch.float64 else t.float()))
+    if t.dtype == torch.float64:
+        return float(torch.linalg.vector_norm(t))
+    return float(torch.linalg.vector_norm(t, dtype=torch.float32))

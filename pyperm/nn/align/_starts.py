@@ -82,11 +82,12 @@ def match_from(
     *,
     keys: Iterable[str] | None,
     dtype: torch.dtype,
+    product_dtype: torch.dtype | None = None,
     **options: Any,
 ) -> WeightMatchingResult:
     """Weight matching from the named start (one of :data:`STARTS`); ``options`` go to
     :meth:`WeightMatcher.match` (each run visits the groups in the same seeded orders)."""
-    matcher = WeightMatcher(spec, state_b, keys=keys, dtype=dtype)
+    matcher = WeightMatcher(spec, state_b, keys=keys, dtype=dtype, product_dtype=product_dtype)
     if start == "signatures":
         return matcher.match(state_a, init=signature_start(spec, state_a, state_b, keys), seed=seed, **options)
     if start == "best":

@@ -112,6 +112,7 @@ def weight_matching(
     keys: Iterable[str] | None = None,
     tol: float = 1e-12,
     dtype: torch.dtype = torch.float32,
+    product_dtype: torch.dtype | None = None,
     callback: Callable[[int, Mapping[str, torch.Tensor], float], bool | None] | None = None,
 ) -> WeightMatchingResult:
     r"""Permute model B into model A's basin by matching weights (Git Re-Basin, Algorithm 1).
@@ -181,6 +182,13 @@ def weight_matching(
         permutation); a sweep without such a step ends the search.
     dtype : torch.dtype, default torch.float32
         Precision of the similarity matrices (float32 or float64).
+    product_dtype : torch.dtype, optional
+        The dtype the similarity products run in. By default a bfloat16 model's run in
+        bfloat16 (the hardware accumulates in float32: this CPU's AVX512_BF16, a GPU's
+        tensor cores) and each block of at most ``2**23`` entries is rounded once to
+        bfloat16 before it is added into the float32 similarity; every other model's run in
+        ``dtype``. ``torch.float32`` converts bfloat16/float16 blocks first (exact products,
+        float32 speed). The tensors themselves are never converted whole.
     callback : callable, optional
         Called after every sweep as ``callback(sweep, perms, objective)`` with the sweep's
         number (from 1), the current permutations (read-only: on the state's device) and
@@ -231,6 +239,7 @@ def weight_matching(
         "max_iter": check_int(max_iter, "max_iter", 0),
         "tol": check_nonnegative_real(tol, "tol"),
         "dtype": _check_dtype(dtype),
+        "product_dtype": product_dtype,
         "callback": check_callable(callback, "callback", allow_none=True),
         "keys": keys,
         "progress": progress,
@@ -239,5 +248,6 @@ def weight_matching(
     if isinstance(init, str):
         return match_from(check_choice(init, "init", STARTS), spec, state_a, state_b, seed, **options)
     start = None if init is None else as_permutations(spec, init, "init")
-    matcher = WeightMatcher(spec, state_b, keys=options.pop("keys"), dtype=options.pop("dtype"))
+    matcher = WeightMatcher(spec, state_b, keys=options.pop("keys"), dtype=options.pop("dtype"),
+                            product_dtype=options.pop("product_dtype"))
     return matcher.match(state_a, init=start, seed=seed, **options)

@@ -243,6 +243,12 @@ def tensors(value: Any) -> list[torch.Tensor]:
     return found
 
 
+def _storage_id(t: torch.Tensor) -> int:
+    """Which storage ``t`` views: its address, or on the meta device (where every address is 0, a model
+    built there only to be traced) the storage object itself."""
+    return t.untyped_storage()._cdata if t.device.type == "meta" else t.data_ptr()
+
+
 class _UnionFind:
     """Disjoint sets of atoms with their unit count and two flags per class."""
 
@@ -305,7 +311,8 @@ class UnitClasses:
         self._canon: dict[str, str] = {}
         seen: dict[tuple, str] = {}
         for key, t in state_dict.items():
-            ident = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else None
+            ident = (t.device, _storage_id(t), t.storage_offset(), t.dtype, tuple(t.shape), tuple(t.stride())) \
+                if t.numel() else None
             if ident is not None and ident in seen:
                 self._canon[key] = seen[ident]
             else:
