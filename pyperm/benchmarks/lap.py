@@ -39,12 +39,12 @@ def _integers(n: int, high: int = 100):
     return lambda rng: rng.integers(0, high, (n, n)).astype(np.float64)
 
 
-def _low_rank(n: int, rank: int = 16):
+def _low_rank(n: int, rank: int = 16, dtype=np.float64):
     """-(A @ B.T) where B is a noisy, permuted copy of A: a planted matching, like weight matching."""
 
     def make(rng):
-        a = rng.standard_normal((n, rank))
-        b = a[rng.permutation(n)] + 0.1 * rng.standard_normal((n, rank))
+        a = rng.standard_normal((n, rank)).astype(dtype)
+        b = a[rng.permutation(n)] + 0.1 * rng.standard_normal((n, rank)).astype(dtype)
         return -(a @ b.T)
 
     return make
@@ -61,6 +61,12 @@ CASES = {
     "float32-2048": Case("float32-2048", _uniform(2048, dtype=np.float32)),
     "batch-256x128": Case("batch-256x128", lambda rng: rng.random((256, 128, 128)), batch=True),
 }
+DEFAULT = list(CASES)
+# The sizes weight matching solves on current language models (hidden 2048; MLP 5632, 8192, 11008,
+# 14336): float32 similarities of a planted pair (``--matching``; not in the default run).
+MATCHING = [f"similarity-{n}" for n in (2048, 5632, 8192, 11008, 14336)]
+for _name in MATCHING:
+    CASES[_name] = Case(_name, _low_rank(int(_name.split("-")[1]), rank=64, dtype=np.float32))
 QUICK = ["uniform-1024", "wide-1000x4000", "integers-1024", "batch-256x128"]
 
 
@@ -185,8 +191,10 @@ def run_case(case: Case, rng: np.random.Generator, repeat: int, threads: int | N
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cases", type=choices_list(list(CASES)), default=list(CASES),
-                        help=f"comma-separated cases (default: all): {', '.join(CASES)}")
+    parser.add_argument("--cases", type=choices_list(list(CASES)), default=DEFAULT,
+                        help=f"comma-separated cases (default: all but the --matching ones): {', '.join(CASES)}")
+    parser.add_argument("--matching", action="store_true",
+                        help=f"only the sizes weight matching solves on language models: {', '.join(MATCHING)}")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--repeat", type=positive_int, default=5,
                         help="timed calls per solver and case (median reported)")
@@ -200,7 +208,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    names = QUICK if args.quick else args.cases
+    names = QUICK if args.quick else MATCHING if args.matching else args.cases
     print(f"pyperm {pyperm.__version__}, kernels: {core.best_isa()}, "
           f"threads: {args.threads or core.hardware_threads()}, clock: {args.clock}, medians of {args.repeat}")
     rng = np.random.default_rng(args.seed)

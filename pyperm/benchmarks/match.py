@@ -15,6 +15,9 @@ Three tables, each from pairs of independently initialised models (seeded):
   (the same groups). Each row gives the similarity products of one sweep in which every
   similarity is computed whole (2 n^2 K flops per group and tensor), the arithmetic behind the
   structured/flat ratio.
+- At scale (``--scale``): a 1.1B-parameter Llama pair, GPT-2, ResNet50 and ViT-B/16 in float32 and
+  bfloat16: peak memory, the memory the call adds per model, time per sweep against the floor of
+  plain matrix products (see :mod:`pyperm.benchmarks._match_scale`).
 - The starts (``--starts``): ``init="identity"``, ``"signatures"`` and the default ``"best"``
   on the bundled models, torchvision's MobileNetV2 and timm's ViT-Tiny (``--planted``: also on a
   model and a permuted copy of it, where the identity start stalls on MobileNetV2 and ViT).
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 
 from pyperm._argtypes import choices_list, int_at_least, positive_int
 from pyperm._tables import markdown_table, text_table
+from pyperm.benchmarks._match_scale import MODELS as SCALE_MODELS
 from pyperm.benchmarks._match_starts import MODELS as START_MODELS
 from pyperm.benchmarks._match_structured import CASES as STRUCTURED_CASES
 from pyperm.benchmarks._report import time_calls
@@ -144,6 +148,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{','.join(START_MODELS)}; the last two need torchvision and timm)")
     parser.add_argument("--planted", action="store_true",
                         help="the starts table also on a model and a permuted copy of it")
+    parser.add_argument("--scale", nargs="?", type=choices_list(list(SCALE_MODELS)), const=list(SCALE_MODELS),
+                        default=None, metavar="MODELS",
+                        help="also the scale table: peak memory, time per sweep and the matmul floor of large "
+                             f"models in float32 and bfloat16 (models: {','.join(SCALE_MODELS)}; default all; "
+                             "the 1.1B Llama pair needs 9 GB in float32 and about 25 minutes, the others minutes; "
+                             "the Hugging Face rows need transformers, the others torchvision)")
     parser.add_argument("--no-flat", action="store_true", help="skip the flat table (--models)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -186,6 +196,14 @@ def run(args: argparse.Namespace) -> int:
                                            args.seed, _report)  # fmt: skip
         failures += failed
         _print(_match_starts.HEADERS, table, args.markdown)
+    if args.scale:
+        from pyperm.benchmarks import _match_scale
+
+        print("\nweight matching at scale: B a planted permutation of A plus noise, defaults; each row in its own "
+              "process", flush=True)  # fmt: skip
+        table, failed = _match_scale.rows(args.scale, ["float32", "bfloat16"], args.repeat, _report)
+        failures += failed
+        _print(_match_scale.HEADERS, table, args.markdown)
     for f in failures:
         print("FAIL:", f, file=sys.stderr)
     return 1 if failures else 0

@@ -22,6 +22,7 @@ is computed exactly from the tensors it touches, so the objective never decrease
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ logger = logging.getLogger(__name__)
 # The similarity matrices kept between visits take at most this fraction of model B's matched
 # bytes, or COST_BUDGET_MIN bytes when that is more (small models keep all of theirs).
 COST_BUDGET_FRACTION = 0.4
-COST_BUDGET_MIN = 256 << 20
+COST_BUDGET_MIN = 64 << 20
 
 
 def _product_dtype(product_dtype: Any, dtype: torch.dtype, tensors: list[torch.Tensor]) -> torch.dtype:
@@ -115,8 +116,8 @@ def _plan_steps(spec: PermutationSpec, pieces: list[Piece]) -> dict[str, _Step |
 class WeightMatcher:
     """Weight matching of any number of models A against one model B, reusing all it can.
 
-    Holds B's tensors arranged for the similarity products, the similarity buffers and
-    every group's warm-started assignment solver. :meth:`match` arranges a new A and runs
+    Holds views of B's tensors, the similarity matrices (within a byte budget) and
+    every group's warm-started assignment solver. :meth:`match` takes a new A and runs
     Algorithm 1 from the given permutations; between calls with nearby A's (the free
     weights of successive STE steps, the mean of the other models in ``merge_many``) the
     solvers start from the previous answer, so a match costs about one sweep of
@@ -139,7 +140,7 @@ class WeightMatcher:
     Notes
     -----
     Memory: the tensors are read where they are stored (views; blocks of
-    ``BLOCK_ELEMENTS`` elements gathered and arranged into reused work buffers), and the
+    ``BLOCK_BYTES`` (16 MiB) gathered and arranged into reused work buffers), and the
     similarity matrices kept between visits (so that a visit only corrects them) are held
     within :data:`COST_BUDGET_FRACTION` of model B's matched bytes (at least
     :data:`COST_BUDGET_MIN` bytes); beyond it the least recently used one is rebuilt at its
@@ -192,6 +193,7 @@ class WeightMatcher:
         self._groups: dict[str, GroupSimilarity] | None = None  # built at the first match (they need an A)
         self._a_views: list[torch.Tensor] | None = None
         self._state_a: Mapping[str, torch.Tensor] = {}
+        self._seconds = {"similarity": 0.0, "assignment": 0.0}
 
     def _arrange(self, sa: Mapping[str, torch.Tensor]) -> dict[str, GroupSimilarity]:
         """Every group's similarity state for a new A (built once, then re-pointed at each A)."""
@@ -265,6 +267,8 @@ class WeightMatcher:
         # implementations' for a given seed.
         names = list(spec.sizes)
         history = [objective]
+        self._seconds = {"similarity": 0.0, "assignment": 0.0}
+        started = time.perf_counter()
         bar = progress_bar(progress, max_iter, "weight matching", "sweep")
         converged = False
         sweeps = 0
@@ -317,6 +321,7 @@ class WeightMatcher:
             objective=history,
             iterations=sweeps,
             converged=converged,
+            seconds={**self._seconds, "total": time.perf_counter() - started},
         )
 
     def _update(self, perms: dict[Any, torch.Tensor], proposal: Mapping[str, torch.Tensor]) -> None:
@@ -328,7 +333,9 @@ class WeightMatcher:
 
     def _cost(self, group: GroupSimilarity, perms: Mapping[Any, torch.Tensor]) -> torch.Tensor:
         """Minus the group's similarity at the current permutations, checked for overflow."""
+        started = time.perf_counter()
         cost = group.negated_similarity(perms)
+        self._seconds["similarity"] += time.perf_counter() - started
         if group.may_overflow and not bool(torch.isfinite(cost).all()):
             raise ValueError(
                 f"the similarity matrix of group {group.name!r} is not finite: the weights are too large "
@@ -341,7 +348,9 @@ class WeightMatcher:
     ) -> tuple[dict[str, torch.Tensor] | None, float, float]:
         """The group's best permutation, the others held; with the similarity's values at the current and new one."""
         cost = self._cost(group, perms)
+        started = time.perf_counter()
         new = pyperm.linear_sum_assignment(cost.cpu())[1].to(self.device) if cpu_fallback else group.assign()
+        self._seconds["assignment"] += time.perf_counter() - started
         old = perms[step.group]
         if torch.equal(new, old):
             return None, 0.0, 0.0
@@ -373,7 +382,9 @@ class WeightMatcher:
                 stack = blocks.diagonal(dim1=0, dim2=2).permute(2, 0, 1).contiguous()
             else:  # (A block i, B block j) -> the (bs, bs) cost of pairing their units
                 stack = blocks.permute(0, 2, 1, 3).reshape(nb * nb, bs, bs).contiguous()
+            started = time.perf_counter()
             cols = _batch_assign(stack, cpu_fallback)
+            self._seconds["assignment"] += time.perf_counter() - started
             if step.fixed:
                 pairs[d] = cols
             else:
@@ -383,7 +394,9 @@ class WeightMatcher:
             new_outer = torch.arange(nb, device=self.device)
             proposal = {d: inner_of_pairs(new_outer, cols) for d, cols in pairs.items()}
         else:
+            started = time.perf_counter()
             new_outer = _assign(outer_cost, cpu_fallback)
+            self._seconds["assignment"] += time.perf_counter() - started
             rows = torch.arange(nb, device=self.device)
             proposal = {step.group: new_outer}
             proposal |= {d: inner_of_pairs(new_outer, cols[rows, new_outer]) for d, cols in pairs.items()}

@@ -24,8 +24,16 @@ _REBUILD_FRACTION = 0.5
 _MAX_CORRECTIONS = 64
 # Groups up to this size keep one incremental assignment solver between visits (see GroupSimilarity.assign).
 _INCREMENTAL_UP_TO = 1024
-# Elements of one block of a tensor taken into a product: the bound on every work buffer (32 MiB in float32).
-BLOCK_ELEMENTS = 1 << 23
+# Bytes of one block of a tensor taken into a product: the bound on every work buffer, enough columns
+# for the products to run at the matrix-multiply rate (744 in float32 at n = 5632). A bfloat16 block
+# has twice the entries: each block's product is added into the float32 similarity in one more pass.
+BLOCK_BYTES = 16 << 20
+
+
+def block_elements(dtype: torch.dtype) -> int:
+    return BLOCK_BYTES // torch.empty((), dtype=dtype).element_size()
+# Entries of the float32 temporary of one band of a mixed-dtype subtraction (see Products.subtract).
+_SUBTRACT_ELEMENTS = 1 << 18
 # Blocks narrower than this many columns are joined with others into one product (see Pending).
 _NARROW = 128
 
@@ -74,17 +82,21 @@ class Products:
         else:
             product = self.work.get("product", out.shape, self.compute, out.device)
             torch.mm(x, y.T, out=product)
-            out.sub_(product)
+            # In bands of rows: a mixed-dtype subtraction converts its operand into a temporary first.
+            rows = max(1, _SUBTRACT_ELEMENTS // max(out.shape[1], 1))
+            for start in range(0, out.shape[0], rows):
+                out[start:start + rows].sub_(product[start:start + rows])
 
 
 class Pending:
     """Moved units' (n, k) blocks of several terms, joined along k until one product takes them all:
     a visit's small corrections cost one pass over the similarity instead of one per term."""
 
-    def __init__(self, n: int, products: Products, device: torch.device) -> None:
+    def __init__(self, n: int, products: Products, device: torch.device, columns: int) -> None:
         self.n = n
         self.products = products
-        self.capacity = max(1, BLOCK_ELEMENTS // max(n, 1))
+        # A block's worth of columns, or fewer when fewer will come (``columns``: at most what will).
+        self.capacity = max(1, min(block_elements(products.compute) // max(n, 1), columns))
         self.x = products.work.get("pending_x", (self.capacity, n), products.compute, device)
         self.y = products.work.get("pending_y", (self.capacity, n), products.compute, device)
         self.k = 0
@@ -136,9 +148,9 @@ class Term:
             self.block_axis = max(rest, key=lambda ax: ta.shape[ax]) if rest else None
         self.b = tb
         self.work = work
-        # Units of the block axis per block: BLOCK_ELEMENTS elements at most (one unit at least).
+        # Units of the block axis per block: BLOCK_BYTES at most (one unit at least).
         per_unit = ta.numel() // ta.shape[self.block_axis] if self.block_axis is not None and ta.numel() else 1
-        self.block = max(1, BLOCK_ELEMENTS // max(per_unit, 1))
+        self.block = max(1, block_elements(ta.dtype) // max(per_unit, 1))
         self.snap: torch.Tensor | None = None
         self.set_a(ta)
 
@@ -310,14 +322,15 @@ class GroupSimilarity:
                     moved += idx.numel() * (t.columns // t.a.shape[t.block_axis])
             if not rebuild and moved <= _REBUILD_FRACTION * self.columns:
                 if changes:
-                    pending = Pending(self.n, self.products, self.device)
+                    pending = Pending(self.n, self.products, self.device, moved)
                     for t, cur, idx in changes:
                         t.add_change_to(cost, cur, idx, pending)
                     pending.flush(cost)
                     self.corrections += 1
                 return cost
         cost.zero_()
-        pending = Pending(self.n, self.products, self.device)
+        narrow = sum(t.columns for t in self.all_terms if t.block_axis is None or t.columns < _NARROW)
+        pending = Pending(self.n, self.products, self.device, narrow)
         for t in self.all_terms:
             t.add_full_to(cost, perms, pending)
         pending.flush(cost)
@@ -346,9 +359,10 @@ def accurate_dot(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.dtype == torch.float64 or b.dtype == torch.float64:
         return float(torch.dot(a.double(), b.double()))
     total = 0.0
-    for start in range(0, a.numel(), BLOCK_ELEMENTS):
-        x = a[start:start + BLOCK_ELEMENTS].float()
-        y = b[start:start + BLOCK_ELEMENTS].float()
+    step = block_elements(torch.float32)
+    for start in range(0, a.numel(), step):
+        x = a[start:start + step].float()
+        y = b[start:start + step].float()
         k = x.numel() // 1024 * 1024
         if k:
             total += float(torch.linalg.vecdot(x[:k].view(-1, 1024), y[:k].view(-1, 1024)).double().sum())

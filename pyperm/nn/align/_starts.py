@@ -19,7 +19,7 @@ identity start, then looks at what it found
 (:func:`stalled`): models related by a permutation have some tensors aligned almost exactly
 (centred cosine near 1), or, when nothing got aligned, every tensor's norm equal to its
 counterpart's; a stall leaves some tensor far from aligned. Only then is the signature start
-run too (the same matcher, so B stays arranged), and the higher objective kept, so the default
+run too (the same matcher and work buffers), and the higher objective kept, so the default
 never ends below the identity start. Unrelated models (every cosine far below 1, norms apart)
 and related models aligned everywhere cost one search and the look: a few percent of it
 (measured by ``pyperm bench match --starts``), since the look reads up to 64 units per axis

@@ -16,9 +16,10 @@ improves nothing.
 What makes this implementation fast (the published implementations rebuild every
 similarity matrix from every weight at every step) is :class:`WeightMatcher`
 (:mod:`pyperm.nn.align._matcher`): every spec form is lowered to plain tensor pieces
-(:mod:`pyperm.nn.align._pieces`), each tensor is arranged once for the similarity products,
-each group's similarity is kept up to date by rank-``k`` corrections when ``k`` units of a
-neighbour move (:mod:`pyperm.nn.align._similarity`), a group none of whose neighbours moved is
+(:mod:`pyperm.nn.align._pieces`), the similarity products read the stored tensors in blocks
+(views; no tensor is copied or converted whole, so a model's extra memory is a fraction of
+its size), each group's similarity is kept up to date by rank-``k`` corrections when ``k``
+units of a neighbour move (:mod:`pyperm.nn.align._similarity`), a group none of whose neighbours moved is
 not solved again, and every assignment is warm-started from the group's previous one. Where the
 identity start stalls, the default start adds the signature start
 (:mod:`pyperm.nn.align._starts`).
@@ -185,7 +186,7 @@ def weight_matching(
     product_dtype : torch.dtype, optional
         The dtype the similarity products run in. By default a bfloat16 model's run in
         bfloat16 (the hardware accumulates in float32: this CPU's AVX512_BF16, a GPU's
-        tensor cores) and each block of at most ``2**23`` entries is rounded once to
+        tensor cores) and each block of at most 16 MiB of entries is rounded once to
         bfloat16 before it is added into the float32 similarity; every other model's run in
         ``dtype``. ``torch.float32`` converts bfloat16/float16 blocks first (exact products,
         float32 speed). The tensors themselves are never converted whole.

@@ -1,0 +1,238 @@
+"""``pyperm bench match --scale``: weight matching at the size of current models, in float32 and bfloat16.
+
+Every row is one model and dtype, run in a fresh Python process (so that its peak memory is its own):
+model A at random initialisation, model B a planted permutation of A plus small noise (0.01 times each
+tensor's standard deviation), ``weight_matching`` with its defaults. The row gives
+
+- the model's size and the process's peak resident memory (``peak RSS``), and the memory the call
+  added on top of the two models, divided by one model's size (``extra / model``: the peak during the
+  call minus the resident memory just before it);
+- the sweeps, the time per sweep (the whole call divided by its sweeps, starts included) and the
+  first sweep alone, in which every similarity is computed whole;
+- the *floor*: the same similarity products, one whole product per tensor and axis a group acts on,
+  as plain ``torch.matmul`` calls on tensors arranged beforehand (the arranging not timed), in the
+  model's dtype, timed in the same process, alternating with the first sweep (medians of
+  ``--repeat``); ``first / floor`` is the price of reading the stored tensors in place;
+- the assignment solves' share of the call, and whether every group's planted permutation was found.
+
+The models: the Llama architecture at 1.1B parameters (hidden 2048, MLP 5632, 22 layers, 32 query
+heads over 4 key/value heads, vocabulary 32000: TinyLlama's shape), GPT-2 (124M), torchvision's
+ResNet50 and ViT-B/16. The Hugging Face models are built on the meta device and traced there; their
+tensors are then drawn one at a time (normal, standard deviation 0.02; norms' weights near 1).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+HEADERS = ["model", "dtype", "params", "model GB", "peak RSS GB", "extra / model", "sweeps", "s / sweep",
+           "first sweep s", "floor s", "first / floor", "LAP share", "groups found"]  # fmt: skip
+
+# name: (what the table calls it, how it is built)
+MODELS = {
+    "llama-1.1b": ("Llama 1.1B (TinyLlama shape)", "hf"),
+    "gpt2": ("GPT-2 124M", "hf"),
+    "resnet50": ("ResNet50 (torchvision)", "torchvision"),
+    "vit_b_16": ("ViT-B/16 (torchvision)", "torchvision"),
+}
+SMALL = ["gpt2", "resnet50", "vit_b_16"]
+_HF_CONFIGS = {
+    "llama-1.1b": ("LlamaForCausalLM", "LlamaConfig", {
+        "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "vocab_size": 32000, "tie_word_embeddings": False}),
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", {"n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257}),
+}  # fmt: skip
+NOISE = 0.01
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> bool:
+    """Resets the process's peak RSS (Linux); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _spec_and_shapes(name: str) -> tuple[Any, dict[str, Any], Any]:
+    """The traced spec, the state dict's shapes and dtypes (meta tensors), and a real model (torchvision) or None."""
+    import torch
+
+    from pyperm.nn import trace_model
+
+    if MODELS[name][1] == "hf":
+        from pyperm.benchmarks._hf_models import _transformers
+        from pyperm.nn.models import single_output
+
+        transformers = _transformers()
+        model_cls, config_cls, kwargs = _HF_CONFIGS[name]
+        config = getattr(transformers, config_cls)(**kwargs, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        with torch.device("meta"):
+            model = single_output(getattr(transformers, model_cls)(config))
+        spec = trace_model(model, torch.zeros(1, 8, dtype=torch.long, device="meta")).spec
+        return spec, model.state_dict(), None
+    from pyperm.testing import import_torchvision
+
+    torchvision = import_torchvision()
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)().eval()
+    size = 224
+    spec = trace_model(model, torch.randn(1, 3, size, size)).spec
+    return spec, model.state_dict(), model
+
+
+def _pair(name: str, dtype: Any, seed: int = 0) -> tuple[Any, dict, dict, dict]:
+    """The spec, A, B (a planted permutation of A plus noise) and the planted permutations."""
+    import torch
+
+    from pyperm.nn import Permutations
+    from pyperm.nn.permutations import permute_entry
+    from pyperm.testing import random_permutations
+
+    spec, shapes, model = _spec_and_shapes(name)
+    gen = torch.Generator().manual_seed(seed)
+    sa: dict[str, Any] = {}
+    tied: dict[Any, str] = {}  # a tensor's storage -> the first key that holds it (tied weights stay tied)
+    for key, t in shapes.items():
+        first = tied.setdefault((t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape)), key)
+        if first != key:
+            sa[key] = sa[first]
+        elif model is not None:
+            sa[key] = t.detach().to(dtype) if t.is_floating_point() else t.detach().clone()
+        elif t.ndim == 1 and key.endswith("weight"):  # a norm's scale
+            sa[key] = (1 + 0.02 * torch.randn(t.shape, generator=gen)).to(dtype)
+        else:
+            sa[key] = (0.02 * torch.randn(t.shape, generator=gen)).to(dtype)
+    del model, shapes
+    planted = Permutations(spec, random_permutations(spec, seed + 1))
+    sb: dict[str, Any] = {}
+    for key, t in sa.items():
+        first = next(k for k in sa if sa[k] is t)
+        if first != key:
+            sb[key] = sb[first]
+            continue
+        b = permute_entry(spec, planted, key, t)
+        if b.is_floating_point():
+            noise = torch.randn(b.shape, generator=gen) * (NOISE * float(b.float().std()) if b.numel() > 1 else 0.0)
+            b = (b.float() + noise).to(dtype)
+        sb[key] = b
+    return spec, sa, sb, planted
+
+
+def floor_seconds(spec: Any, sa: dict, sb: dict) -> float:
+    """The similarity products of one sweep computing every similarity whole, as plain ``torch.matmul`` calls
+    on tensors arranged beforehand (each (n, K), in the model's dtype): only the products are timed."""
+    import torch
+
+    from pyperm.nn.align._matcher import WeightMatcher
+
+    matcher = WeightMatcher(spec, sb)
+    total = 0.0
+    for g, where in matcher._where.items():
+        for i, axis in where:
+            piece = matcher._pieces[i]
+            n = piece.shape[axis]
+            x = piece.of(sa[piece.key]).movedim(axis, 0).reshape(n, -1).contiguous()
+            y = piece.of(sb[piece.key]).movedim(axis, 0).reshape(n, -1).contiguous()
+            started = time.perf_counter()
+            torch.matmul(x, y.T)
+            total += time.perf_counter() - started
+            del x, y
+    return total
+
+
+def recovered_groups(spec: Any, sa: dict, sb: dict, perms: Any) -> int:
+    """The groups all of whose tensors, B permuted by ``perms``, are A up to the planted noise (a group's
+    units were all put back; Blocks groups are compared through the index they make together)."""
+    from pyperm.nn.permutations import permute_entry
+
+    wrong: set[str] = set()
+    for key, a in sa.items():
+        groups = {g for g, axes in spec.group_axes.items() if any(k == key for k, _ in axes)}
+        if not groups or not a.is_floating_point():
+            continue
+        aligned = permute_entry(spec, perms, key, sb[key]).float()
+        if float((aligned - a.float()).norm()) > 10 * NOISE * float(a.float().norm()) + 1e-6:
+            wrong |= groups
+    return len(spec.sizes) - len(wrong)
+
+
+def measure(name: str, dtype_name: str, repeat: int = 3) -> dict[str, Any]:
+    """One row, in this process."""
+    import torch
+
+    from pyperm.nn import weight_matching
+
+    dtype = getattr(torch, dtype_name)
+    spec, sa, sb, _ = _pair(name, dtype)
+    distinct = {id(t): t for t in sa.values()}.values()
+    model_bytes = sum(t.numel() * t.element_size() for t in distinct)
+    params = sum(t.numel() for t in distinct)
+    gc.collect()
+    before = _rss("VmRSS")
+    exact_peak = _reset_peak()
+    sweeps = 0
+
+    def count(*_: Any) -> None:
+        nonlocal sweeps
+        sweeps += 1
+
+    started = time.perf_counter()
+    result = weight_matching(spec, sa, sb, callback=count)  # every start's sweeps counted
+    total = time.perf_counter() - started
+    peak = _rss("VmHWM")
+    found = recovered_groups(spec, sa, sb, result.perms)
+    # The first sweep from the identity alone (every similarity computed whole) and the floor, alternated
+    # round by round so that a busy spell of the machine slows both alike; medians of ``repeat``.
+    firsts, floors = [], []
+    for _ in range(repeat):
+        firsts.append(weight_matching(spec, sa, sb, init="identity", max_iter=1).seconds["total"])
+        floors.append(floor_seconds(spec, sa, sb))
+    first, floor = statistics.median(firsts), statistics.median(floors)
+    sweeps = max(sweeps, 1)
+    return {
+        "model": MODELS[name][0], "dtype": dtype_name, "params": params, "model_bytes": model_bytes,
+        "peak_rss": peak, "extra": (peak - before) / model_bytes if exact_peak else float("nan"),
+        "sweeps": sweeps, "per_sweep": total / sweeps, "first_sweep": first, "floor": floor,
+        "assignment": result.seconds.get("assignment", 0.0) / max(result.seconds.get("total", 0.0), 1e-9), "found": found, "groups": len(spec.sizes),
+    }  # fmt: skip
+
+
+def rows(names: list[str], dtypes: list[str], repeat: int,
+         report: Callable[[str], None]) -> tuple[list[list[Any]], list[str]]:  # fmt: skip
+    """The table's rows, each measured in a child process, and the failures (a planted group not found)."""
+    table, failures = [], []
+    for name in names:
+        for dtype in dtypes:
+            report(f"  {MODELS[name][0]}, {dtype} ...")
+            code = f"import json, pyperm.benchmarks._match_scale as m; print(json.dumps(m.measure({name!r}, {dtype!r}, {repeat})))"
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            if proc.returncode != 0:
+                failures.append(f"{name} {dtype}: the run failed: {proc.stderr.strip().splitlines()[-1:]}")
+                continue
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            if r["found"] != r["groups"]:
+                failures.append(f"{name} {dtype}: {r['groups'] - r['found']} planted groups not found")
+            table.append([
+                r["model"], r["dtype"], f"{r['params'] / 1e6:.0f}M", f"{r['model_bytes'] / 1e9:.2f}",
+                f"{r['peak_rss'] / 1e9:.2f}", f"{r['extra']:.2f}x", r["sweeps"], f"{r['per_sweep']:.2f}",
+                f"{r['first_sweep']:.2f}", f"{r['floor']:.2f}", f"{r['first_sweep'] / r['floor']:.2f}x",
+                f"{100 * r['assignment']:.0f}%", f"{r['found']}/{r['groups']}",
+            ])  # fmt: skip
+    return table, failures
