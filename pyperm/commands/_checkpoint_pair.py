@@ -7,11 +7,12 @@ from typing import Any
 
 from pyperm.commands._common import CommandError, LoadedModel
 
-__all__ = ["function_gap", "load_for_model", "refuse_inputs"]
+__all__ = ["function_gap", "load_for_model", "model_with", "refuse_inputs"]
 
 
 def load_for_model(paths: list[str], loaded: LoadedModel) -> list[Any]:
-    """Each checkpoint, checked to hold ``loaded``'s keys and shapes, and all to agree with the first."""
+    """Each checkpoint (memory-mapped: :func:`pyperm.checkpoints.load_checkpoint`), checked to hold ``loaded``'s
+    keys and shapes, and all to agree with the first."""
     from pyperm.checkpoints import check_against_model, check_pair, load_checkpoint
 
     model_state = loaded.module.state_dict()
@@ -32,7 +33,9 @@ def _ties(model: Any) -> list[list[str]]:
     by_storage: dict[tuple, list[str]] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         if tensor.numel():
-            by_storage.setdefault((tensor.data_ptr(), tuple(tensor.shape)), []).append(key)
+            # The storage itself, not data_ptr(): on the meta device every address is 0.
+            where = (tensor.untyped_storage()._cdata, tensor.storage_offset(), tensor.stride())
+            by_storage.setdefault((where, tuple(tensor.shape)), []).append(key)
     return [keys for keys in by_storage.values() if len(keys) > 1]
 
 
@@ -59,16 +62,47 @@ def refuse_inputs(outputs: list[Path], ckpts: list[Any]) -> None:
             raise CommandError(f"{out}: is one of the input checkpoints; choose another --out")
 
 
-def function_gap(loaded: LoadedModel, state_1: dict, state_2: dict, inputs: Any) -> float:
-    """Largest absolute difference of the model's outputs (eval mode) under two states on ``inputs``."""
+def model_with(loaded: LoadedModel, state: dict, device: Any) -> Any:
+    """A copy of the model holding ``state``, on ``device``, in eval mode.
+
+    A model built on the meta device (:func:`pyperm.commands._common.build_model` with
+    ``meta=True``) is built again with its parameters on the meta device and its buffers real,
+    and takes ``state``'s tensors themselves as its parameters (no copy: a memory-mapped
+    checkpoint stays mapped, in its own dtype; a state of mixed floating dtypes is converted to
+    float32, for a forward that expects one dtype); any other is deep-copied and loads ``state``.
+    """
     import copy
 
+    from pyperm.commands._common import float_state, parameters_on_meta
+
+    if not loaded.on_meta:
+        model = copy.deepcopy(loaded.module).to(device)
+        model.load_state_dict(state)
+        return model.eval()
+    if len({t.dtype for t in state.values() if t.is_floating_point()}) > 1:
+        state = float_state(state, "cpu")
+    with parameters_on_meta():
+        model = loaded.build()
+    model.load_state_dict(state, assign=True)
+    return model.to(device).eval()
+
+
+def function_gap(loaded: LoadedModel, state_1: dict, state_2: dict, inputs: Any) -> tuple[float, str]:
+    """Largest absolute difference of the model's outputs (eval mode) under two states on ``inputs``, and the
+    dtype the models ran in.
+
+    Each state runs in the model's own floating dtype (a meta-built model's is the state's:
+    :func:`model_with`), floating inputs cast to it; one model exists at a time.
+    """
     import torch
 
-    model = copy.deepcopy(loaded.module).to(inputs.device).eval()
-    with torch.no_grad():
-        model.load_state_dict(state_1)
-        y1 = model(inputs)
-        model.load_state_dict(state_2)
-        y2 = model(inputs)
-    return float((y1 - y2).abs().max())
+    outputs = []
+    for state in (state_1, state_2):
+        model = model_with(loaded, state, inputs.device)
+        dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        x = inputs.to(dtype) if inputs.is_floating_point() else inputs
+        with torch.no_grad():
+            outputs.append(model(x).double())
+        del model
+    return float((outputs[0] - outputs[1]).abs().max()), str(dtype).removeprefix("torch.")

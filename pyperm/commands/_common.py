@@ -7,13 +7,14 @@ pay for importing torch; everything torch-related is imported inside the functio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ __all__ = [
     "build_model",
     "cli_errors",
     "load_data",
+    "on_device",
+    "parameters_on_meta",
     "prepare_out",
     "resolve_device",
 ]
@@ -41,6 +44,9 @@ MODEL_HELP = (
     "checkpoints are Hugging Face save_pretrained folders, the architecture is their config.json's (needs "
     "transformers), and outputs are folders from_pretrained loads"
 )
+
+
+logger = logging.getLogger(__name__)
 
 
 class CommandError(Exception):
@@ -204,13 +210,25 @@ def resolve_device(name: str) -> Any:
 
 @dataclass
 class LoadedModel:
-    """A model built from ``--model``, its permutation spec and an input batch shape (None when unknown)."""
+    """A model built from ``--model``, its permutation spec and an input batch shape (None when unknown).
+
+    ``module`` is on the meta device (shapes, no values) when the command only needs the spec and
+    the state dict's keys and shapes (:func:`build_model` with ``meta=True``); ``build`` makes
+    the module again, to run a copy that holds a checkpoint's tensors
+    (:func:`pyperm.commands._checkpoint_pair.model_with`).
+    """
 
     name: str
     module: Any
     spec: Any
     input_shape: tuple[int, ...] | None
     example: Any = None  # an input batch of the model's own kind (token ids), when random floats are not
+    build: Callable[[], Any] | None = None
+
+    @property
+    def on_meta(self) -> bool:
+        """Whether the module was built on the meta device (its tensors hold no values)."""
+        return any(t.is_meta for t in self.module.state_dict().values())
 
     def example_input(self, device: Any = "cpu") -> Any:
         """The example batch, else a seeded random one, or None when the input shape is unknown."""
@@ -223,7 +241,35 @@ class LoadedModel:
         return torch.randn(self.input_shape, generator=torch.Generator().manual_seed(0)).to(device)
 
 
-def _user_model(spec_text: str, shape: tuple[int, ...] | None) -> LoadedModel:
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Build modules with their parameters on the meta device and their buffers real.
+
+    Non-persistent buffers (the rotary frequencies of a Llama, attention masks) are computed by
+    the module's constructor and are in no checkpoint; built this way they are real, while the
+    parameters cost nothing and are replaced by a checkpoint's tensors with
+    ``load_state_dict(..., assign=True)``. As ``accelerate.init_empty_weights(include_buffers=False)``
+    does, ``torch.nn.Module.register_parameter`` is patched while the block runs (not thread-safe;
+    the command line builds one model at a time).
+    """
+    import torch
+
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module: Any, name: str, param: Any) -> None:
+        register(module, name, param)
+        if param is not None:
+            # Allocated with torch.empty and never written: moving it to meta frees it untouched.
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def _user_model(spec_text: str, shape: tuple[int, ...] | None, meta: bool) -> LoadedModel:
     file_name, _, class_name = spec_text.rpartition(":")
     path = Path(file_name)
     if not path.is_file():
@@ -239,30 +285,72 @@ def _user_model(spec_text: str, shape: tuple[int, ...] | None) -> LoadedModel:
     cls = getattr(module, class_name, None)
     if cls is None:
         raise CommandError(f"--model {spec_text}: {path} defines no {class_name!r}")
+    import torch
+
+    if meta:
+        try:
+            with torch.device("meta"):
+                return _user_spec(spec_text, cls, cls(), shape)
+        except CommandError:
+            raise
+        except Exception as exc:  # whatever the user's code raises on tensors without values
+            logger.debug("--model %s: not built on the meta device (%s); building it for real", spec_text, exc)
     try:
         model = cls()
     except Exception as exc:
         raise CommandError(f"--model {spec_text}: {class_name}() failed ({type(exc).__name__}: {exc})") from exc
+    return _user_spec(spec_text, cls, model, shape)
+
+
+def _user_spec(spec_text: str, cls: Any, model: Any, shape: tuple[int, ...] | None) -> LoadedModel:
+    """``model`` (built by ``cls()``) and its spec: its own ``permutation_spec()``, else traced on a zero input
+    of ``shape`` (made on the default device: the meta device while a meta model is built)."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
-        raise CommandError(f"--model {spec_text}: {class_name}() is a {type(model).__name__}, not a torch.nn.Module")
+        raise CommandError(
+            f"--model {spec_text}: {cls.__name__}() is a {type(model).__name__}, not a torch.nn.Module"
+        )
     if callable(getattr(model, "permutation_spec", None)):
         # Its own spec needs no tracing; the shape (if given) only feeds the function check of align.
-        return LoadedModel(spec_text, model, model.permutation_spec(), shape)
+        return LoadedModel(spec_text, model, model.permutation_spec(), shape, build=cls)
     if shape is None:
         raise CommandError(
-            f"--model {spec_text}: {class_name} has no permutation_spec(); pass --example-input-shape to trace it"
+            f"--model {spec_text}: {cls.__name__} has no permutation_spec(); pass --example-input-shape to trace it"
         )
     from pyperm.nn import PermutationSpec
 
-    example = torch.zeros(shape)
-    return LoadedModel(spec_text, model, PermutationSpec.from_model(model, example), shape)
+    return LoadedModel(spec_text, model, PermutationSpec.from_model(model, torch.zeros(shape)), shape, build=cls)
 
 
-def build_model(spec_text: str, shape: tuple[int, ...] | None = None, checkpoint: str | None = None) -> LoadedModel:
+def _bundled_model(spec_text: str, shape: tuple[int, ...] | None, meta: bool) -> LoadedModel:
+    import torch
+
+    from pyperm.nn.models import create_model, input_shape
+
+    try:
+        # The bundled models are built on the meta device as anywhere else (tested).
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = create_model(spec_text)
+    except ValueError as exc:
+        raise CommandError(f"--model: {exc}") from exc
+    return LoadedModel(
+        spec_text, model, model.permutation_spec(), shape or input_shape(spec_text),
+        build=functools.partial(create_model, spec_text),
+    )  # fmt: skip
+
+
+def build_model(
+    spec_text: str, shape: tuple[int, ...] | None = None, checkpoint: str | None = None, *, meta: bool = False
+) -> LoadedModel:
     """The model named by ``--model`` and its permutation spec; ``shape`` is ``--example-input-shape``;
     ``checkpoint`` the first checkpoint argument (``--model hf`` reads the architecture beside it).
+
+    With ``meta=True`` the model is built (and traced) on the meta device: it has shapes but no
+    values and costs no memory, for commands that need only the spec and the state dict's keys
+    and shapes (weight matching without ``--data``: a 1.1B-parameter model would otherwise cost
+    4.4 GB of float32 weights that are never used). A user model that cannot be built or traced
+    there (its constructor or forward needs values) is built for real instead.
 
     Raises
     ------
@@ -270,18 +358,12 @@ def build_model(spec_text: str, shape: tuple[int, ...] | None = None, checkpoint
         A model name whose options are out of range, or a user model file that cannot be used.
     """
     if ".py:" in spec_text:
-        return _user_model(spec_text, shape)
+        return _user_model(spec_text, shape, meta)
     if spec_text == "hf":
         from pyperm.commands._hf import hf_model
 
-        return hf_model(checkpoint or ".", shape)
-    from pyperm.nn.models import create_model, input_shape
-
-    try:
-        model = create_model(spec_text)
-    except ValueError as exc:
-        raise CommandError(f"--model: {exc}") from exc
-    return LoadedModel(spec_text, model, model.permutation_spec(), shape or input_shape(spec_text))
+        return hf_model(checkpoint or ".", shape, meta=meta)
+    return _bundled_model(spec_text, shape, meta)
 
 
 # ------------------------------------------------------------------------------ data
@@ -353,3 +435,8 @@ def has_batchnorm(model: Any) -> bool:
 def float_state(state: dict, device: Any) -> dict:
     """The state with floating tensors in float32 on ``device`` (the methods compute in float32)."""
     return {k: (v.float() if v.is_floating_point() else v).to(device) for k, v in state.items()}
+
+
+def on_device(state: dict, device: Any) -> dict:
+    """The state on ``device`` in its own dtypes (on the CPU: the tensors themselves, no copy)."""
+    return {k: v.to(device) for k, v in state.items()}

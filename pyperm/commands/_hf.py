@@ -12,6 +12,7 @@ copied beside them.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,12 @@ def _example_shape(config: Any) -> tuple[int, ...]:
     return (2, 8)
 
 
-def hf_model(checkpoint: str | Path, shape: tuple[int, ...] | None) -> LoadedModel:
-    """The model of the ``save_pretrained`` folder holding ``checkpoint``, and its traced spec."""
+def hf_model(checkpoint: str | Path, shape: tuple[int, ...] | None, *, meta: bool = False) -> LoadedModel:
+    """The model of the ``save_pretrained`` folder holding ``checkpoint``, and its traced spec.
+
+    With ``meta=True`` the model is built and traced on the meta device (the spec is the same; a
+    1.1B-parameter model then costs nothing instead of 4.4 GB of randomly initialised weights).
+    """
     import torch
 
     from pyperm.nn import PermutationSpec
@@ -70,10 +75,14 @@ def hf_model(checkpoint: str | Path, shape: tuple[int, ...] | None) -> LoadedMod
     cls = getattr(transformers, names[0], None) if names else None
     if cls is None:
         raise CommandError(f"--model hf: {config_file} names no architecture transformers has ({names or 'none'})")
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = cls(config)
-    single_output(model).eval()
+
+    def build() -> Any:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return single_output(cls(config)).eval()
+
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = build()
     shape = shape or _example_shape(config)
     vocab = getattr(config, "vocab_size", None)
     generator = torch.Generator().manual_seed(0)
@@ -81,8 +90,8 @@ def hf_model(checkpoint: str | Path, shape: tuple[int, ...] | None) -> LoadedMod
         example = torch.randint(0, vocab, shape, generator=generator)
     else:
         example = torch.randn(shape, generator=generator)
-    spec = PermutationSpec.from_model(model, example)
-    return LoadedModel(f"hf ({names[0]})", model, spec, tuple(shape), example)
+    spec = PermutationSpec.from_model(model, example.to("meta") if meta else example)
+    return LoadedModel(f"hf ({names[0]})", model, spec, tuple(shape), example, build=build)
 
 
 def folder_copies(source: Any, target: Path) -> list[tuple[Path, Path]]:

@@ -9,6 +9,7 @@ the barriers before and after), and with ``--data`` ``barrier.png``.
 from __future__ import annotations
 
 import argparse
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,16 @@ def path_barriers(
 
 @cli_errors("align")
 def run(args: argparse.Namespace) -> int:
-    """Align, write the permuted checkpoint and the reports; print where they are."""
-    from pyperm.checkpoints import save_checkpoint
+    """Align, write the permuted checkpoint and the reports; print where they are.
+
+    The checkpoints are memory-mapped, not read (:func:`pyperm.checkpoints.load_checkpoint`), and
+    weight matching reads them in their stored dtypes. B permuted is written tensor by tensor, each
+    computed when its turn comes (:class:`pyperm.checkpoints.LazyState`), shard by shard. Without
+    ``--data`` weight matching needs no model values: the model is built on the meta device, and
+    the function check runs B and the written file (mapped again) in their own dtype. With
+    ``--data`` the barriers and the other methods run float32 copies of the models, as before.
+    """
+    from pyperm.checkpoints import LazyState, save_checkpoint
     from pyperm.commands._checkpoint_pair import function_gap, load_for_model, refuse_inputs
     from pyperm.commands._common import (
         build_model,
@@ -80,15 +89,18 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_outputs,
         float_state,
         load_data,
+        on_device,
         prepare_out,
         resolve_device,
     )
     from pyperm.commands._hf import copy_files, folder_copies, folder_of
     from pyperm.commands._matching import match
     from pyperm.nn import apply_permutation, plot_paths
+    from pyperm.nn.permutations import as_permutations, permute_entry
 
     device = resolve_device(args.device)
-    loaded = build_model(args.model, args.example_input_shape, args.a)
+    # Weight matching without data needs only the spec and the keys and shapes: no model values.
+    loaded = build_model(args.model, args.example_input_shape, args.a, meta=args.method == "weight" and not args.data)
     ckpt_a, ckpt_b = load_for_model([args.a, args.b], loaded)
     out = Path(args.out)
     stem = (folder_of(ckpt_b.path).name if args.model == "hf" else ckpt_b.path.name.split(".")[0]) + "_permuted"
@@ -104,15 +116,43 @@ def run(args: argparse.Namespace) -> int:
     data = load_data(args, device)
     check_inputs(loaded, data, device)
 
-    state_a = float_state(ckpt_a.state, device)
-    state_b = float_state(ckpt_b.state, device)
-    perms, info = match(args.method, loaded, state_a, state_b, data, args, device)
-    # Permute B as stored (its own dtypes), so the written file differs from B by the permutation only.
-    permuted = apply_permutation(loaded.spec, perms, ckpt_b.state)
-    permuted_f32 = float_state(permuted, device)
-    # Check that the permuted B computes B's function, on data or a random input of the model's shape.
-    probe = data.test[0][0] if data is not None else loaded.example_input(device)
-    gap = None if probe is None else function_gap(loaded, state_b, permuted_f32, probe)
+    if args.method == "weight":
+        # As stored (a bfloat16 model stays bfloat16, read from the mapped files): no float32 copy of either.
+        perms, info = match(args.method, loaded, on_device(ckpt_a.state, device), on_device(ckpt_b.state, device),
+                            data, args, device)  # fmt: skip
+    else:
+        perms, info = match(args.method, loaded, float_state(ckpt_a.state, device),
+                            float_state(ckpt_b.state, device), data, args, device)  # fmt: skip
+    # B permuted as stored (its own dtypes), so the written file differs from B by the permutation only;
+    # each tensor is permuted when the writer reaches it, and let go once written.
+    checked = as_permutations(loaded.spec, perms)
+    permuted = LazyState(ckpt_b.state, lambda key, tensor: permute_entry(loaded.spec, checked, key, tensor))
+
+    barriers = gap = gap_dtype = None
+    if data is not None:
+        # The barriers run float32 models: B permuted whole, as the paths need it.
+        state_a, state_b = float_state(ckpt_a.state, device), float_state(ckpt_b.state, device)
+        permuted_f32 = float_state(apply_permutation(loaded.spec, perms, ckpt_b.state), device)
+        gap, gap_dtype = function_gap(loaded, state_b, permuted_f32, data.test[0][0])
+        barriers = path_barriers(
+            loaded, state_a, {"naive": state_b, args.method: permuted_f32}, data, args.num_points, device, args.progress
+        )
+        del permuted_f32, state_a, state_b
+    # A is no longer read: let its mapped pages go before B permuted is written and checked. The matching
+    # leaves reference cycles that hold the states' tensors (and its similarity matrices) until the
+    # garbage collector runs: run it now.
+    ckpt_a.state.clear()
+    gc.collect()
+
+    written = save_checkpoint(ckpt_b, permuted, ckpt_files[0], force=args.force)
+    written += copy_files(copies)  # --model hf: the config and tokenizer beside the weights
+    probe = loaded.example_input(device)
+    if data is None and probe is not None:
+        # Check that the written file (mapped again, not kept in memory) computes B's function.
+        (ckpt_out,) = load_for_model([str(ckpt_files[0])], loaded)
+        gap, gap_dtype = function_gap(loaded, on_device(ckpt_b.state, device), on_device(ckpt_out.state, device),
+                                      probe)  # fmt: skip
+        del ckpt_out
 
     report: dict[str, Any] = {
         "command": "align",
@@ -123,19 +163,13 @@ def run(args: argparse.Namespace) -> int:
         "groups": [{"name": g, "size": p.numel(), "units_moved": _moved(p)} for g, p in perms.items()],
         "matching": info,
         "max_output_change_of_b": gap,
+        "output_check_dtype": gap_dtype,
         "dropped_wrapper_entries": ckpt_b.dropped,
         "outputs": [str(p) for p in ckpt_files],
     }
-    barriers = None
-    if data is not None:
-        barriers = path_barriers(
-            loaded, state_a, {"naive": state_b, args.method: permuted_f32}, data, args.num_points, device, args.progress
-        )
+    if barriers is not None:
         report["data"] = {"name": data.name, "train_samples": data.num_train, "test_samples": data.num_test}
         report["barriers"] = {label: r.to_dict() for label, r in barriers.items()}
-
-    written = save_checkpoint(ckpt_b, permuted, ckpt_files[0], force=args.force)
-    written += copy_files(copies)  # --model hf: the config and tokenizer beside the weights
     write_json(out / "permutations.json", perms.to_dict())
     write_json(out / "report.json", report)
     if barriers is not None:
@@ -164,7 +198,11 @@ def _moved(p: Any) -> int:
 def _markdown(report: dict[str, Any], barriers: dict | None) -> str:
     info = report["matching"]
     gap = report["max_output_change_of_b"]
-    gap_text = "not checked (no --data or --example-input-shape)" if gap is None else f"{gap:.3g}"
+    gap_text = (
+        "not checked (no --data or --example-input-shape)"
+        if gap is None
+        else f"{gap:.3g} (the models run in {report['output_check_dtype']})"
+    )
     lines = [
         f"# pyperm align: {report['b']} into {report['a']}'s basin",
         "",

@@ -55,8 +55,14 @@ def _evaluate(loaded: Any, state: dict, data: Any, device: Any) -> dict[str, flo
 
 @cli_errors("merge")
 def run(args: argparse.Namespace) -> int:
-    """Merge, write the merged checkpoint and the reports."""
-    from pyperm.checkpoints import save_checkpoint
+    """Merge, write the merged checkpoint and the reports.
+
+    The checkpoints are memory-mapped (:func:`pyperm.checkpoints.load_checkpoint`); without ``--data``
+    the model is built on the meta device (only its spec, keys and shapes are used). The merged model
+    is written tensor by tensor, shard by shard, each tensor cast to the stored dtype when its turn
+    comes (``merge_many`` itself holds the merged model in float32).
+    """
+    from pyperm.checkpoints import LazyState, save_checkpoint
     from pyperm.commands._checkpoint_pair import load_for_model, refuse_inputs
     from pyperm.commands._common import (
         CommandError,
@@ -75,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if len(args.checkpoints) < 2:
         raise CommandError(f"merge needs at least two checkpoints, got {len(args.checkpoints)}")
     device = resolve_device(args.device)
-    loaded = build_model(args.model, args.example_input_shape, args.checkpoints[0])
+    loaded = build_model(args.model, args.example_input_shape, args.checkpoints[0], meta=not args.data)
     ckpts = load_for_model(args.checkpoints, loaded)
     out = Path(args.out)
     ckpt_files = checkpoint_outputs(ckpts[0], out, "merged", args.model)
@@ -89,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
     states = [float_state(c.state, device) for c in ckpts]
     with Timer() as timer:
         result = merge_many(loaded.spec, states, max_iter=args.max_iter, seed=args.seed, progress=args.progress)
-    # Write in the first input's dtypes, as the inputs were stored.
-    merged = {k: v.to(ckpts[0].state[k].dtype) for k, v in result.merged.items()}
+    # Write in the first input's dtypes, as the inputs were stored: one tensor at a time, when written.
+    merged = LazyState(ckpts[0].state, lambda key, stored: result.merged[key].to(stored.dtype))
     report: dict[str, Any] = {
         "command": "merge",
         "inputs": [str(c.path) for c in ckpts],

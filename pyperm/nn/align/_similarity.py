@@ -33,7 +33,7 @@ BLOCK_BYTES = 16 << 20
 def block_elements(dtype: torch.dtype) -> int:
     return BLOCK_BYTES // torch.empty((), dtype=dtype).element_size()
 # Entries of the float32 temporary of one band of a mixed-dtype subtraction (see Products.subtract).
-_SUBTRACT_ELEMENTS = 1 << 18
+_SUBTRACT_ELEMENTS = 1 << 22
 # Blocks narrower than this many columns are joined with others into one product (see Pending).
 _NARROW = 128
 
