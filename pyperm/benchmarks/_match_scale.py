@@ -177,6 +177,7 @@ def measure(name: str, dtype_name: str, repeat: int = 3) -> dict[str, Any]:
     """One row, in this process."""
     import torch
 
+    from pyperm._memory import release_free_memory
     from pyperm.nn import weight_matching
 
     dtype = getattr(torch, dtype_name)
@@ -185,6 +186,7 @@ def measure(name: str, dtype_name: str, repeat: int = 3) -> dict[str, Any]:
     model_bytes = sum(t.numel() * t.element_size() for t in distinct)
     params = sum(t.numel() for t in distinct)
     gc.collect()
+    release_free_memory()  # garbage left by building the pair is not the call's
     before = _rss("VmRSS")
     exact_peak = _reset_peak()
     sweeps = 0

@@ -32,6 +32,7 @@ import torch
 
 import pyperm
 from pyperm._checks import check_callable, check_int, check_nonnegative_real, torch_generator
+from pyperm._memory import release_free_memory
 from pyperm._progress import progress_bar
 from pyperm.nn._checks import check_spec
 from pyperm.nn.align._objective import (
@@ -140,7 +141,7 @@ class WeightMatcher:
     Notes
     -----
     Memory: the tensors are read where they are stored (views; blocks of
-    ``BLOCK_BYTES`` (16 MiB) gathered and arranged into reused work buffers), and the
+    ``BLOCK_BYTES`` (32 MiB) gathered and arranged into reused work buffers), and the
     similarity matrices kept between visits (so that a visit only corrects them) are held
     within :data:`COST_BUDGET_FRACTION` of model B's matched bytes (at least
     :data:`COST_BUDGET_MIN` bytes); beyond it the least recently used one is rebuilt at its
@@ -303,6 +304,8 @@ class WeightMatcher:
                         for other in self._dependents[moved]:
                             groups[other].stale = True
                 history.append(objective)
+                if device.type == "cpu":  # the sweep's temporaries, freed, are not kept resident
+                    release_free_memory()
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(objective=f"{objective:.6g}")

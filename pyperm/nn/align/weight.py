@@ -186,7 +186,7 @@ def weight_matching(
     product_dtype : torch.dtype, optional
         The dtype the similarity products run in. By default a bfloat16 model's run in
         bfloat16 (the hardware accumulates in float32: this CPU's AVX512_BF16, a GPU's
-        tensor cores) and each block of at most 16 MiB of entries is rounded once to
+        tensor cores) and each block of at most 32 MiB of entries is rounded once to
         bfloat16 before it is added into the float32 similarity; every other model's run in
         ``dtype``. ``torch.float32`` converts bfloat16/float16 blocks first (exact products,
         float32 speed). The tensors themselves are never converted whole.
