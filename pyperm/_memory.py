@@ -3,8 +3,9 @@
 glibc's allocator keeps freed blocks below its mmap threshold (at most 32 MiB) in its heaps for
 reuse; blocks freed in the middle of a heap are never returned, and a long loop that frees and
 reallocates blocks of many sizes (weight matching's similarities and blocks of tensors) leaves
-their pages resident: on a Llama model this grew the process by 0.8x the model's size. ``malloc_trim``
-returns every whole free page of the heaps. Elsewhere than glibc this is a no-op.
+their pages resident: weight matching of a 1.1B-parameter Llama in float32 grew the process by
+0.57x the model's size that way. ``malloc_trim`` returns every whole free page of the heaps (a few
+milliseconds). Elsewhere than glibc this is a no-op.
 """
 
 from __future__ import annotations

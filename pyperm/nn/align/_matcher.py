@@ -290,6 +290,8 @@ class WeightMatcher:
                         proposal, old_val, new_val = self._blocks_step(step, groups, perms, cpu_fallback)
                     else:
                         proposal, old_val, new_val = self._plain_step(step, groups[g], perms, cpu_fallback)
+                    if device.type == "cpu":  # the visit's temporaries, freed, are not kept resident
+                        release_free_memory()
                     if proposal is None:
                         continue
                     if step.quadratic:  # the similarity was a linearisation: the exact change
@@ -304,8 +306,6 @@ class WeightMatcher:
                         for other in self._dependents[moved]:
                             groups[other].stale = True
                 history.append(objective)
-                if device.type == "cpu":  # the sweep's temporaries, freed, are not kept resident
-                    release_free_memory()
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(objective=f"{objective:.6g}")

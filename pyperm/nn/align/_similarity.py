@@ -29,20 +29,22 @@ _INCREMENTAL_UP_TO = 1024
 # has twice the entries: each block's product is added into the float32 similarity in one more pass,
 # which costs 5% of the product at n = 5632 (11% with blocks of half this size).
 BLOCK_BYTES = 32 << 20
-
-
-def block_elements(dtype: torch.dtype) -> int:
-    return BLOCK_BYTES // torch.empty((), dtype=dtype).element_size()
 # Entries of the float32 temporary of one band of a mixed-dtype subtraction (see Products.subtract).
 _SUBTRACT_ELEMENTS = 1 << 22
 # Blocks narrower than this many columns are joined with others into one product (see Pending).
 _NARROW = 128
 
 
+def block_elements(dtype: torch.dtype) -> int:
+    """Entries of ``dtype`` in one block (BLOCK_BYTES)."""
+    return BLOCK_BYTES // torch.empty((), dtype=dtype).element_size()
+
+
 class Work:
     """Flat buffers reused by every product of a matcher, one per (slot, dtype, device), grown on demand:
     blocks of tensors are gathered and arranged into them instead of fresh allocations (whose page
-    faults cost as much as the copy), and no buffer exceeds what one block needs."""
+    faults cost as much as the copy). Each holds one block at most, except the (n, n) product of a
+    narrower dtype (see :class:`Products`)."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
@@ -191,7 +193,7 @@ class Term:
         """Subtracts the whole contribution at the given permutations from ``out`` (narrow blocks are
         queued in ``pending``, whose caller flushes it); records the permutations in ``snap``."""
         if self.block_axis is None:  # a vector: one column
-            pending.add(out, self.a.view(-1, 1), self.b.view(-1, 1))
+            pending.add(out, self.a.reshape(-1, 1), self.b.reshape(-1, 1))
             return
         index = perms[self.other] if self.other is not None else None
         if self.general_axes is not None:
@@ -205,9 +207,10 @@ class Term:
                 y = self.b.narrow(self.block_axis, start, length)
             else:
                 y = self._gather(rows, "gather")
-            if self.general_axes is not None:
-                for ax, g in self.general_axes[1:]:
-                    y = y.index_select(ax, perms[g])
+            if self.general_axes is not None:  # the other axes permuted too, into work buffers
+                for j, (ax, g) in enumerate(self.general_axes[1:]):
+                    buf = self.work.get(f"general_{j % 2}", y.shape, y.dtype, y.device)
+                    y = torch.index_select(y, ax, perms[g], out=buf)
             x, y = self.matrix(x, "arrange_x"), self.matrix(y, "arrange_y")
             if x.shape[1] < _NARROW:
                 pending.add(out, x, y)
