@@ -28,6 +28,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -224,7 +225,10 @@ def rows(names: list[str], dtypes: list[str], repeat: int,
         for dtype in dtypes:
             report(f"  {MODELS[name][0]}, {dtype} ...")
             code = f"import json, pyperm.benchmarks._match_scale as m; print(json.dumps(m.measure({name!r}, {dtype!r}, {repeat})))"
-            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            # From a neutral folder: ``python -c`` puts the working directory first on the path, and a source
+            # checkout there would shadow the installed package.
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                  cwd=tempfile.gettempdir())  # fmt: skip
             if proc.returncode != 0:
                 failures.append(f"{name} {dtype}: the run failed: {proc.stderr.strip().splitlines()[-1:]}")
                 continue
