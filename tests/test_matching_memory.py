@@ -185,3 +185,16 @@ def test_extra_memory_stays_below_one_model(dtype, tmp_path):
     largest = 2048 * 2048 * 4
     similarities = 3 * largest
     assert r["extra"] <= float32_model + similarities + 4 * largest + (64 << 20), r
+
+
+def test_scale_bench_helpers_on_a_small_pair():
+    """``pyperm bench match --scale``'s pieces: the floor times one product per (tensor, axis) of a group, and
+    a group counts as recovered only when every tensor it acts on is A again up to the planted noise."""
+    from pyperm.benchmarks import _match_scale
+
+    spec, sa = _state(MODELS["mlp"], 1)
+    sb = _planted(spec, sa, noise=_match_scale.NOISE / 10)
+    assert _match_scale.floor_seconds(spec, sa, sb) > 0
+    found = weight_matching(spec, sa, sb)
+    assert _match_scale.recovered_groups(spec, sa, sb, found.perms) == len(spec.sizes)
+    assert _match_scale.recovered_groups(spec, sa, sb, spec.identity()) < len(spec.sizes)
