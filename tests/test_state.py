@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch import nn
 
 from pyperm.nn.state import average, interpolate
 from pyperm.nn._checks import check_pair
@@ -136,3 +137,19 @@ def test_average_bad_arguments():
         average([a, b], weights=[1.0, "x"])
     with pytest.raises(TypeError, match="weights must be a sequence"):
         average([a, b], weights=2.0)
+
+
+def test_shared_tensors_groups_tied_weights_on_every_device_kind():
+    """Tied weights (one tensor under two names) are grouped, views of another layout or offset and equal
+    values are not; on the meta device, where every address is 0, the storage tells them apart."""
+    from pyperm.nn.state import shared_tensors
+
+    w = torch.ones(4, 3)
+    state = {"a": w, "b": torch.ones(4, 3), "c": w, "t": w.T, "row": w[1], "empty": torch.empty(0), "e2": torch.empty(0)}
+    assert shared_tensors(state) == [["a", "c"]]
+    with torch.device("meta"):
+        x, y = nn.Linear(3, 4), nn.Linear(3, 4)
+    y.weight = x.weight
+    meta = {"x.weight": x.weight, "x.bias": x.bias, "y.weight": y.weight, "y.bias": y.bias}
+    assert shared_tensors(meta) == [["x.weight", "y.weight"]]
+    assert shared_tensors({}) == []

@@ -408,8 +408,9 @@ def test_weight_matching_without_data_builds_the_model_on_meta():
 
 def test_a_hugging_face_model_traced_on_meta_has_the_real_spec_and_ties(tmp_path):
     transformers = import_transformers()
-    from pyperm.commands._checkpoint_pair import _ties, model_with
+    from pyperm.commands._checkpoint_pair import model_with
     from pyperm.commands._common import build_model
+    from pyperm.nn.state import shared_tensors
 
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
                                      bos_token_id=0, eos_token_id=0)  # fmt: skip
@@ -421,7 +422,8 @@ def test_a_hugging_face_model_traced_on_meta_has_the_real_spec_and_ties(tmp_path
     assert meta.on_meta and not real.on_meta
     assert meta.spec.axes == real.spec.axes and meta.spec.sizes == real.spec.sizes
     # Ties: on meta every data_ptr() is 0, so ties are found by storage.
-    assert _ties(meta.module) == _ties(real.module) == [["transformer.wte.weight", "lm_head.weight"]]
+    assert shared_tensors(meta.module.state_dict()) == shared_tensors(real.module.state_dict()) == [
+        ["transformer.wte.weight", "lm_head.weight"]]
     # The meta model runs a checkpoint's tensors as its own (buffers real, parameters the state's).
     state = gpt2.state_dict()
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))

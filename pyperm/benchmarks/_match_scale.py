@@ -104,16 +104,16 @@ def _pair(name: str, dtype: Any, seed: int = 0) -> tuple[Any, dict, dict, dict]:
 
     from pyperm.nn import Permutations
     from pyperm.nn.permutations import permute_entry
+    from pyperm.nn.state import shared_tensors
     from pyperm.testing import random_permutations
 
     spec, shapes, model = _spec_and_shapes(name)
     gen = torch.Generator().manual_seed(seed)
+    tied = {key: keys[0] for keys in shared_tensors(shapes) for key in keys[1:]}  # tied weights stay tied
     sa: dict[str, Any] = {}
-    tied: dict[Any, str] = {}  # a tensor's storage -> the first key that holds it (tied weights stay tied)
     for key, t in shapes.items():
-        first = tied.setdefault((t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape)), key)
-        if first != key:
-            sa[key] = sa[first]
+        if key in tied:
+            sa[key] = sa[tied[key]]
         elif model is not None:
             sa[key] = t.detach().to(dtype) if t.is_floating_point() else t.detach().clone()
         elif t.ndim == 1 and key.endswith("weight"):  # a norm's scale
@@ -124,9 +124,8 @@ def _pair(name: str, dtype: Any, seed: int = 0) -> tuple[Any, dict, dict, dict]:
     planted = Permutations(spec, random_permutations(spec, seed + 1))
     sb: dict[str, Any] = {}
     for key, t in sa.items():
-        first = next(k for k in sa if sa[k] is t)
-        if first != key:
-            sb[key] = sb[first]
+        if key in tied:
+            sb[key] = sb[tied[key]]
             continue
         b = permute_entry(spec, planted, key, t)
         if b.is_floating_point():

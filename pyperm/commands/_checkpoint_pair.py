@@ -14,9 +14,10 @@ def load_for_model(paths: list[str], loaded: LoadedModel) -> list[Any]:
     """Each checkpoint (memory-mapped: :func:`pyperm.checkpoints.load_checkpoint`), checked to hold ``loaded``'s
     keys and shapes, and all to agree with the first."""
     from pyperm.checkpoints import check_against_model, check_pair, load_checkpoint
+    from pyperm.nn.state import shared_tensors
 
     model_state = loaded.module.state_dict()
-    ties = _ties(loaded.module)
+    ties = shared_tensors(model_state)
     ckpts = []
     for path in paths:
         ckpt = load_checkpoint(path)
@@ -26,17 +27,6 @@ def load_for_model(paths: list[str], loaded: LoadedModel) -> list[Any]:
             check_pair(ckpts[0], ckpt)
         ckpts.append(ckpt)
     return ckpts
-
-
-def _ties(model: Any) -> list[list[str]]:
-    """The groups of ``state_dict`` keys that name one tensor (tied weights), each in the model's order."""
-    by_storage: dict[tuple, list[str]] = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        if tensor.numel():
-            # The storage itself, not data_ptr(): on the meta device every address is 0.
-            where = (tensor.untyped_storage()._cdata, tensor.storage_offset(), tensor.stride())
-            by_storage.setdefault((where, tuple(tensor.shape)), []).append(key)
-    return [keys for keys in by_storage.values() if len(keys) > 1]
 
 
 def _fill_tied(ckpt: Any, ties: list[list[str]]) -> None:

@@ -16,7 +16,41 @@ import torch
 from pyperm._checks import check_finite_real, check_nonnegative_real
 from pyperm.nn._checks import check_pair, check_state
 
-__all__ = ["average", "interpolate", "is_mixable"]
+__all__ = ["average", "interpolate", "is_mixable", "shared_tensors"]
+
+
+def shared_tensors(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """The groups of keys that name one tensor (tied weights), each group in the state's order.
+
+    Two keys name one tensor when they view the same memory the same way: the same storage,
+    offset, dtype, shape and strides. On the meta device, where every address is 0 (a model built
+    there only to be traced), the storage object itself tells them apart. Empty tensors are
+    never grouped.
+
+    Parameters
+    ----------
+    state : mapping of str to torch.Tensor
+        A state dict, e.g. ``model.state_dict()``.
+
+    Returns
+    -------
+    list of list of str
+        Every group of two or more keys.
+
+    Examples
+    --------
+    >>> import torch
+    >>> w = torch.ones(2, 3)
+    >>> shared_tensors({"embed": w, "head": w, "bias": torch.zeros(3)})
+    [['embed', 'head']]
+    """
+    groups: dict[tuple, list[str]] = {}
+    for key, t in state.items():
+        if t.numel():
+            where = t.untyped_storage()._cdata if t.device.type == "meta" else t.data_ptr()
+            ident = (t.device, where, t.storage_offset(), t.dtype, tuple(t.shape), tuple(t.stride()))
+            groups.setdefault(ident, []).append(key)
+    return [keys for keys in groups.values() if len(keys) > 1]
 
 
 def is_mixable(tensor: torch.Tensor) -> bool:

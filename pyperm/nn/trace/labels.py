@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from pyperm.nn.state import shared_tensors
 from pyperm.nn.trace.errors import TraceError
 
 __all__ = [
@@ -243,12 +244,6 @@ def tensors(value: Any) -> list[torch.Tensor]:
     return found
 
 
-def _storage_id(t: torch.Tensor) -> int:
-    """Which storage ``t`` views: its address, or on the meta device (where every address is 0, a model
-    built there only to be traced) the storage object itself."""
-    return t.untyped_storage()._cdata if t.device.type == "meta" else t.data_ptr()
-
-
 class _UnionFind:
     """Disjoint sets of atoms with their unit count and two flags per class."""
 
@@ -308,17 +303,10 @@ class UnitClasses:
         self.conflicts: list[str] = []
         # Tied parameters (one tensor under two names) must be permuted alike: both names
         # share the atoms of the first.
-        self._canon: dict[str, str] = {}
-        seen: dict[tuple, str] = {}
-        for key, t in state_dict.items():
-            ident = (t.device, _storage_id(t), t.storage_offset(), t.dtype, tuple(t.shape), tuple(t.stride())) \
-                if t.numel() else None
-            if ident is not None and ident in seen:
-                self._canon[key] = seen[ident]
-            else:
-                if ident is not None:
-                    seen[ident] = key
-                self._canon[key] = key
+        self._canon: dict[str, str] = {key: key for key in state_dict}
+        for keys in shared_tensors(state_dict):
+            for key in keys[1:]:
+                self._canon[key] = keys[0]
 
     # ---- atoms
     def atom(self, key: str, axis: int) -> int:
