@@ -1,4 +1,4 @@
-"""Giving freed memory back to the operating system.
+"""Giving freed memory back to the operating system, and reading the process's resident memory (Linux).
 
 glibc's allocator keeps freed blocks below its mmap threshold (at most 32 MiB) in its heaps for
 reuse; blocks freed in the middle of a heap are never returned, and a long loop that frees and
@@ -16,7 +16,7 @@ import functools
 import sys
 from typing import Any
 
-__all__ = ["release_free_memory"]
+__all__ = ["release_free_memory", "reset_peak_resident", "resident_bytes"]
 
 
 @functools.cache
@@ -38,3 +38,24 @@ def release_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def resident_bytes(field: str = "VmRSS") -> int:
+    """The process's resident memory now (``"VmRSS"``) or at its peak (``"VmHWM"``), in bytes, from
+    ``/proc/self/status`` (Linux; OSError elsewhere)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise ValueError(f"field must be a memory line of /proc/self/status, got {field!r}")
+
+
+def reset_peak_resident() -> bool:
+    """Restart the peak (``resident_bytes("VmHWM")``) from the current resident memory; False where the
+    system cannot (not Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

@@ -151,18 +151,14 @@ _MEASURE = textwrap.dedent("""
     weight_matching(MLP([8, 16, 16, 2]).permutation_spec(), small, small, max_iter=1)
     torch.randn(512, 512).to(dtype) @ torch.randn(512, 512).to(dtype)
     gc.collect()
-    from pyperm._memory import release_free_memory
+    from pyperm._memory import release_free_memory, reset_peak_resident, resident_bytes
     release_free_memory()
-    def rss(field):
-        for line in open("/proc/self/status"):
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    before = rss("VmRSS")
-    open("/proc/self/clear_refs", "w").write("5")
+    before = resident_bytes("VmRSS")
+    assert reset_peak_resident()
     weight_matching(spec, sa, sb, max_iter=3)
     size = sum(t.numel() * t.element_size() for t in sa.values())
     largest = max(t.numel() * t.element_size() for t in sa.values())
-    print(json.dumps({"extra": rss("VmHWM") - before, "model": size, "largest": largest}))
+    print(json.dumps({"extra": resident_bytes("VmHWM") - before, "model": size, "largest": largest}))
 """)
 
 
@@ -198,3 +194,15 @@ def test_scale_bench_helpers_on_a_small_pair():
     found = weight_matching(spec, sa, sb)
     assert _match_scale.recovered_groups(spec, sa, sb, found.perms) == len(spec.sizes)
     assert _match_scale.recovered_groups(spec, sa, sb, spec.identity()) < len(spec.sizes)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status is Linux's")
+def test_resident_memory_readings():
+    from pyperm._memory import release_free_memory, reset_peak_resident, resident_bytes
+
+    release_free_memory()
+    assert reset_peak_resident()
+    now, peak = resident_bytes(), resident_bytes("VmHWM")
+    assert 0 < now <= peak
+    with pytest.raises(ValueError, match="field"):
+        resident_bytes("NoSuchLine")

@@ -28,6 +28,7 @@ pytest.importorskip("matplotlib")
 from _vision import import_transformers
 
 import pyperm.checkpoints as checkpoints
+from pyperm._memory import resident_bytes
 from pyperm.checkpoints import CheckpointError, LazyState, load_checkpoint, save_checkpoint
 from pyperm.cli import main
 
@@ -80,14 +81,6 @@ def _write_llama(folder, seed: int, sharded: bool):
 
 def _digest(folder) -> dict:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 def _mapped_from(path) -> list[tuple[int, int]]:
@@ -190,9 +183,9 @@ def test_safetensors_tensors_are_views_of_the_file_not_copies(tmp_path):
     safetensors_torch.save_file(
         {"big": torch.ones(size // 4), "small": torch.arange(6.0).reshape(2, 3)}, str(path)
     )  # fmt: skip
-    before = _rss_bytes()
+    before = resident_bytes()
     ckpt = load_checkpoint(path)
-    grown = _rss_bytes() - before
+    grown = resident_bytes() - before
     assert grown < (20 << 20), f"loading a 200 MB file took {grown >> 20} MB of memory"
     big = ckpt.state["big"]
     assert _is_view_of(big, path) and _is_view_of(ckpt.state["small"], path)

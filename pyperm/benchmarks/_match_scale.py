@@ -53,24 +53,6 @@ _HF_CONFIGS = {
 NOISE = 0.01
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak() -> bool:
-    """Resets the process's peak RSS (Linux); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _spec_and_shapes(name: str) -> tuple[Any, dict[str, Any], Any]:
     """The traced spec, the state dict's shapes and dtypes (meta tensors), and a real model (torchvision) or None."""
     import torch
@@ -177,7 +159,7 @@ def measure(name: str, dtype_name: str, repeat: int = 3) -> dict[str, Any]:
     """One row, in this process."""
     import torch
 
-    from pyperm._memory import release_free_memory
+    from pyperm._memory import release_free_memory, reset_peak_resident, resident_bytes
     from pyperm.nn import weight_matching
 
     dtype = getattr(torch, dtype_name)
@@ -187,8 +169,8 @@ def measure(name: str, dtype_name: str, repeat: int = 3) -> dict[str, Any]:
     params = sum(t.numel() for t in distinct)
     gc.collect()
     release_free_memory()  # garbage left by building the pair is not the call's
-    before = _rss("VmRSS")
-    exact_peak = _reset_peak()
+    before = resident_bytes("VmRSS")
+    exact_peak = reset_peak_resident()
     sweeps = 0
 
     def count(*_: Any) -> None:
@@ -198,7 +180,7 @@ def measure(name: str, dtype_name: str, repeat: int = 3) -> dict[str, Any]:
     started = time.perf_counter()
     result = weight_matching(spec, sa, sb, callback=count)  # every start's sweeps counted
     total = time.perf_counter() - started
-    peak = _rss("VmHWM")
+    peak = resident_bytes("VmHWM")
     found = recovered_groups(spec, sa, sb, result.perms)
     # The first sweep from the identity alone (every similarity computed whole) and the floor, alternated
     # round by round so that a busy spell of the machine slows both alike; medians of ``repeat``.
