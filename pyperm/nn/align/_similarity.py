@@ -257,10 +257,12 @@ class CostCache:
             self.held[group] = self.step
             return group.cost
         need = group.n * group.n * torch.empty((), dtype=group.dtype).element_size()
+        held = sum(o.cost.numel() * o.cost.element_size() for o in self.held)
         for other in list(self.held):
-            if sum(o.cost.numel() * o.cost.element_size() for o in self.held) + need <= self.budget:
+            if held + need <= self.budget:
                 break
             if self.held[other] != self.step:
+                held -= other.cost.numel() * other.cost.element_size()
                 del self.held[other]
                 other.evict()
         group.cost = torch.empty((group.n, group.n), dtype=group.dtype, device=group.device)
