@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pyperm._plotting import save_figure
+
 
 @dataclass
 class Timing:
@@ -73,4 +75,4 @@ def save_bar_plot(path: str, title: str, groups: Sequence[str], series: dict[str
     ax.set_title(title)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.legend(fontsize=8)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)

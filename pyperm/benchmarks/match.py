@@ -35,6 +35,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from pyperm._plotting import save_figure
 from pyperm._argtypes import choices_list, int_at_least, positive_int
 from pyperm._tables import markdown_table, text_table
 from pyperm.benchmarks._match_scale import MODELS as SCALE_MODELS
@@ -299,7 +300,7 @@ def _plot(rows: list[Row], path: str) -> None:
     ax.set_xticks(list(x), labels, rotation=10)
     ax.set_title("weight matching, two independently initialised models")
     ax.legend()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":  # python -m pyperm.benchmarks.match

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pyperm._json import write_json
+from pyperm._staging import write_text
 from pyperm._tables import markdown_table
 from pyperm._argtypes import int_at_least
 from pyperm.commands._common import add_common_arguments, add_data_arguments, add_model_arguments, cli_errors
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     stem = (folder_of(ckpt_b.path).name if args.model == "hf" else ckpt_b.path.name.split(".")[0]) + "_permuted"
     ckpt_files = checkpoint_outputs(ckpt_b, out, stem, args.model)
-    copies = folder_copies(ckpt_b, ckpt_files[0]) if args.model == "hf" else []
+    copies = folder_copies(ckpt_b, ckpt_files) if args.model == "hf" else []
     names = (
         [str(p.relative_to(out)) for p in ckpt_files + [dst for _, dst in copies]]
         + ["permutations.json", "report.json", "report.md"]
@@ -174,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     write_json(out / "report.json", report)
     if barriers is not None:
         plot_paths(barriers, out / "barrier.png", title=f"{loaded.name}: naive vs {args.method} matching")
-    (out / "report.md").write_text(_markdown(report, barriers))
+    write_text(out / "report.md", _markdown(report, barriers))
 
     where = written[0].parent if args.model == "hf" else written[0]
     print(f"B permuted into A's basin by {args.method} matching in {info['seconds']:.2f} s: {where}")
