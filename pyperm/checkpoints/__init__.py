@@ -35,7 +35,7 @@ from pyperm.checkpoints._model import check_against_model, check_pair, count_par
 from pyperm.checkpoints._read import DATA_PARALLEL_PREFIX, TORCH_SUFFIXES, load_checkpoint
 from pyperm.checkpoints._safetensors import read_safetensors, read_safetensors_metadata, write_safetensors
 from pyperm.checkpoints._types import Checkpoint, CheckpointError, LazyState
-from pyperm.checkpoints._write import default_name, output_paths, save_checkpoint
+from pyperm.checkpoints._write import checkpoint_files, default_name, output_paths, save_checkpoint
 
 __all__ = [
     "DATA_PARALLEL_PREFIX",
@@ -45,6 +45,7 @@ __all__ = [
     "LazyState",
     "check_against_model",
     "check_pair",
+    "checkpoint_files",
     "count_parameters",
     "default_name",
     "load_checkpoint",

@@ -25,7 +25,7 @@ from pyperm.checkpoints._read import read_index
 from pyperm.checkpoints._safetensors import write_safetensors
 from pyperm.checkpoints._types import Checkpoint, CheckpointError, like
 
-__all__ = ["default_name", "output_paths", "save_checkpoint"]
+__all__ = ["checkpoint_files", "default_name", "output_paths", "save_checkpoint"]
 
 
 def _old_shards(index: Path) -> set[str]:
@@ -62,6 +62,11 @@ def _generation(shard: str, generation: int) -> str:
         return shard
     suffix = Path(shard).suffix  # a checkpoint suffix: read_index checks every shard name has one
     return f"{shard[: len(shard) - len(suffix)]}.{generation}{suffix}"
+
+
+def checkpoint_files(ckpt: Checkpoint) -> list[Path]:
+    """The files a loaded checkpoint consists of: its file, or its index json and the shards it names."""
+    return [ckpt.path] + [ckpt.path.parent / name for name in sorted(set(ckpt.weight_map.values()))]
 
 
 def output_paths(like_: Checkpoint, path: str | Path) -> list[Path]:
