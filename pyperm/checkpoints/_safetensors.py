@@ -38,6 +38,11 @@ _NAMES = {
 }
 
 
+# Dtypes that pack several values per element (the library reads "F4" as float4_e2m1fn_x2, its shape counting
+# pairs): a permutation of such an axis would move pairs, not units, so they are refused by name.
+_PACKED = {getattr(torch, name) for name in ("float4_e2m1fn_x2",) if hasattr(torch, name)}
+
+
 def _library() -> Any:
     try:
         import safetensors
@@ -75,6 +80,9 @@ def read_safetensors(path: Path, *, mmap: bool = True) -> tuple[dict[str, torch.
                     tensor = f.get_tensor(key)
                 except Exception as exc:  # a shape torch cannot hold, a dtype this torch lacks
                     raise CheckpointError(f"{path}: key {key!r} cannot be read ({one_line(exc)})") from exc
+                if tensor.dtype in _PACKED:
+                    raise CheckpointError(f"{path}: key {key!r} has dtype {tensor.dtype}, which packs several values "
+                                          "per element; pyperm cannot permute it")
                 state[key] = tensor if mmap else tensor.clone()
                 del tensor
     except CheckpointError:
