@@ -208,7 +208,7 @@ class WeightMatcher:
                          self._b_views[i], self._work)
                     for i, ax in self._where[g]
                 ]  # fmt: skip
-                self._groups[g] = GroupSimilarity(g, n, terms, self._products, self._cache, self.device)
+                self._groups[g] = GroupSimilarity(g, n, terms, self._products, self.device)
         else:
             for g, group in self._groups.items():
                 for t, (i, _) in zip(group.all_terms, self._where[g]):
@@ -337,7 +337,7 @@ class WeightMatcher:
     def _cost(self, group: GroupSimilarity, perms: Mapping[Any, torch.Tensor]) -> torch.Tensor:
         """Minus the group's similarity at the current permutations, checked for overflow."""
         started = time.perf_counter()
-        cost = group.negated_similarity(perms)
+        cost = group.negated_similarity(perms, self._cache)
         self._seconds["similarity"] += time.perf_counter() - started
         if group.may_overflow and not bool(torch.isfinite(cost).all()):
             raise ValueError(
