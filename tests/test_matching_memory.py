@@ -211,17 +211,42 @@ def test_memory_is_freed_when_weight_matching_returns(tmp_path):
     assert retained < (16 << 20), f"{retained >> 20} MiB still resident after weight_matching returned"
 
 
-def test_scale_bench_helpers_on_a_small_pair():
-    """``pyperm bench match --scale``'s pieces: the floor times one product per (tensor, axis) of a group, and
-    a group counts as recovered only when every tensor it acts on is A again up to the planted noise."""
+def test_scale_bench_floor_times_one_product_per_tensor_axis_of_each_group(monkeypatch):
+    """``pyperm bench match --scale``'s floor: one (n, K) x (K, n) product per (tensor, axis) a group acts on, in
+    the model's dtype, and nothing else timed."""
     from pyperm.benchmarks import _match_scale
 
     spec, sa = _state(MODELS["mlp"], 1)
-    sb = _planted(spec, sa, noise=_match_scale.NOISE / 10)
+    sb = _planted(spec, sa)
+    calls = []
+    real = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda x, y: calls.append((tuple(x.shape), tuple(y.shape))) or real(x, y))
     assert _match_scale.floor_seconds(spec, sa, sb) > 0
-    found = weight_matching(spec, sa, sb)
-    assert _match_scale.recovered_groups(spec, sa, sb, found.perms) == len(spec.sizes)
-    assert _match_scale.recovered_groups(spec, sa, sb, spec.identity()) < len(spec.sizes)
+    expected = []
+    for axes in spec.group_axes.values():
+        for key, axis in axes:
+            n = sa[key].shape[axis]
+            expected.append(((n, sa[key].numel() // n), (sa[key].numel() // n, n)))
+    assert sorted(calls) == sorted(expected)
+
+
+def test_scale_bench_counts_a_group_found_only_when_every_unit_is_back():
+    """One swapped pair of units in a 1024-wide group is a group not found (the old check accepted ten times the
+    planted noise: about 28 misplaced units of a 5632-wide group counted as found)."""
+    from pyperm.benchmarks import _match_scale
+
+    spec, sa = _state(lambda: MLP([8, 1024, 16, 4]), 1)
+    planted = Permutations(spec, random_permutations(spec, 3))
+    sb = _planted(spec, sa, noise=_match_scale.NOISE)
+    found = weight_matching(spec, sa, sb).perms
+    assert found == planted.inverse()
+    assert _match_scale.recovered_groups(spec, sb, found, planted) == len(spec.sizes)
+    assert _match_scale.recovered_groups(spec, sb, spec.identity(), planted) == 0
+    wide = max(spec.sizes, key=spec.sizes.get)
+    swapped = dict(found)
+    swapped[wide] = found[wide].clone()
+    swapped[wide][[0, 1]] = swapped[wide][[1, 0]]
+    assert _match_scale.recovered_groups(spec, sb, Permutations(spec, swapped), planted) == len(spec.sizes) - 1
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status is Linux's")
