@@ -41,7 +41,7 @@ from pyperm._tables import markdown_table, text_table
 from pyperm.benchmarks._match_scale import MODELS as SCALE_MODELS
 from pyperm.benchmarks._match_starts import MODELS as START_MODELS
 from pyperm.benchmarks._match_structured import CASES as STRUCTURED_CASES
-from pyperm.benchmarks._report import time_calls
+from pyperm.benchmarks._report import time_calls, write_generated
 from pyperm.testing import reference_weight_matching
 
 
@@ -160,6 +160,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: the thread's CPU time (with --threads 1 on a busy machine)")
     parser.add_argument("--markdown", action="store_true", help="print the tables as markdown")
+    parser.add_argument("--write", metavar="DIR", default=None,
+                        help="also write each table as DIR/bench-match-<table>.md, headed by this command and the "
+                             "date (the docs include docs/_generated/)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -176,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     failures: list[str] = []
     if not args.no_flat:
         rows = _flat_rows(args, failures)
-        _print_table(rows, args.markdown)
+        _print_table(rows, args.markdown, args.write)
         if args.plot:
             _plot(rows, args.plot)
             print(f"plot saved to {args.plot}")
@@ -187,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
               "computed whole; run Gflop: the products the run needed, from the units that moved)", flush=True)  # fmt: skip
         table = _match_structured.rows(args.structured, tuple(args.model_seeds), args.repeat, args.clock, args.seed,
                                        _report)  # fmt: skip
-        _print(_match_structured.HEADERS, table, args.markdown)
+        _print(_match_structured.HEADERS, table, args.markdown, args.write, "structured")
     if args.starts:
         from pyperm.benchmarks import _match_starts
 
@@ -196,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         table, failed = _match_starts.rows(args.starts, kinds, tuple(args.model_seeds), args.repeat, args.clock,
                                            args.seed, _report)  # fmt: skip
         failures += failed
-        _print(_match_starts.HEADERS, table, args.markdown)
+        _print(_match_starts.HEADERS, table, args.markdown, args.write, "starts")
     if args.scale:
         from pyperm.benchmarks import _match_scale
 
@@ -204,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
               "process", flush=True)  # fmt: skip
         table, failed = _match_scale.rows(args.scale, ["float32", "bfloat16"], args.repeat, _report)
         failures += failed
-        _print(_match_scale.HEADERS, table, args.markdown)
+        _print(_match_scale.HEADERS, table, args.markdown, args.write, "scale")
     for f in failures:
         print("FAIL:", f, file=sys.stderr)
     return 1 if failures else 0
@@ -256,9 +259,11 @@ def _report(line: str) -> None:
     print(line, flush=True)
 
 
-def _print(headers: list[str], table: list[list], markdown: bool) -> None:
+def _print(headers: list[str], table: list[list], markdown: bool, write: str | None = None, name: str = "") -> None:
     print()
     print(markdown_table(headers, table) if markdown else text_table(headers, table), flush=True)
+    if write is not None:
+        print(f"table written to {write_generated(write, f'bench-match-{name}', markdown_table(headers, table))}")
 
 
 def _print_row(row: Row) -> None:
@@ -268,7 +273,7 @@ def _print_row(row: Row) -> None:
     print(msg, flush=True)
 
 
-def _print_table(rows: list[Row], markdown: bool) -> None:
+def _print_table(rows: list[Row], markdown: bool, write: str | None = None) -> None:
     headers = ["model", "params", "groups", "sweeps", "pyperm s", "best s", "ref s", "speedup", "target s", "met",
                "objective (pyperm)", "objective (ref)", "same perms"]  # fmt: skip
     table = []
@@ -281,7 +286,7 @@ def _print_table(rows: list[Row], markdown: bool) -> None:
             "yes" if r.ours_s <= case.target else "no", f"{r.ours_obj:.6f}",
             None if r.ref_obj is None else f"{r.ref_obj:.6f}", r.same_perms,
         ])  # fmt: skip
-    _print(headers, table, markdown)
+    _print(headers, table, markdown, write, "flat")
 
 
 def _plot(rows: list[Row], path: str) -> None:
