@@ -23,8 +23,10 @@ from pyperm.checkpoints import CheckpointError, load_checkpoint
 
 
 def _raw(path, header: bytes | str | dict, data: bytes = b"", length: int | None = None):
-    """A safetensors file from its parts: the 8-byte header length (the real one unless given), header, data."""
+    """A safetensors file from its parts: the 8-byte header length (the real one unless given), the header padded
+    with spaces to 8 bytes as writers do (so that every tensor is aligned: a reader may map it as a view), data."""
     text = header if isinstance(header, bytes) else (header if isinstance(header, str) else json.dumps(header)).encode()
+    text += b" " * (-len(text) % 8)
     path.write_bytes((len(text) if length is None else length).to_bytes(8, "little") + text + data)
     return path
 
