@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +136,19 @@ def test_the_command_line_replaces_links_with_force_and_refuses_without(tmp_path
     _untouched(planted)
     assert all(n.is_file() and not n.is_symlink() for n in names)
     assert load_checkpoint(names[0]).state.keys() == _state().keys()
+
+
+def test_a_generated_table_names_its_command_and_date_and_replaces_a_link(tmp_path, monkeypatch):
+    """``pyperm bench match --write DIR``: the docs include these files instead of retyping measured numbers."""
+    import datetime
+    import sys
+
+    from pyperm.benchmarks._report import write_generated
+
+    monkeypatch.setattr(sys, "argv", ["pyperm", "bench", "match", "--write", str(tmp_path)])
+    planted = _plant([tmp_path / "bench-match-flat.md"], tmp_path / "victims")
+    path = write_generated(str(tmp_path), "bench-match-flat", "| a |\n|---|\n| 1 |")
+    _untouched(planted)
+    text = Path(path).read_text()
+    assert text.startswith(f"Measured {datetime.date.today().isoformat()} by `pyperm bench match --write {tmp_path}`")
+    assert text.endswith("| a |\n|---|\n| 1 |\n")
