@@ -740,9 +740,11 @@ def test_cross_correlation_accumulates_cuda_tensors_on_the_device(dtype):
         assert got.device.type == "cuda"
         np.testing.assert_allclose(got.cpu().numpy(), getattr(on_cpu, name)(), rtol=tol, atol=tol)
     np.testing.assert_allclose(on_gpu.std_a.cpu().numpy(), on_cpu.std_a, rtol=tol)
-    # A one-row batch cut from a column (torch reports row stride 1 for it) is one more sample.
-    row_a = torch.from_numpy(np.ascontiguousarray(a[:1].T)).cuda().T
-    row_b = torch.from_numpy(np.ascontiguousarray(b[:1].T)).cuda().T
+    # A one-row batch whose row stride is 1 (as a row cut from a column can have: a size-1 dimension's
+    # stride is arbitrary, and torch versions differ in what they give) is one more sample. Made with
+    # as_strided: copies (.cuda(), .T of a copy) choose their own strides for size-1 dimensions.
+    row_a = torch.from_numpy(a[0].copy()).cuda().as_strided((1, 6), (1, 1))
+    row_b = torch.from_numpy(b[0].copy()).cuda().as_strided((1, 6), (1, 1))
     assert row_a.shape == (1, 6) and row_a.stride(0) == 1
     on_gpu.update(row_a, row_b)
     on_cpu.update(a[:1], b[:1])

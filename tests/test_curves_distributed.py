@@ -62,8 +62,11 @@ def test_two_processes_follow_one(tmp_path):
     init_file, out_file = str(tmp_path / "init"), str(tmp_path / "bends")
     # fork: spawned interpreters would spend most of the test importing torch and pyperm
     # again. The workers use one intra-op thread (no OpenMP team inherited across the fork),
-    # and a watchdog ends them if they ever hang rather than hanging the test run.
-    context = mp.start_processes(_worker, args=(2, init_file, out_file), nprocs=2, join=False, start_method="fork")
+    # and a watchdog ends them if they ever hang rather than hanging the test run. Where a GPU
+    # is visible, autograd keeps a thread per device once anything has run backward, and torch
+    # refuses backward in a child forked after that (seen on an H200): spawn there.
+    start = "spawn" if torch.cuda.is_available() else "fork"
+    context = mp.start_processes(_worker, args=(2, init_file, out_file), nprocs=2, join=False, start_method=start)
     deadline = time.monotonic() + 300
     while not context.join(timeout=1):
         if time.monotonic() > deadline:

@@ -36,6 +36,11 @@ from typing import Any
 HEADERS = ["model", "dtype", "params", "model GB", "peak RSS GB", "extra / model", "sweeps", "s / sweep",
            "first sweep s", "floor s", "first / floor", "LAP share", "groups found"]  # fmt: skip
 
+
+def headers(device: str = "cpu") -> list[str]:
+    """The table's headers; on a GPU the peak is the device's (torch's allocator), not the process's RSS."""
+    return [("peak device GB" if h == "peak RSS GB" else h) for h in HEADERS] if device != "cpu" else HEADERS
+
 # name: (what the table calls it, how it is built)
 MODELS = {
     "llama-1.1b": ("Llama 1.1B (TinyLlama shape)", "hf"),
@@ -117,6 +122,19 @@ def _pair(name: str, dtype: Any, seed: int = 0) -> tuple[Any, dict, dict, dict]:
     return spec, sa, sb, planted
 
 
+def _to_device(state: dict, device: Any) -> dict:
+    """``state`` on ``device``, tied tensors still one tensor."""
+    moved: dict[int, Any] = {}
+    return {key: moved.setdefault(id(t), t.to(device)) for key, t in state.items()}
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def floor_seconds(spec: Any, sa: dict, sb: dict) -> float:
     """The similarity products of one sweep computing every similarity whole, as plain ``torch.matmul`` calls
     on tensors arranged beforehand (each (n, K), in the model's dtype): only the products are timed."""
@@ -132,8 +150,10 @@ def floor_seconds(spec: Any, sa: dict, sb: dict) -> float:
             n = piece.shape[axis]
             x = piece.of(sa[piece.key]).movedim(axis, 0).reshape(n, -1).contiguous()
             y = piece.of(sb[piece.key]).movedim(axis, 0).reshape(n, -1).contiguous()
+            _sync(x.device)
             started = time.perf_counter()
             torch.matmul(x, y.T)
+            _sync(x.device)
             total += time.perf_counter() - started
             del x, y
     return total
@@ -148,18 +168,21 @@ def recovered_groups(spec: Any, sb: dict, perms: Any, planted: Any) -> int:
     from pyperm.nn.permutations import permute_entry
 
     undo = planted.inverse()
+    found = {g: perms[g].cpu() for g in spec.sizes}  # compared on the CPU, one tensor at a time (GPU runs too)
+    undo = {g: undo[g].cpu() for g in spec.sizes}
     wrong: set[str] = set()
     for key, b in sb.items():
         groups = {g for g, axes in spec.group_axes.items() if any(k == key for k, _ in axes)}
-        if groups and not torch.equal(permute_entry(spec, perms, key, b), permute_entry(spec, undo, key, b)):
+        if groups and not torch.equal(permute_entry(spec, found, key, b.cpu()), permute_entry(spec, undo, key, b.cpu())):
             # The groups of this tensor that differ from the plant's (Blocks groups may differ each and still
             # make the planted index together: then the tensor is equal and none is wrong).
-            wrong |= {g for g in groups if not torch.equal(perms[g], undo[g])}
+            wrong |= {g for g in groups if not torch.equal(found[g], undo[g])}
     return len(spec.sizes) - len(wrong)
 
 
-def measure(name: str, dtype_name: str, repeat: int = 3) -> dict[str, Any]:
-    """One row, in this process."""
+def measure(name: str, dtype_name: str, repeat: int = 3, device: str = "cpu") -> dict[str, Any]:
+    """One row, in this process. On a GPU (``device``), the pair is built on the CPU and moved there, and the
+    peak is the device's (torch's allocator: pyperm's assignment scratch, from its own pool, is not in it)."""
     import torch
 
     from pyperm._memory import release_free_memory, reset_peak_resident, resident_bytes
@@ -167,13 +190,21 @@ def measure(name: str, dtype_name: str, repeat: int = 3) -> dict[str, Any]:
 
     dtype = getattr(torch, dtype_name)
     spec, sa, sb, planted = _pair(name, dtype)
+    on_gpu = torch.device(device).type == "cuda"
+    if on_gpu:
+        sa, sb = _to_device(sa, device), _to_device(sb, device)
     distinct = {id(t): t for t in sa.values()}.values()
     model_bytes = sum(t.numel() * t.element_size() for t in distinct)
     params = sum(t.numel() for t in distinct)
     gc.collect()
     release_free_memory()  # garbage left by building the pair is not the call's
-    before = resident_bytes("VmRSS")
-    exact_peak = reset_peak_resident()
+    if on_gpu:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before, exact_peak = torch.cuda.memory_allocated(device), True
+    else:
+        before = resident_bytes("VmRSS")
+        exact_peak = reset_peak_resident()
     sweeps = 0
 
     def count(*_: Any) -> None:
@@ -182,14 +213,19 @@ def measure(name: str, dtype_name: str, repeat: int = 3) -> dict[str, Any]:
 
     started = time.perf_counter()
     result = weight_matching(spec, sa, sb, callback=count)  # every start's sweeps counted
+    _sync(device)
     total = time.perf_counter() - started
-    peak = resident_bytes("VmHWM")
+    peak = torch.cuda.max_memory_allocated(device) if on_gpu else resident_bytes("VmHWM")
     found = recovered_groups(spec, sb, result.perms, planted)
     # The first sweep from the identity alone (every similarity computed whole) and the floor, alternated
     # round by round so that a busy spell of the machine slows both alike; medians of ``repeat``.
     firsts, floors = [], []
     for _ in range(repeat):
-        firsts.append(weight_matching(spec, sa, sb, init="identity", max_iter=1).seconds["total"])
+        _sync(device)
+        started = time.perf_counter()
+        weight_matching(spec, sa, sb, init="identity", max_iter=1)
+        _sync(device)
+        firsts.append(time.perf_counter() - started)
         floors.append(floor_seconds(spec, sa, sb))
     first, floor = statistics.median(firsts), statistics.median(floors)
     sweeps = max(sweeps, 1)
@@ -201,14 +237,15 @@ def measure(name: str, dtype_name: str, repeat: int = 3) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def rows(names: list[str], dtypes: list[str], repeat: int,
-         report: Callable[[str], None]) -> tuple[list[list[Any]], list[str]]:  # fmt: skip
+def rows(names: list[str], dtypes: list[str], repeat: int, report: Callable[[str], None],
+         device: str = "cpu") -> tuple[list[list[Any]], list[str]]:  # fmt: skip
     """The table's rows, each measured in a child process, and the failures (a planted group not found)."""
     table, failures = [], []
     for name in names:
         for dtype in dtypes:
             report(f"  {MODELS[name][0]}, {dtype} ...")
-            code = f"import json, pyperm.benchmarks._match_scale as m; print(json.dumps(m.measure({name!r}, {dtype!r}, {repeat})))"
+            code = ("import json, pyperm.benchmarks._match_scale as m; "
+                    f"print(json.dumps(m.measure({name!r}, {dtype!r}, {repeat}, {device!r})))")
             # From a neutral folder: ``python -c`` puts the working directory first on the path, and a source
             # checkout there would shadow the installed package.
             proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -221,8 +258,8 @@ def rows(names: list[str], dtypes: list[str], repeat: int,
                 failures.append(f"{name} {dtype}: {r['groups'] - r['found']} planted groups not found")
             table.append([
                 r["model"], r["dtype"], f"{r['params'] / 1e6:.0f}M", f"{r['model_bytes'] / 1e9:.2f}",
-                f"{r['peak_rss'] / 1e9:.2f}", f"{r['extra']:.2f}x", r["sweeps"], f"{r['per_sweep']:.2f}",
-                f"{r['first_sweep']:.2f}", f"{r['floor']:.2f}", f"{r['first_sweep'] / r['floor']:.2f}x",
+                f"{r['peak_rss'] / 1e9:.2f}", f"{r['extra']:.2f}x", r["sweeps"], f"{r['per_sweep']:.3g}",
+                f"{r['first_sweep']:.3g}", f"{r['floor']:.3g}", f"{r['first_sweep'] / r['floor']:.2f}x",
                 f"{100 * r['assignment']:.0f}%", f"{r['found']}/{r['groups']}",
             ])  # fmt: skip
     return table, failures

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,6 +69,15 @@ MATCHING = [f"similarity-{n}" for n in (2048, 5632, 8192, 11008, 14336)]
 for _name in MATCHING:
     CASES[_name] = Case(_name, _low_rank(int(_name.split("-")[1]), rank=64, dtype=np.float32))
 QUICK = ["uniform-1024", "wide-1000x4000", "integers-1024", "batch-256x128"]
+# The GPU's targets (``--device cuda``): a batch of 1024 problems of 128 x 128 and one uniform 4096, in
+# float32, against pyperm's CPU solvers on the same machine; not in the default run.
+CASES["batch-1024x128-f32"] = Case("batch-1024x128-f32", lambda rng: rng.random((1024, 128, 128), dtype=np.float32),
+                                   batch=True)  # fmt: skip
+CASES["float32-4096"] = Case("float32-4096", _uniform(4096, dtype=np.float32))
+GPU = ["batch-1024x128-f32", "float32-4096", "uniform-1024", "uniform-4096", "wide-1000x4000", "tall-4000x1000",
+       "lowrank-2048", "float32-2048", "batch-256x128"]  # fmt: skip
+# (case, goal of pyperm's CUDA time over its CPU time on the same machine)
+GPU_GOALS = {"batch-1024x128-f32": 0.1, "float32-4096": 0.5}
 
 
 # ----------------------------------------------------------------------------- peers
@@ -158,16 +168,44 @@ def _objective(cost: np.ndarray, rows, cols) -> float:
     return float(cost[rows, cols].astype(np.float64).sum())
 
 
+def _host(x) -> np.ndarray:
+    """An answer as a numpy array (CUDA tensors are copied back)."""
+    return x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
+
+
+def cuda_solver(cost: np.ndarray, batch: bool) -> Solver:
+    """pyperm's CUDA solver on a device copy of ``cost`` made once, here (the copy is not timed): the call
+    returns CUDA tensors after the stream is synchronised (the solver reads its status back anyway)."""
+    import torch
+
+    dev = torch.from_numpy(cost).cuda()
+    solve = pyperm.batch_linear_sum_assignment if batch else pyperm.linear_sum_assignment
+
+    def call(_c):
+        out = solve(dev)
+        torch.cuda.synchronize(dev.device)
+        return out
+
+    return call
+
+
 def _valid(cost: np.ndarray, rows, cols) -> bool:
     rows, cols = np.atleast_2d(np.asarray(rows)), np.atleast_2d(np.asarray(cols))
     k = min(cost.shape[-2:])
     return all(len(np.unique(r)) == k and len(np.unique(c)) == k for r, c in zip(rows, cols))
 
 
-def run_case(case: Case, rng: np.random.Generator, repeat: int, threads: int | None, clock: str):
-    """Times every solver on one case; returns rows (solver, seconds or None, note)."""
+def run_case(case: Case, rng: np.random.Generator, repeat: int, threads: int | None, clock: str,
+             device: str = "cpu", peers: bool = True):  # fmt: skip
+    """Times every solver on one case; returns rows (solver, seconds or None, note). ``device="cuda"``
+    adds pyperm's CUDA solver (``pyperm.cuda``) on the same matrices; ``peers=False`` times pyperm's
+    solvers alone (checked against pyperm's CPU answer)."""
     cost = case.make(rng)
     solvers = batch_solvers(threads) if case.batch else single_solvers()
+    if not peers:
+        solvers = {name: solve for name, solve in solvers.items() if name.startswith("pyperm")}
+    if device == "cuda":
+        solvers["pyperm.cuda"] = cuda_solver(cost, case.batch)
     # The reference objective, in float64: scipy's, else pyperm's.
     ref_solver = solvers.get("scipy (loop)" if case.batch else "scipy") or next(iter(solvers.values()))
     reference = _objective(cost.astype(np.float64), *ref_solver(cost.astype(np.float64)))
@@ -182,11 +220,14 @@ def run_case(case: Case, rng: np.random.Generator, repeat: int, threads: int | N
         if out is None:
             results.append((name, None, "unsupported"))
             continue
+        out = tuple(_host(x) for x in out)
         if not _valid(cost, *out) or abs(_objective(cost.astype(np.float64), *out) - reference) > tol:
             results.append((name, None, "WRONG answer"))
             continue
         # Threaded batch solvers work off the calling thread: only wall time sees them.
-        results.append((name, time_call(lambda: solve(cost), repeat, clock="wall" if case.batch else clock).median, ""))
+        # The GPU works off the calling thread too.
+        wall = case.batch or name == "pyperm.cuda"
+        results.append((name, time_call(lambda: solve(cost), repeat, clock="wall" if wall else clock).median, ""))
     return results
 
 
@@ -196,6 +237,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--matching", action="store_true",
                         help=f"only the sizes weight matching solves on language models: {', '.join(MATCHING)}")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="time pyperm's solvers only (scipy takes about 10 s per n=4096 problem)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: also pyperm's CUDA solver on every case (row pyperm.cuda) and the GPU table; "
+                             f"without --cases, the GPU's cases: {', '.join(GPU)}")
     parser.add_argument("--repeat", type=positive_int, default=5,
                         help="timed calls per solver and case (median reported)")
     parser.add_argument("--threads", type=positive_int, default=None,
@@ -208,18 +254,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    names = QUICK if args.quick else MATCHING if args.matching else args.cases
+    if args.device == "cuda" and not pyperm.cuda_available():
+        print(f"--device cuda: {pyperm.cuda_unavailable_reason()}", file=sys.stderr)
+        return 2
+    gpu_default = args.device == "cuda" and args.cases is DEFAULT
+    names = QUICK if args.quick else MATCHING if args.matching else GPU if gpu_default else args.cases
     print(f"pyperm {pyperm.__version__}, kernels: {core.best_isa()}, "
           f"threads: {args.threads or core.hardware_threads()}, clock: {args.clock}, medians of {args.repeat}")
     rng = np.random.default_rng(args.seed)
-    table, plot_series, summary = [], {}, []
+    table, plot_series, summary, gpu = [], {}, [], []
     for name in names:
         case = CASES[name]
-        results = run_case(case, rng, args.repeat, args.threads, args.clock)
+        results = run_case(case, rng, args.repeat, args.threads, args.clock, args.device, not args.no_peers)
         times = {s: t for s, t, _ in results if t is not None}
         ours = "pyperm.batch" if case.batch else "pyperm"
         scipy_key = "scipy (loop)" if case.batch else "scipy"
-        peers = {s: t for s, t in times.items() if s != ours}
+        if "pyperm.cuda" in times and ours in times:
+            goal = GPU_GOALS.get(name)
+            ratio = times["pyperm.cuda"] / times[ours]
+            gpu.append([name, 1e3 * times[ours], 1e3 * times["pyperm.cuda"], ratio, times[ours] / times["pyperm.cuda"],
+                        goal, None if goal is None else ("yes" if ratio <= goal else "no")])  # fmt: skip
+        peers = {s: t for s, t in times.items() if s not in (ours, "pyperm.cuda")}
         fastest = min(peers, key=peers.get) if peers else None
         for solver, t, note in results:
             vs_scipy = t / times[scipy_key] if t is not None and scipy_key in times else None
@@ -231,9 +286,20 @@ def run(args: argparse.Namespace) -> int:
     print(text_table(["case", "solver", "median ms", "/ scipy", "/ fastest peer", "note"], table))
     print()
     print(text_table(["case", "pyperm / scipy", "fastest peer", "pyperm / fastest peer"], summary))
+    if gpu:
+        print()
+        print(f"GPU: {_device_name()} against pyperm's CPU solvers on this machine's {core.hardware_threads()} "
+              "hardware threads (cuda / cpu: lower is faster)")
+        print(text_table(["case", "pyperm cpu ms", "pyperm cuda ms", "cuda / cpu", "speed-up", "goal", "met"], gpu))
     if args.plot:
         series = {s: [vals.get(n) for n in names] for s, vals in plot_series.items()}
         save_bar_plot(args.plot, "assignment solvers: time relative to scipy (lower is faster)", names, series,
                       "time / scipy")
         print(f"plot saved to {args.plot}")
     return 0
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()

@@ -4,7 +4,9 @@ For each (dim, batch) it times ``acc.update(xa, xb)`` on a (batch, dim) x (batch
 and numpy's ``xa.T @ xb`` of the same data, alternating the two so that both see the same
 machine load, and prints the medians and their ratio. The update does strictly more work
 (centring, the product, the float64 merge), so the ratio is its overhead; the goal is at
-most 1.5. Also runnable as ``python -m pyperm.benchmarks.xcorr``.
+most 1.5. ``--device cuda`` does the same on the GPU, with torch CUDA tensors, against
+``torch.matmul(xa.T, xb)`` (goal 1.3), the stream synchronised after each call. Also runnable as
+``python -m pyperm.benchmarks.xcorr``.
 """
 
 from __future__ import annotations
@@ -36,29 +38,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int_at_least(0), default=0)
     parser.add_argument("--quick", action="store_true", help="dims 512 1024, batches 256 1024, --repeat 3")
     parser.add_argument("--plot", metavar="PNG", default=None, help="also save a plot of the ratios")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: torch CUDA tensors, the update against torch.matmul on the GPU")
 
 
-def _check(acc_cls: Any, xa: np.ndarray, xb: np.ndarray, threads: int | None) -> float:
+def _host(x: Any) -> np.ndarray:
+    return x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
+
+
+def _check(acc_cls: Any, xa: Any, xb: Any, threads: int | None) -> float:
     """Relative error of one update's co-moment against a float64 reference (a few rows)."""
     acc = acc_cls(xa.shape[1], xb.shape[1], threads=threads).update(xa, xb)
     rows = min(8, xa.shape[1])
-    a = xa[:, :rows].astype(np.float64)
-    b = xb.astype(np.float64)
+    a = _host(xa[:, :rows]).astype(np.float64)
+    b = _host(xb).astype(np.float64)
     ref = (a - a.mean(0)).T @ (b - b.mean(0))
-    got = acc.covariance(ddof=0)[:rows] * xa.shape[0]
+    got = _host(acc.covariance(ddof=0))[:rows] * xa.shape[0]
     return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-300))
 
 
 def measure(dim: int, batch: int, dtype: np.dtype, repeat: int, threads: int | None,
-            rng: np.random.Generator) -> dict[str, float]:
+            rng: np.random.Generator, device: str = "cpu") -> dict[str, float]:
     from pyperm import CrossCorrelation
 
     xa = rng.standard_normal((batch, dim), dtype=np.float32).astype(dtype, copy=False)
     xb = (0.5 * xa[:, ::-1] + rng.standard_normal((batch, dim), dtype=np.float32)).astype(dtype)
+    product = lambda: xa.T @ xb  # noqa: E731
+    sync = lambda: None  # noqa: E731
+    if device == "cuda":
+        import torch
+
+        xa, xb = torch.from_numpy(xa).cuda(), torch.from_numpy(xb).cuda()
+        product = lambda: torch.matmul(xa.T, xb)  # noqa: E731
+        sync = torch.cuda.synchronize
     error = _check(CrossCorrelation, xa[: min(batch, 512)], xb[: min(batch, 512)], threads)
     acc = CrossCorrelation(dim, dim, threads=threads)
+
+    def update():
+        acc.update(xa, xb)
+        sync()
+
+    def blas():
+        product()
+        sync()
+
     # The warm-up update allocates the accumulator and the workspace.
-    t = time_calls({"update": lambda: acc.update(xa, xb), "blas": lambda: xa.T @ xb}, repeat)
+    t = time_calls({"update": update, "blas": blas}, repeat)
     upd, blas = t["update"].samples, t["blas"].samples
     u, b = 1e3 * t["update"].median, 1e3 * t["blas"].median
     return {"dim": dim, "batch": batch, "update_ms": u, "blas_ms": b, "ratio": u / b,
@@ -74,15 +99,21 @@ def run(args: argparse.Namespace) -> int:
     repeat = 3 if args.quick else args.repeat
     dtype = np.dtype(args.dtype)
     rng = np.random.default_rng(args.seed)
-    print(f"pyperm {pyperm.__version__}  numpy {np.__version__}  hardware threads {core.hardware_threads()}  "
+    if args.device == "cuda" and not pyperm.cuda_available():
+        print(f"--device cuda: {pyperm.cuda_unavailable_reason()}", file=sys.stderr)
+        return 2
+    where = "GPU " + _device_name() if args.device == "cuda" else f"hardware threads {core.hardware_threads()}"
+    print(f"pyperm {pyperm.__version__}  numpy {np.__version__}  {where}  "
           f"kernel threads {args.threads or 'all'}  dtype {dtype}  repeat {repeat}")
+    if args.device == "cuda":
+        print("on the GPU: blas = torch.matmul(xa.T, xb) of the same CUDA tensors; goal: ratio at most 1.3")
     print("update = CrossCorrelation.update(xa, xb); blas = xa.T @ xb on the same (batch, dim) data; "
           "median ms, alternating runs;\nratio = median update / median blas; (min) = fastest update / fastest "
           "blas, steadier on a busy machine; GFLOP/s of the update")
     results = []
     for dim in dims:
         for batch in batches:
-            results.append(measure(dim, batch, dtype, repeat, args.threads, rng))
+            results.append(measure(dim, batch, dtype, repeat, args.threads, rng, args.device))
             print(f"dim {dim}, batch {batch}: ratio {results[-1]['ratio']:.2f}", file=sys.stderr, flush=True)
     keys = ("dim", "batch", "update_ms", "blas_ms", "ratio", "min_ratio", "gflops", "check")
     print(text_table(["dim", "batch", "update ms", "blas ms", "ratio", "(min)", "GFLOP/s", "check"],
@@ -94,6 +125,12 @@ def run(args: argparse.Namespace) -> int:
         _plot(results, dims, batches, args.plot, dtype)
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
 
 
 def _plot(results: list[dict[str, float]], dims: list[int], batches: list[int], path: str,
