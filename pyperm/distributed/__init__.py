@@ -1,0 +1,17 @@
+"""pyperm across processes and machines, on torch.distributed (gloo on CPUs, NCCL on GPUs).
+
+- :func:`weight_matching`: the pair's tensors split over the ranks (each rank holds a share of
+  the keys); the same permutations as one process.
+- The data split over the ranks: ``group=`` of :func:`pyperm.nn.activation_matching`,
+  :func:`pyperm.nn.reset_bn_stats`, :func:`pyperm.nn.repair`, :func:`pyperm.nn.barrier` and
+  :func:`pyperm.nn.curves.evaluate_curve` all-reduces their statistics and sums.
+- :func:`check_same`: refuse, at the start, ranks that run another pyperm or read other inputs.
+- :func:`failure_guard`: a rank that fails ends every rank with an error naming it.
+
+Nothing here starts processes: ``torchrun`` (or any launcher) does, and the caller initialises
+the process group. See the guide page "Across processes and machines".
+"""
+
+from pyperm.distributed.weight import DistributedMatchingResult, weight_matching
+
+__all__ = ["DistributedMatchingResult", "weight_matching"]

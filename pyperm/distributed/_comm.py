@@ -1,0 +1,97 @@
+"""The process group pyperm talks over, and the point-to-point messages weight matching sends.
+
+Only operations NCCL has too (``send``/``recv``, ``all_reduce``, ``broadcast``, ``all_gather_object``)
+on tensors on the rank's device: CPU tensors for gloo, the rank's current CUDA device for NCCL.
+Every tensor sent is counted in :attr:`Channel.bytes_sent` (the payload; the transport's own headers
+are not), so that a caller can report the bytes communicated per sweep.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["Channel", "check_group", "comm_device"]
+
+
+def check_group(group: Any) -> tuple[Any, int, int]:
+    """``(group, rank, world size)`` of an initialised process group (None: the world)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group first")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of it")
+    return group, rank, dist.get_world_size(group)
+
+
+def comm_device(group: Any) -> torch.device:
+    """Where the messages of ``group`` live: the current CUDA device for NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Channel:
+    """Counted messages between the ranks of one group (ranks are group ranks)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group, self.rank, self.world = check_group(group)
+        self.device = comm_device(group)
+        self.bytes_sent = 0
+
+    def _global(self, rank: int) -> int:
+        import torch.distributed as dist
+
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        import torch.distributed as dist
+
+        t = tensor.to(self.device).contiguous()
+        self.bytes_sent += t.numel() * t.element_size()
+        dist.send(t, self._global(dst), group=self.group)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(t, self._global(src), group=self.group)
+        return t
+
+    def send_values(self, values: list[float], dst: int) -> None:
+        self.send(torch.tensor(values, dtype=torch.float64), dst)
+
+    def recv_values(self, count: int, src: int) -> list[float]:
+        return self.recv((count,), torch.float64, src).cpu().tolist()
+
+    def all_reduce(self, values: list[float]) -> list[float]:
+        """The sums over the ranks of a few float64 values (counted as one send of them)."""
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self.bytes_sent += t.numel() * t.element_size()
+        dist.all_reduce(t, group=self.group)
+        return t.cpu().tolist()
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = tensor.to(self.device).contiguous()
+        if self.rank == src:
+            self.bytes_sent += t.numel() * t.element_size()
+        dist.broadcast(t, self._global(src), group=self.group)
+        return t
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
