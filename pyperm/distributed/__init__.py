@@ -12,6 +12,8 @@ Nothing here starts processes: ``torchrun`` (or any launcher) does, and the call
 the process group. See the guide page "Across processes and machines".
 """
 
+from pyperm.distributed._comm import Channel, check_same
+from pyperm.distributed._failure import RankFailedError, failure_guard
 from pyperm.distributed.weight import DistributedMatchingResult, weight_matching
 
-__all__ = ["DistributedMatchingResult", "weight_matching"]
+__all__ = ["Channel", "DistributedMatchingResult", "RankFailedError", "check_same", "failure_guard", "weight_matching"]

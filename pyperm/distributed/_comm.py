@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Channel", "check_group", "comm_device"]
+__all__ = ["Channel", "check_group", "check_same", "comm_device"]
 
 
 def check_group(group: Any) -> tuple[Any, int, int]:
@@ -95,3 +95,22 @@ class Channel:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+def check_same(chan: Channel | Any = None, **facts: Any) -> None:
+    """Refuse to go on unless every rank states the same ``facts`` (and runs the same pyperm).
+
+    ``chan``: a :class:`Channel`, a process group, or None (the world). A collective: every rank raises the same ValueError, naming the ranks that differ from rank 0
+    and in what, before any work is done.
+    """
+    import pyperm
+
+    if not isinstance(chan, Channel):  # a process group, or None for the world
+        chan = Channel(chan)
+    mine = {"pyperm version": pyperm.__version__, **{k: repr(v) for k, v in facts.items()}}
+    every = chan.all_gather_object(mine)
+    for rank, theirs in enumerate(every):
+        for what in mine:
+            if theirs.get(what) != every[0].get(what):
+                raise ValueError(f"rank {rank} differs from rank 0 in its {what}: {theirs.get(what)} against "
+                                 f"{every[0].get(what)}; every rank must run the same pyperm on the same inputs")

@@ -26,6 +26,7 @@ permutations) trade places, it ends at the same permutations in exact arithmetic
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from pyperm._checks import check_int, check_nonnegative_real, torch_generator
-from pyperm.distributed._comm import Channel
+from pyperm.distributed._comm import Channel, check_same
 from pyperm.distributed._layout import gather_layout
 from pyperm.distributed._solve import RankMatcher
 from pyperm.nn._checks import check_spec
@@ -126,6 +127,9 @@ def weight_matching(
     gen = torch_generator(seed)
     start = spec.identity() if init is None or isinstance(init, str) else as_permutations(spec, init, "init")
     chan = Channel(group)
+    check_same(chan, spec=sorted(spec.sizes.items()), start={g: p.tolist() for g, p in start.items()},
+               max_iter=max_iter, tol=tol, dtype=dtype, concurrent=concurrent,
+               seed=hashlib.sha256(gen.get_state().numpy().tobytes()).hexdigest())
     sa, sb, layout = gather_layout(spec, state_a, state_b, chan)
     chosen = _objective_keys(spec, layout.meta, keys)
     matcher = RankMatcher(spec, sa, sb, layout, chosen, dtype, product_dtype, chan)
