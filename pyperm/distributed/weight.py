@@ -145,9 +145,9 @@ def weight_matching(
     started = time.perf_counter()
     converged = False
     sweeps = 0
+    before = chan.bytes_sent
     for _ in range(max_iter):
         sweeps += 1
-        before = chan.bytes_sent
         order = [names[i] for i in torch.randperm(len(names), generator=gen).tolist()] if names else []
         if concurrent:
             order = _waves(matcher, order)
@@ -159,8 +159,9 @@ def weight_matching(
             if gain is not None:
                 gains += gain
                 moved += 1
-        sent = chan.bytes_sent - before + 24 * chan.world  # this sweep's sums, counted once per rank
+        sent = chan.bytes_sent - before + 24  # with this rank's three sums below
         gains, moved, sent = chan.all_reduce([gains, float(moved), float(sent)])
+        before = chan.bytes_sent
         objective += gains
         history.append(objective)
         per_sweep.append(int(sent))
