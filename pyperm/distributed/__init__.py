@@ -2,9 +2,6 @@
 
 - :func:`weight_matching`: the pair's tensors split over the ranks (each rank holds a share of
   the keys); the same permutations as one process.
-- The data split over the ranks: ``group=`` of :func:`pyperm.nn.activation_matching`,
-  :func:`pyperm.nn.reset_bn_stats`, :func:`pyperm.nn.repair`, :func:`pyperm.nn.barrier` and
-  :func:`pyperm.nn.curves.evaluate_curve` all-reduces their statistics and sums.
 - :func:`check_same`: refuse, at the start, ranks that run another pyperm or read other inputs.
 - :func:`failure_guard`: a rank that fails ends every rank with an error naming it.
 
