@@ -9,7 +9,7 @@ Nothing here starts processes: ``torchrun`` (or any launcher) does, and the call
 the process group. See the guide page "Across processes and machines".
 """
 
-from pyperm.distributed._comm import Channel, check_same
+from pyperm._comm import Channel, check_same
 from pyperm.distributed._failure import RankFailedError, failure_guard
 from pyperm.distributed.weight import DistributedMatchingResult, weight_matching
 

@@ -116,7 +116,7 @@ def failure_guard(group: Any = None, *, timeout: float = 60.0, grace: float = 5.
     """
     import torch.distributed as dist
 
-    from pyperm.distributed._comm import check_group
+    from pyperm._comm import check_group
 
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")

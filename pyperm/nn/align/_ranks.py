@@ -21,8 +21,8 @@ import torch
 
 import pyperm
 from pyperm._memory import release_free_memory
-from pyperm.distributed._comm import Channel
-from pyperm.distributed._layout import Layout
+from pyperm._comm import Channel
+from pyperm.nn.align._rank_layout import Layout
 from pyperm.lap.warm import INCREMENTAL_UP_TO, WarmAssigner
 from pyperm.nn.align._matcher import COST_BUDGET_FRACTION, COST_BUDGET_MIN, WeightMatcher, _piece_dot, _plan_steps, _product_dtype
 from pyperm.nn.align._pieces import blocks_index, label_groups, lower

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pyperm.distributed._comm import Channel
+from pyperm._comm import Channel
 from pyperm.nn.spec import PermutationSpec
 
 __all__ = ["Layout", "gather_layout"]

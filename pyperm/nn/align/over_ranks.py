@@ -1,0 +1,196 @@
+r"""Weight matching with the pair's tensors split over the ranks of a torch.distributed group.
+
+Each rank holds a share of A's and B's state dicts (any partition of the spec's keys: a range of
+layers, the shards of a checkpoint). Each group's similarity (Git Re-Basin eq. 2) is a sum over
+the tensors the group acts on, so each rank computes the part of its own tensors, and the *solver*
+of the group (the rank holding most of its columns) adds the parts, solves the assignment and
+sends the outcome to the ranks that read that permutation. Nothing else moves: a group whose
+tensors all live on one rank is solved there without a message, and no tensor of the pair ever
+leaves its rank. Memory per rank: its share, its parts of the similarities (held within the
+matcher's budget), and at the solver one whole similarity at a time (a few for a
+:class:`~pyperm.nn.spec.Blocks` step).
+
+Every rank walks the same seeded visiting order as :func:`pyperm.nn.weight_matching` and takes
+part in the steps that read its tensors; steps with disjoint sets of ranks run at the same time
+by themselves. Each step sees the permutations it would see in one process, so the
+permutations equal one process's for the same seed and start, and the objective equals it up to
+the order of summation (the parts are summed in another order; a step within rounding of a tie
+could then go the other way, as between two machines).
+
+``concurrent=True`` visits each sweep's groups in *waves*: a group joins the first wave after
+every earlier group (in the seeded order) that shares a tensor with it, so the groups of a wave
+share no tensor and are solved at the same time on their ranks. This is a different visiting
+order; since only groups that share no tensor (whose steps do not read each other's
+permutations) trade places, it ends at the same permutations in exact arithmetic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pyperm._checks import check_int, check_nonnegative_real, torch_generator
+from pyperm._comm import Channel, check_same
+from pyperm.nn.align._rank_layout import gather_layout
+from pyperm.nn.align._ranks import RankMatcher
+from pyperm.nn._checks import check_spec
+from pyperm.nn.align._pieces import blocks_index
+from pyperm.nn.align._objective import WeightMatchingResult, _check_dtype, _objective, _objective_keys
+from pyperm.nn.permutations import Permutations, as_permutations
+from pyperm.nn.spec import PermutationSpec
+
+__all__ = ["DistributedMatchingResult", "weight_matching"]
+
+
+@dataclass
+class DistributedMatchingResult(WeightMatchingResult):
+    """:class:`~pyperm.nn.WeightMatchingResult` with what the ranks sent each other.
+
+    Attributes
+    ----------
+    bytes_per_sweep : list of int
+        Bytes sent by all ranks together in each sweep (similarity parts, permutations, flags,
+        the sweep's sums); the final broadcast of the permutations is not in it.
+    bytes_total : int
+        Every byte sent, the layout's exchange excluded.
+    """
+
+    bytes_per_sweep: list[int] = field(default_factory=list)
+    bytes_total: int = 0
+
+
+def weight_matching(
+    spec: PermutationSpec,
+    state_a: Mapping[str, torch.Tensor],
+    state_b: Mapping[str, torch.Tensor],
+    *,
+    group: Any = None,
+    init: Mapping[str, Any] | str | None = "identity",
+    max_iter: int = 100,
+    seed: int | torch.Generator = 0,
+    keys: Iterable[str] | None = None,
+    tol: float = 1e-12,
+    dtype: torch.dtype = torch.float32,
+    product_dtype: torch.dtype | None = None,
+    concurrent: bool = False,
+) -> DistributedMatchingResult:
+    r"""Git Re-Basin's weight matching with the pair's tensors split over ranks (a collective).
+
+    Every rank of ``group`` calls it with its own share of both models; every rank returns the
+    same result. See the module notes for what is sent and when.
+
+    Parameters
+    ----------
+    spec : PermutationSpec
+        The models' permutation groups (the same on every rank).
+    state_a, state_b : mapping of str to torch.Tensor
+        This rank's share of each model: the same keys in both, each key on exactly one rank,
+        every key of the spec on some rank; a rank may hold none. Tensors on the rank's device
+        (the current CUDA device under NCCL).
+    group : torch.distributed.ProcessGroup, optional
+        The ranks (default: the world).
+    init : "identity", None, Permutations or mapping of str to (n,) int array, default "identity"
+        Where the search starts (the same on every rank). The starts that look at whole tensors
+        (``"best"``, ``"signatures"``) are not available over ranks.
+    max_iter, seed, keys, tol, dtype, product_dtype
+        As :func:`pyperm.nn.weight_matching` (the same on every rank).
+    concurrent : bool, default False
+        Visit each sweep in waves of groups that share no tensor (a different visiting order;
+        see the module notes).
+
+    Returns
+    -------
+    DistributedMatchingResult
+        As :func:`pyperm.nn.weight_matching`, plus the bytes sent per sweep.
+
+    Raises
+    ------
+    RuntimeError
+        torch.distributed is not initialised.
+    TypeError, ValueError
+        A bad argument (as :func:`pyperm.nn.weight_matching`), ``init`` a start that needs whole
+        tensors, shares that overlap, miss a key of the spec or differ from it.
+    """
+    check_spec(spec)
+    max_iter = check_int(max_iter, "max_iter", 0)
+    tol = check_nonnegative_real(tol, "tol")
+    dtype = _check_dtype(dtype)
+    if not isinstance(concurrent, bool):
+        raise TypeError(f"concurrent must be a bool, got {type(concurrent).__name__}")
+    if isinstance(init, str) and init != "identity":
+        raise ValueError(f"init={init!r} reads whole tensors: over ranks, pass init='identity' or permutations")
+    gen = torch_generator(seed)
+    start = spec.identity() if init is None or isinstance(init, str) else as_permutations(spec, init, "init")
+    chan = Channel(group)
+    check_same(chan, spec=sorted(spec.sizes.items()), start={g: p.tolist() for g, p in start.items()},
+               max_iter=max_iter, tol=tol, dtype=dtype, concurrent=concurrent,
+               seed=hashlib.sha256(gen.get_state().numpy().tobytes()).hexdigest())
+    sa, sb, layout = gather_layout(spec, state_a, state_b, chan)
+    chosen = _objective_keys(spec, layout.meta, keys)
+    matcher = RankMatcher(spec, sa, sb, layout, chosen, dtype, product_dtype, chan)
+    device = matcher.device
+    perms: dict[Any, torch.Tensor] = {g: p.to(device) for g, p in start.items()}
+    for form in matcher.forms:
+        perms[form] = blocks_index(form, perms)
+    local = _objective(spec, sa, sb, {g: perms[g] for g in spec.sizes}, matcher.local_keys)
+    (objective,) = chan.all_reduce([local])
+    chan.bytes_sent = 0
+    history, per_sweep = [objective], []
+    names = list(spec.sizes)
+    started = time.perf_counter()
+    converged = False
+    sweeps = 0
+    before = chan.bytes_sent
+    for _ in range(max_iter):
+        sweeps += 1
+        order = [names[i] for i in torch.randperm(len(names), generator=gen).tolist()] if names else []
+        if concurrent:
+            order = _waves(matcher, order)
+        gains, moved = 0.0, 0
+        for g in order:
+            if matcher.steps[g] is None or matcher.rank not in matcher.participants[g]:
+                continue  # moved with its outer group, or none of its tensors here
+            gain = matcher.visit(g, perms, tol)
+            if gain is not None:
+                gains += gain
+                moved += 1
+        sent = chan.bytes_sent - before + 24  # with this rank's three sums below
+        gains, moved, sent = chan.all_reduce([gains, float(moved), float(sent)])
+        before = chan.bytes_sent
+        objective += gains
+        history.append(objective)
+        per_sweep.append(int(sent))
+        if not moved:
+            converged = True
+            break
+    final = {}
+    for g in names:  # every rank gets every permutation from the rank that solved it
+        final[g] = chan.broadcast(perms[g].to(torch.int64), matcher.home.get(g, 0)).cpu()
+    seconds = {**matcher.stepper._seconds, "total": time.perf_counter() - started}
+    (total,) = chan.all_reduce([float(chan.bytes_sent)])
+    return DistributedMatchingResult(
+        perms=Permutations(spec, final),
+        objective=history,
+        iterations=sweeps,
+        converged=converged,
+        seconds=seconds,
+        bytes_per_sweep=per_sweep,
+        bytes_total=int(total),
+    )
+
+
+def _waves(matcher: RankMatcher, order: list[str]) -> list[str]:
+    """``order`` regrouped into waves: each group after every earlier one that shares a tensor with it."""
+    tensors = {g: matcher.step_keys(g) for g in order if matcher.steps[g] is not None}
+    wave_of: dict[str, int] = {}
+    for j, g in enumerate(order):
+        if g not in tensors:
+            continue
+        earlier = [wave_of[h] for h in order[:j] if h in wave_of and not tensors[h].isdisjoint(tensors[g])]
+        wave_of[g] = 1 + max(earlier, default=-1)
+    return sorted(wave_of, key=lambda g: wave_of[g])  # stable: the seeded order within a wave
