@@ -113,12 +113,12 @@ def memory() -> int:
     return failed
 
 
-def _digits_mlps():
-    sys.path.insert(0, ".")
-    from tests._digits import batches, digits, mlp
+def _digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits (no download) as flat float32 inputs and labels."""
+    from pyperm.datasets import load_digits
 
-    x_train, y_train, _, _ = digits()
-    return x_train, y_train, batches, mlp
+    ds = load_digits(0)
+    return torch.from_numpy(ds.x_train.reshape(len(ds.x_train), -1)), torch.from_numpy(ds.y_train)
 
 
 def activations() -> int:
@@ -127,12 +127,12 @@ def activations() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from pyperm.nn import activation_matching
+    from pyperm.nn.models import create_model
 
-    x, _, _, mlp = _digits_mlps()
+    x = _digits()[0].to(CUDA)
     torch.manual_seed(0)
-    a, b = mlp(256, 3).to(CUDA).eval(), mlp(256, 3).to(CUDA).eval()
-    spec = None  # traced from model A
-    x = x.to(CUDA)
+    a, b = (create_model("mlp:64,256,256,256,10").to(CUDA).eval() for _ in range(2))
+    spec = a.permutation_spec()
 
     def run(n_batches: int) -> tuple[int, int]:
         data = [(x[i * 64:(i + 1) * 64],) for i in range(n_batches)]
@@ -162,12 +162,13 @@ def checkpoints(folder: str) -> int:
     from pyperm.nn._training import train_classifier
     from pyperm.nn.models import create_model
 
-    x, y, batches, _ = _digits_mlps()
+    x, y = _digits()
+    batches = [(x[i:i + 128], y[i:i + 128]) for i in range(0, len(y), 128)]
     os.makedirs(folder, exist_ok=True)
     for name, seed in (("a", 1), ("b", 2)):
         torch.manual_seed(seed)
         model = create_model("mlp:64,128,128,10")
-        train_classifier(model, batches(x, y, 128), epochs=5, lr=3e-3, seed=seed)
+        train_classifier(model, batches, epochs=5, lr=3e-3, seed=seed)
         torch.save(model.state_dict(), os.path.join(folder, f"{name}.pt"))
     print(f"wrote {folder}/a.pt and {folder}/b.pt")
     return 0
