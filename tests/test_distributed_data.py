@@ -26,7 +26,8 @@ def _net(seed: int) -> nn.Module:
 def _shares():
     """Each rank's batches: rank 0 has an extra, short batch (8, 8, 3 against 8, 5 samples)."""
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(n, 6, generator=g) * 2 + 1, torch.randint(0, 3, (n,), generator=g)) for n in (8, 8, 3, 8, 5)]
+    sizes = (8, 8, 3, 8, 5)
+    batches = [(torch.randn(n, 6, generator=g) * 2 + 1, torch.randint(0, 3, (n,), generator=g)) for n in sizes]
     return [batches[:3], batches[3:]]
 
 
