@@ -11,7 +11,7 @@ a step of 32 samples costs several times more per sample than one of 500.)
 from __future__ import annotations
 
 import time
-from functools import lru_cache
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["REASONABLE_SECONDS", "describe_seconds", "forward_seconds", "step_seconds"]
@@ -21,16 +21,26 @@ REASONABLE_SECONDS = 2 * 3600
 _SLOW_STEP = 1.0  # a probed step longer than this is timed once more only (a big model on a CPU)
 
 
-@lru_cache(maxsize=64)
-def _probe(name: str, input_shape: tuple[int, ...], batch: int, device: str) -> float:
-    """Seconds per sample of one training step of model ``name`` on ``batch`` samples.
+_PROBED: dict[tuple, float] = {}  # (name, input shape, batch, device) -> seconds per sample
+
+
+def _probe(name: str, input_shape: tuple[int, ...], batch: int, device: str, build: Callable[[], Any] | None) -> float:
+    """Seconds per sample of one training step of model ``name`` (``build()``, or the registry's) on ``batch`` samples.
 
     The fastest of a few steps: the first pays for allocation and warm-up."""
+    key = (name, input_shape, batch, device)
+    if key not in _PROBED:
+        _PROBED[key] = _time_steps(name, input_shape, batch, device, build)
+    return _PROBED[key]
+
+
+def _time_steps(name: str, input_shape: tuple[int, ...], batch: int, device: str,
+                build: Callable[[], Any] | None) -> float:
     import torch
 
     from pyperm.nn.models import create_model
 
-    model = create_model(name).to(device)
+    model = (build() if build is not None else create_model(name)).to(device)
     gen = torch.Generator().manual_seed(0)
     x = torch.rand((batch, *input_shape), generator=gen).to(device)
     with torch.no_grad():
@@ -47,14 +57,18 @@ def _probe(name: str, input_shape: tuple[int, ...], batch: int, device: str) -> 
     return min(times) / batch
 
 
-def step_seconds(name: str, input_shape: tuple[int, ...], batch: int, device: Any) -> float:
-    """Seconds of one training step of ``name`` on a batch of ``batch`` samples (probed once per model and batch)."""
-    return batch * _probe(name, tuple(input_shape), batch, str(device))
+def step_seconds(name: str, input_shape: tuple[int, ...], batch: int, device: Any,
+                 build: Callable[[], Any] | None = None) -> float:
+    """Seconds of one training step of ``name`` on a batch of ``batch`` samples (probed once per model and batch).
+
+    ``build`` makes the model when ``name`` is not a registry name."""
+    return batch * _probe(name, tuple(input_shape), batch, str(device), build)
 
 
-def forward_seconds(name: str, input_shape: tuple[int, ...], samples: int, device: Any, batch: int = 500) -> float:
+def forward_seconds(name: str, input_shape: tuple[int, ...], samples: int, device: Any, batch: int = 500,
+                    build: Callable[[], Any] | None = None) -> float:
     """Seconds to evaluate ``samples`` inputs (a forward pass is about a third of a training step)."""
-    return samples * _probe(name, tuple(input_shape), batch, str(device)) / 3
+    return samples * _probe(name, tuple(input_shape), batch, str(device), build) / 3
 
 
 def describe_seconds(seconds: float) -> str:

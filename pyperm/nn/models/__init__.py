@@ -28,7 +28,7 @@ from pyperm.nn.models._registry import (
 )
 from pyperm.nn.models.huggingface import single_output
 from pyperm.nn.models.mlp import MLP
-from pyperm.nn.models.resnet import ResNet20
+from pyperm.nn.models.resnet import ResNet20, ResNet32
 from pyperm.nn.models.tinyten import TinyTen
 from pyperm.nn.models.vgg import VGG, VGG11, VGG16
 
@@ -38,6 +38,7 @@ __all__ = [
     "VGG11",
     "VGG16",
     "ResNet20",
+    "ResNet32",
     "TinyTen",
     "create_model",
     "input_shape",

@@ -28,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from pyperm.nn.models.mlp import MLP
-from pyperm.nn.models.resnet import ResNet20
+from pyperm.nn.models.resnet import ResNet20, ResNet32
 from pyperm.nn.models.tinyten import TinyTen
 from pyperm.nn.models.vgg import VGG11, VGG16
 
@@ -52,6 +52,7 @@ _ARCHITECTURES = {
     "mlp": _Architecture(MLP, "mlp:IN,HIDDEN...,OUT (e.g. mlp:784,512,512,10)", (), None, widths=True),
     "resnet20": _Architecture(ResNet20, "resnet20[:WIDTH_MULTIPLIER] (e.g. resnet20:4)", _CONV_KEYWORDS,
                               "width_multiplier"),
+    "resnet32": _Architecture(ResNet32, "resnet32[:WIDTH_MULTIPLIER]", _CONV_KEYWORDS, "width_multiplier"),
     "vgg11": _Architecture(VGG11, "vgg11[:WIDTH_MULTIPLIER]", _CONV_KEYWORDS, "width_multiplier"),
     "vgg16": _Architecture(VGG16, "vgg16[:WIDTH_MULTIPLIER]", _CONV_KEYWORDS, "width_multiplier"),
     "tinyten": _Architecture(TinyTen, "tinyten[:WIDTH_MULTIPLIER]", _CONV_KEYWORDS + ("bias",), "width_multiplier"),
@@ -191,7 +192,7 @@ def input_shape(name: str, batch: int = 2) -> tuple[int, ...]:
         return (batch, *arch.sample_shape)
     if arch.widths:
         return (batch, kwargs["widths"][0])
-    if arch.factory not in (ResNet20, VGG11, VGG16, TinyTen):
+    if arch.factory not in (ResNet20, ResNet32, VGG11, VGG16, TinyTen):
         raise ValueError(f"model {name!r}: {arch_name} was registered without input_shape, so the shape of its "
                          "inputs is not known; pass register_model(..., input_shape=...) or --example-input-shape")
     return (batch, kwargs.get("in_channels", 3), 32, 32)

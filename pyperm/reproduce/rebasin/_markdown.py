@@ -71,7 +71,7 @@ def settings(scale: str, cfg: dict, data: dict, arch: str, fig2: dict, table: di
     }  # fmt: skip
     if scale == "paper":
         lines = {name: f"{value}  \n  *paper:* \"{PAPER_LINES[name][0]}\" ({PAPER_LINES[name][1]})"
-                 for name, value in ours.items()}  # fmt: skip
+                 if name in PAPER_LINES else value for name, value in ours.items()}  # fmt: skip
     else:
         lines = ours
     scaled = []

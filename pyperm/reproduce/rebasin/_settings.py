@@ -38,11 +38,15 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "paper": {"width": 512, "depth": 3, "recipe": "adam", "batch": 500, "epochs": 100,
               "marks": [1, 2, 5, 10, 20, 50, 100], "ste_epochs": 10, "ste_batch": 1000, "points": 25,
               "widths": [8, 16, 32, 64, 128, 256, 512], "width_epochs": 20, "pairs": 1, "models": 5,
-              "eval_batch": 10_000, "fig3_train_batches": 1},
+              "eval_batch": 10_000, "fig3_train_batches": 1,
+              # Fig. 4 on CIFAR: the paper's models at width multipliers (VGG16's 8x "exhausted GPU memory").
+              "conv_widths": {"resnet20": [1, 2, 4, 8, 16], "vgg16": [1, 2, 4]}},
 }  # fmt: skip
 
 # Each setting at --scale paper beside the line of the paper (or of the authors' code) that states it.
 PAPER_LINES = {
+    "data": ("We present results for models trained on MNIST (LeCun et al., 1998), CIFAR-10 ...",
+             "Git Re-Basin sec. 5.1; the authors' code reads MNIST as bytes scaled to [0, 1]"),
     "model": ("MLP (3 layers, 512 width)", "Git Re-Basin Table 1; ReLU, as the authors' MLPModel"),
     "optimizer": ("tx = optax.adam(config.learning_rate), --learning-rate 1e-3",
                   "authors' mnist_mlp_train.py (the paper's text gives no recipe; A.1 lists 'Adam and too high of a "
@@ -73,13 +77,12 @@ def fig4_models(scale: str, cfg: dict, data: dict) -> list[tuple[str, str]]:
     """Figure 4's ``(label, model name)`` pairs, narrowest first.
 
     MLPs of growing hidden width, except at ``--scale paper`` on CIFAR, where the paper's
-    own models are used: ResNet20 at width multipliers 1 to 16 and VGG16 at 1 to 4 (its 8x
-    "exhausted GPU memory", footnote 4), trained with the ``"sgd"`` recipe (the paper's
-    text gives none for them).
+    own models are used (``cfg["conv_widths"]``: ResNet20 at width multipliers 1 to 16 and
+    VGG16 at 1 to 4, its 8x "exhausted GPU memory", footnote 4), trained with the ``"sgd"``
+    recipe (the paper's text gives none for them).
     """
     if scale == "paper" and data["name"] in ("cifar10", "cifar100"):
         k = data["num_classes"]
-        return [(f"resnet20x{w}", f"resnet20:{w},num_classes={k}") for w in (1, 2, 4, 8, 16)] + [
-            (f"vgg16x{w}", f"vgg16:{w},num_classes={k}") for w in (1, 2, 4)
-        ]
+        return [(f"{arch}x{w}", f"{arch}:{w},num_classes={k}")
+                for arch, widths in cfg["conv_widths"].items() for w in widths]  # fmt: skip
     return [(str(w), mlp_name(data, w, cfg["depth"])) for w in cfg["widths"]]
