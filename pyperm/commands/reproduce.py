@@ -64,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
 
     report = load_report(args.name)
     device = resolve_device(args.device)
+    if args.scale not in report.SETTINGS:
+        raise ValueError(f"--scale {args.scale}: the {args.name} report has no such scale (it has "
+                         f"{', '.join(report.SETTINGS)})")  # fmt: skip
     options = _data_option(args, report)
     out = prepare_out(args.out, list(report.OUTPUTS), args.force)
     _say_expected_time(args, report, device)
