@@ -1,6 +1,7 @@
 """``pyperm reproduce rebasin|curves|robust --data ... --scale ...`` on tiny MNIST and CIFAR files the tests write.
 
-Nothing is downloaded. The paper-scale settings are run with their architectures and recipes
+Nothing is downloaded. The CIFAR settings run on the CPU here and on a GPU (``--device cuda``)
+where there is one (the ``device`` fixture). The paper-scale settings are run with their architectures and recipes
 but a handful of epochs (the tests patch the numbers, not the code paths), so each check
 takes seconds; the numbers of the findings are not asserted.
 """
@@ -52,7 +53,7 @@ def test_rebasin_on_mnist_files(tmp_path, capsys):
     assert "# Git Re-Basin on mnist" in md and "MNIST, 28x28 grey images, 96 training / 48 test" in md
 
 
-def test_rebasin_paper_scale_on_cifar_files(tmp_path, capsys, monkeypatch):
+def test_rebasin_paper_scale_on_cifar_files(tmp_path, capsys, monkeypatch, device):
     """At --scale paper on CIFAR, Fig. 4 uses the paper's conv models; each setting is written beside the paper's line."""
     folder = tmp_path / "cifar"
     folder.mkdir()
@@ -62,7 +63,7 @@ def test_rebasin_paper_scale_on_cifar_files(tmp_path, capsys, monkeypatch):
                 width_epochs=1, models=3, eval_batch=8, batch=8, conv_widths={"resnet20": [1]})  # fmt: skip
     monkeypatch.setitem(report.SETTINGS, "paper", tiny)
     out = tmp_path / "out"
-    code, stdout, err = _run(["rebasin", "--scale", "paper", "--data", f"cifar10:{folder}", "--out", str(out)], capsys)
+    code, stdout, err = _run(["rebasin", "--scale", "paper", "--data", f"cifar10:{folder}", "--out", str(out), "--device", device], capsys)
     assert code == 0, err
     assert "expected time on this machine" in err  # said before the run
     body = json.loads((out / "report.json").read_text())
@@ -72,7 +73,7 @@ def test_rebasin_paper_scale_on_cifar_files(tmp_path, capsys, monkeypatch):
     assert '*paper:* "MLP (3 layers, 512 width)"' in md and "config.batch_size = 500" in md
 
 
-def test_curves_paper_scale_on_cifar100_files(tmp_path, capsys, monkeypatch):
+def test_curves_paper_scale_on_cifar100_files(tmp_path, capsys, monkeypatch, device):
     folder = tmp_path / "cifar100"
     folder.mkdir()
     write_cifar100(folder, n_train=16, n_test=8)
@@ -80,7 +81,7 @@ def test_curves_paper_scale_on_cifar100_files(tmp_path, capsys, monkeypatch):
     tiny = dict(report.SETTINGS["paper"], epochs=1, curve_epochs=1, perm_steps=2, points=3, pairs=1, batch=8)
     monkeypatch.setitem(report.SETTINGS, "paper", tiny)
     out = tmp_path / "out"
-    code, stdout, err = _run(["curves", "--scale", "paper", "--data", f"cifar100:{folder}", "--out", str(out)], capsys)
+    code, stdout, err = _run(["curves", "--scale", "paper", "--data", f"cifar100:{folder}", "--out", str(out), "--device", device], capsys)
     assert code == 0, err
     body = json.loads((out / "report.json").read_text())
     assert [p["architecture"] for p in body["pairs"]] == ["tinyten", "resnet32"]
@@ -91,7 +92,7 @@ def test_curves_paper_scale_on_cifar100_files(tmp_path, capsys, monkeypatch):
     assert "SGD lr 0.1 momentum 0.9" in md  # CIFAR-100's curve rate
 
 
-def test_robust_paper_scale_on_cifar_files(tmp_path, capsys, monkeypatch):
+def test_robust_paper_scale_on_cifar_files(tmp_path, capsys, monkeypatch, device):
     folder = tmp_path / "cifar"
     folder.mkdir()
     _write_cifar(folder, batches=(1,), n=8)
@@ -100,7 +101,7 @@ def test_robust_paper_scale_on_cifar_files(tmp_path, capsys, monkeypatch):
                 test_samples=4, batch=8)  # fmt: skip
     monkeypatch.setitem(report.SETTINGS, "paper", tiny)
     out = tmp_path / "out"
-    code, stdout, err = _run(["robust", "--scale", "paper", "--data", f"cifar10:{folder}", "--out", str(out)], capsys)
+    code, stdout, err = _run(["robust", "--scale", "paper", "--data", f"cifar10:{folder}", "--out", str(out), "--device", device], capsys)
     assert code == 0, err
     body = json.loads((out / "report.json").read_text())
     assert body["settings"]["arch"] == "tinyten" and np.isclose(body["settings"]["eps"], 8 / 255)
