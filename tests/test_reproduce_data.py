@@ -54,7 +54,7 @@ def test_rebasin_on_mnist_files(tmp_path, capsys):
 
 
 def test_rebasin_paper_scale_on_cifar_files(tmp_path, capsys, monkeypatch, device):
-    """At --scale paper on CIFAR, Fig. 4 uses the paper's conv models; each setting is written beside the paper's line."""
+    """At --scale paper on CIFAR, Fig. 4 uses the paper's conv models; each setting is beside the paper's line."""
     folder = tmp_path / "cifar"
     folder.mkdir()
     _write_cifar(folder, batches=(1, 2), n=8)
@@ -63,7 +63,8 @@ def test_rebasin_paper_scale_on_cifar_files(tmp_path, capsys, monkeypatch, devic
                 width_epochs=1, models=3, eval_batch=8, batch=8, conv_widths={"resnet20": [1]})  # fmt: skip
     monkeypatch.setitem(report.SETTINGS, "paper", tiny)
     out = tmp_path / "out"
-    code, stdout, err = _run(["rebasin", "--scale", "paper", "--data", f"cifar10:{folder}", "--out", str(out), "--device", device], capsys)
+    args = ["rebasin", "--scale", "paper", "--data", f"cifar10:{folder}", "--out", str(out), "--device", device]
+    code, stdout, err = _run(args, capsys)
     assert code == 0, err
     assert "expected time on this machine" in err  # said before the run
     body = json.loads((out / "report.json").read_text())
@@ -81,7 +82,8 @@ def test_curves_paper_scale_on_cifar100_files(tmp_path, capsys, monkeypatch, dev
     tiny = dict(report.SETTINGS["paper"], epochs=1, curve_epochs=1, perm_steps=2, points=3, pairs=1, batch=8)
     monkeypatch.setitem(report.SETTINGS, "paper", tiny)
     out = tmp_path / "out"
-    code, stdout, err = _run(["curves", "--scale", "paper", "--data", f"cifar100:{folder}", "--out", str(out), "--device", device], capsys)
+    args = ["curves", "--scale", "paper", "--data", f"cifar100:{folder}", "--out", str(out), "--device", device]
+    code, stdout, err = _run(args, capsys)
     assert code == 0, err
     body = json.loads((out / "report.json").read_text())
     assert [p["architecture"] for p in body["pairs"]] == ["tinyten", "resnet32"]
@@ -101,7 +103,8 @@ def test_robust_paper_scale_on_cifar_files(tmp_path, capsys, monkeypatch, device
                 test_samples=4, batch=8)  # fmt: skip
     monkeypatch.setitem(report.SETTINGS, "paper", tiny)
     out = tmp_path / "out"
-    code, stdout, err = _run(["robust", "--scale", "paper", "--data", f"cifar10:{folder}", "--out", str(out), "--device", device], capsys)
+    args = ["robust", "--scale", "paper", "--data", f"cifar10:{folder}", "--out", str(out), "--device", device]
+    code, stdout, err = _run(args, capsys)
     assert code == 0, err
     body = json.loads((out / "report.json").read_text())
     assert body["settings"]["arch"] == "tinyten" and np.isclose(body["settings"]["eps"], 8 / 255)

@@ -38,7 +38,8 @@ def check_data(data: Any, accepted: tuple[str, ...] = DATASETS) -> str:
         raise TypeError(f"data must be a str such as 'digits' or 'mnist:DIR', got {type(data).__name__}")
     name, _, root = data.partition(":")
     if name not in accepted:
-        raise ValueError(f"data {data!r}: expected one of {', '.join(n if n == 'digits' else n + ':DIR' for n in accepted)}")
+        names = ", ".join(n if n == "digits" else n + ":DIR" for n in accepted)
+        raise ValueError(f"data {data!r}: expected one of {names}")
     if name != "digits" and not root:
         raise ValueError(f"data {data!r}: {name} needs the directory of its files, {name}:DIR")
     return name

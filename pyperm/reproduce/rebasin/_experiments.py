@@ -66,7 +66,7 @@ class Endpoints:
 
 
 def endpoints(cfg: dict, data: dict, device: Any, seed: int, bar: EpochBar) -> Endpoints:
-    """Train ``cfg["models"]`` MLPs from seeds ``1000 * seed + 1, + 2, ...``, snapshotting the first two at ``cfg["marks"]``."""
+    """Train ``cfg["models"]`` MLPs from seeds ``1000 * seed + 1, + 2, ...``; snapshot the first two at ``cfg["marks"]``."""
     name = mlp_name(data, cfg["width"], cfg["depth"])
     seeds = [1000 * seed + k for k in range(1, max(2, cfg["models"]) + 1)]
     snapshots: list[dict[int, dict]] = [{}, {}]

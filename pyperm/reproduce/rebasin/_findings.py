@@ -24,7 +24,8 @@ def _figure2(fig2: dict) -> list[Finding]:
                 "Weight, activation and STE matching all achieve much better barriers than naive interpolation.",
                 ", ".join(f"{m} {b[m]:.3f}" for m in methods), all(b[m] < 0.5 * b["naive"] for m in methods),
                 "each matched barrier < half the naive one"),
-        Finding("Git Re-Basin Fig. 2, sec. 5.1", "Zero-barrier linear mode connectivity on MNIST with all three methods.",
+        Finding("Git Re-Basin Fig. 2, sec. 5.1",
+                "Zero-barrier linear mode connectivity on MNIST with all three methods.",
                 ", ".join(f"{m} {b[m]:.3f}" for m in methods), all(b[m] < ZERO for m in methods),
                 f"each matched test loss barrier < {ZERO}"),
         Finding("Git Re-Basin sec. 5.1",
@@ -64,7 +65,8 @@ def _table2(table: dict) -> list[Finding]:
                 "Merging five MLPs with MergeMany decreases test loss by 43%: 0.0727 against 0.1108-0.1531 for "
                 "the five models.",
                 f"MergeMany {merged['test_loss']:.4f} against {best:.4f}-{max(r['test_loss'] for r in seeds):.4f} "
-                f"({100 * abs(cut):.0f}% {'below' if cut >= 0 else 'above'} the models' mean)", merged["test_loss"] < best,
+                f"({100 * abs(cut):.0f}% {'below' if cut >= 0 else 'above'} the models' mean)",
+                merged["test_loss"] < best,
                 "merged test loss < every model's"),
         Finding("Git Re-Basin Table 2, sec. 1",
                 "The merged model outperforms the inputs in test loss but not in accuracy: 98.31% against "

@@ -53,6 +53,7 @@ def settings(scale: str, cfg: dict, data: dict, arch: str, fig2: dict, table: di
            else f"SGD momentum {recipe['momentum']}, lr {recipe['lr']:g} cosine-decayed")  # fmt: skip
     k = cfg["fig3_train_batches"]
     fig3_train = data["num_train_eval"] if k is None else min(data["num_train_eval"], k * cfg["eval_batch"])
+    seeds = ", ".join(str(r["model"]).removeprefix("seed ") for r in table["rows"][:-2])
     ours = {
         "data": f"{data['description']} images; pixels scaled to [0, 1]",
         "model": f"{arch}, ReLU; every endpoint a fresh model from its own seed (every layer re-initialised)",
@@ -62,7 +63,7 @@ def settings(scale: str, cfg: dict, data: dict, arch: str, fig2: dict, table: di
         "paths": f"{cfg['points']} evenly spaced points; test split, and {data['num_train_eval']} training images",
         "STE": f"pyperm's ste_matching: Adam lr 1e-3, {cfg['ste_epochs']} epochs of batches of {cfg['ste_batch']} "
                f"({fig2['ste_steps']} steps), start at Theta_A, weight matching every step, best judged permutation",
-        "merging": f"MergeMany of {cfg['models']} models (seeds {', '.join(str(r['model'])[5:] for r in table['rows'][:-2])}), "
+        "merging": f"MergeMany of {cfg['models']} models (seeds {seeds}), "
                    f"{table['rounds']} rounds, converged: {table['converged']}",
         "barrier vs epoch": f"the Fig. 2 pair after epochs {cfg['marks']}; weight matching at each; test split and "
                             f"{fig3_train} training images",
@@ -106,7 +107,8 @@ def markdown(title: str, data: dict, fig2: dict, table: dict, fig3: list[dict], 
     epoch_rows = [[r["epoch"], r["naive_test_loss_barrier"], r["weight_matching_test_loss_barrier"],
                    r["weight_matching_train_loss_barrier"], r["endpoint_test_loss"]] for r in fig3]  # fmt: skip
     width_rows = [[r["width"], r["naive_loss_barrier"], r["weight_matching_loss_barrier"],
-                   100 * r["naive_accuracy_barrier"], 100 * r["weight_matching_accuracy_barrier"]] for r in fig4]  # fmt: skip
+                   100 * r["naive_accuracy_barrier"], 100 * r["weight_matching_accuracy_barrier"]]
+                  for r in fig4]  # fmt: skip
     return [
         f"# Git Re-Basin on {data['name']}: linear mode connectivity after permuting",
         "",
