@@ -12,8 +12,10 @@ from pyperm.nn.models import _registry, create_model, input_shape, model_names, 
 
 @pytest.fixture(autouse=True)
 def _clean_registry(monkeypatch):
-    """Each test registers into its own copy: nothing leaks into the other tests."""
-    monkeypatch.setattr(_registry, "_ARCHITECTURES", dict(_registry._ARCHITECTURES))
+    """Each test registers into its own copy of the bundled models (a guide example run earlier in the same
+    process may have registered its own): nothing leaks into or out of these tests."""
+    bundled = {k: v for k, v in _registry._ARCHITECTURES.items() if v.factory.__module__.startswith("pyperm.")}
+    monkeypatch.setattr(_registry, "_ARCHITECTURES", bundled)
 
 
 class Wide(nn.Module):
