@@ -11,7 +11,7 @@ piece's axes are group names or Blocks forms; a Term only reads them as keys of 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -109,7 +109,7 @@ class Pending:
         k = x.shape[1]
         if k > self.capacity - self.k:
             self.flush(out)
-        if k > self.capacity:  # a block this large is its own product
+        if k >= _NARROW or k > self.capacity:  # wide enough to be its own product: no copy into the queue
             self.products.subtract(out, x, y)
             return
         self.x[self.k:self.k + k].copy_(x.T)
@@ -137,9 +137,11 @@ class Term:
     the similarity whenever one of them moves.
     """
 
-    __slots__ = ("axis", "other", "general_axes", "block_axis", "a", "b", "snap", "work", "block")
+    __slots__ = ("axis", "other", "general_axes", "block_axis", "a", "b", "snap", "work", "block", "hold", "order",
+                 "held_a", "source_a", "whole")
 
-    def __init__(self, axis: int, groups: tuple, ta: torch.Tensor, tb: torch.Tensor, work: Work) -> None:
+    def __init__(self, axis: int, groups: tuple, ta: torch.Tensor, tb: torch.Tensor, work: Work,
+                 hold: Callable[[int], bool] | None = None) -> None:  # fmt: skip
         self.axis = axis
         others = [(ax, g) for ax, g in enumerate(groups) if g is not None and ax != axis]
         self.other: str | None = others[0][1] if len(others) == 1 else None
@@ -151,6 +153,17 @@ class Term:
             self.block_axis = max(rest, key=lambda ax: ta.shape[ax]) if rest else None
         self.b = tb
         self.work = work
+        # A block that cannot be read as a matrix (a convolution's input-channel axis) is arranged
+        # at every product. From its second whole product on (the first would not repay the copy:
+        # ResNet20x16 converges in 3 sweeps) such a term holds arranged copies of A and B instead,
+        # (block axis, other axes, group axis) in that order, when ``hold`` grants their bytes: its
+        # blocks, gathers and corrections are then (K, n) views, as in the matcher that kept every
+        # tensor arranged, within the similarity budget.
+        self.hold = hold if self.general_axes is None and rest and not _reads_as_matrix(ta, axis) else None
+        self.order: list[int] | None = None
+        self.held_a: torch.Tensor | None = None
+        self.source_a = ta
+        self.whole = 0  # whole products taken
         # Units of the block axis per block: BLOCK_BYTES at most (one unit at least).
         per_unit = ta.numel() // ta.shape[self.block_axis] if self.block_axis is not None and ta.numel() else 1
         self.block = max(1, block_elements(ta.dtype) // max(per_unit, 1))
@@ -159,8 +172,24 @@ class Term:
 
     def set_a(self, ta: torch.Tensor) -> None:
         """A new tensor of model A; the contribution is then computed whole at its next use."""
+        self.source_a = ta
+        if self.order is not None:  # into the held copy (the same bytes for every A)
+            ta = self.held_a.copy_(ta.permute(self.order))
         self.a = ta
         self.snap = None
+
+    def _take_arranged(self) -> None:
+        """Holds arranged copies of A and B (see ``__init__``), if the budget grants them."""
+        ta = self.source_a
+        if not self.hold(2 * ta.numel() * ta.element_size()):
+            self.hold = None  # not asked again
+            return
+        rest = [ax for ax in range(ta.ndim) if ax not in (self.axis, self.block_axis)]
+        self.order = [self.block_axis, *rest, self.axis]
+        self.b = self.b.permute(self.order).contiguous()
+        self.held_a = self.a = ta.permute(self.order).contiguous()
+        self.axis, self.block_axis = ta.ndim - 1, 0
+        self.hold = None
 
     @property
     def columns(self) -> int:
@@ -169,6 +198,8 @@ class Term:
 
     def matrix(self, t: torch.Tensor, slot: str) -> torch.Tensor:
         """A block (axes as ``a``'s) as an (n, K) matrix: a view when its strides allow, else arranged in ``slot``."""
+        if self.order is not None:  # held arranged: every block is contiguous, the group's axis last
+            return t.view(-1, t.shape[-1]).T
         moved = t.movedim(self.axis, 0)
         try:
             return moved.view(moved.shape[0], -1)
@@ -195,6 +226,9 @@ class Term:
         if self.block_axis is None:  # a vector: one column
             pending.add(out, self.a.reshape(-1, 1), self.b.reshape(-1, 1))
             return
+        self.whole += 1
+        if self.hold is not None and self.whole == 2:
+            self._take_arranged()
         index = perms[self.other] if self.other is not None else None
         if self.general_axes is not None:
             index = perms[self.general_axes[0][1]]
@@ -231,6 +265,17 @@ class Term:
         self.snap = cur.clone()
 
 
+def _reads_as_matrix(t: torch.Tensor, axis: int) -> bool:
+    """Whether ``t`` with ``axis`` first views as an (n, K) matrix (a linear layer's axes do; a
+    convolution's input-channel axis does not)."""
+    moved = t.movedim(axis, 0)
+    try:
+        moved.view(moved.shape[0], -1)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _is_range(index: torch.Tensor, start: int) -> bool:
     """Whether ``index`` is ``start, start + 1, ...`` (B's block is then a view)."""
     return bool((index == torch.arange(start, start + index.numel(), device=index.device)).all())
@@ -247,6 +292,15 @@ class CostCache:
         self.budget = budget
         self.held: dict[GroupSimilarity, int] = {}  # in order of use
         self.step = 0
+        self.reserve = 0  # bytes hold() leaves to the similarities
+
+    def hold(self, nbytes: int) -> bool:
+        """Takes ``nbytes`` out of the budget for good (arranged copies of tensors, see :class:`Term`)
+        when at least one largest similarity's worth stays for the similarities; whether it did."""
+        if nbytes > self.budget - self.reserve:
+            return False
+        self.budget -= nbytes
+        return True
 
     def next_step(self) -> None:
         self.step += 1
