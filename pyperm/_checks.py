@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "callback_stops",
     "check_bool",
     "check_callable",
     "check_choice",
@@ -125,6 +126,20 @@ def check_callable(value: Any, name: str, *, allow_none: bool = False) -> Any:
         kind = "a callable or None" if allow_none else "a callable"
         raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
     return value
+
+
+def callback_stops(value: Any, name: str = "callback") -> bool:
+    """Whether a callback's return value asks to stop: ``True`` stops, ``None`` or ``False`` goes on.
+
+    Every callback of pyperm (``weight_matching``, ``train_curve``, ...) follows this one rule; any
+    other value is a TypeError, so that a callback returning, say, a logged number never stops (or
+    fails to stop) a method by accident.
+    """
+    if value is None:
+        return False
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must return True (stop), False or None, got {type(value).__name__}")
 
 
 def numpy_generator(generator: Any, name: str = "generator") -> np.random.Generator:

@@ -12,13 +12,15 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pyperm._staging import write_text
+
 __all__ = ["write_json"]
 
 
 def write_json(path: Path, obj: Any) -> Path:
-    """Write ``obj`` to ``path`` as indented json (non-finite floats as null); returns ``path``."""
-    path.write_text(json.dumps(_finite(obj), indent=2) + "\n")
-    return path
+    """Write ``obj`` to ``path`` as indented json (non-finite floats as null), staged beside it and renamed into
+    place (:mod:`pyperm._staging`); returns ``path``."""
+    return write_text(Path(path), json.dumps(_finite(obj), indent=2) + "\n")
 
 
 def _finite(obj: Any) -> Any:

@@ -3,6 +3,8 @@
 No pyplot: the caller's backend and pyplot's figure registry are left alone, so plotting
 from a library call never opens a window or switches a notebook's backend. matplotlib is
 optional; without it, only the plots fail, with an ImportError that says how to get it.
+Every figure is written through :func:`save_figure`: staged beside its destination and renamed
+into place (:mod:`pyperm._staging`), so a plot is never half written nor written through a symlink.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["agg_figure", "plot_lines"]
+__all__ = ["agg_figure", "plot_lines", "save_figure"]
 
 
 def agg_figure(width: float, height: float, *, layout: str | None = None) -> Any:
@@ -24,6 +26,15 @@ def agg_figure(width: float, height: float, *, layout: str | None = None) -> Any
     fig = Figure(figsize=(width, height), layout=layout)
     FigureCanvasAgg(fig)
     return fig
+
+
+def save_figure(fig: Any, path: str | Path, *, dpi: int = 120) -> Path:
+    """Write ``fig`` at ``path`` (the format from its suffix, PNG without one) through a staged file."""
+    from pyperm._staging import write_file
+
+    path = Path(path)
+    fmt = path.suffix.lstrip(".").lower() or "png"
+    return write_file(path, lambda f: fig.savefig(f, format=fmt, dpi=dpi))
 
 
 def plot_lines(
@@ -67,5 +78,4 @@ def plot_lines(
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize="small")
     fig.suptitle(title)
-    fig.savefig(path, format="png", dpi=120)
-    return Path(path)
+    return save_figure(fig, path)

@@ -41,13 +41,20 @@ def test_models_computing_in_float64_meet_the_goal_as_transformers_computes(rows
 
 
 def test_llama_rmsnorm_in_float32_is_reported_not_hidden(rows):
+    import dataclasses
+
     r = rows["hf:llama"]
-    # transformers upcasts RMSNorm to float32: a permuted sum of squares rounds differently there.
-    assert "rsqrt" in r.float32_ops and r.max_diff > r.exact_diff
-    assert hf._kept(r) == ("yes" if r.max_diff <= hf.FUNCTION_GOAL else "fp32")
-    assert any(line.startswith(f"ABOVE {hf.FUNCTION_GOAL:.0e}: hf:llama") for line in hf.hf_flags([r])) == (
-        r.max_diff > hf.FUNCTION_GOAL
-    )
+    # transformers upcasts RMSNorm to float32: a permuted sum of squares rounds differently there, and only there.
+    assert "rsqrt" in r.float32_ops and r.max_diff > r.exact_diff and r.exact_diff <= hf.FUNCTION_GOAL
+    # The table's verdict and the flag, on fixed differences either side of the goal (not on the measured one,
+    # which would make each side of the comparison the same value).
+    below = dataclasses.replace(r, max_diff=hf.FUNCTION_GOAL / 2)
+    above = dataclasses.replace(r, max_diff=hf.FUNCTION_GOAL * 2)
+    broken = dataclasses.replace(r, kept=False)
+    assert (hf._kept(below), hf._kept(above), hf._kept(broken)) == ("yes", "fp32", "NO")
+    flagged = [any(line.startswith(f"ABOVE {hf.FUNCTION_GOAL:.0e}: hf:llama") for line in hf.hf_flags([row]))
+               for row in (below, above)]  # fmt: skip
+    assert flagged == [False, True]
 
 
 def test_units_by_kind_add_up(rows):

@@ -291,6 +291,10 @@ def test_train_curve_is_seeded_and_stoppable(digits):
     history = train_curve(BezierCurve(model, a, b), data, epochs=5, lr=0.05, optimizer="adam",
                           callback=lambda epoch, loss: seen.append(epoch) or epoch == 2)
     assert seen == [1, 2] and len(history) == 2
+    # The one rule of every pyperm callback: anything but True, False or None is refused (this one stopped the
+    # matcher, which took any truthy value, but not train_curve, which took only True).
+    with pytest.raises(TypeError, match=r"callback must return True \(stop\), False or None, got int"):
+        train_curve(BezierCurve(model, a, b), data, epochs=3, lr=0.05, callback=lambda epoch, loss: 1)
     chain = PolyChain(model, a, b, num_bends=2)
     history = train_curve(chain, data, epochs=1, lr=0.05, optimizer=torch.optim.RMSprop, progress=True)
     assert len(history) == 1

@@ -99,8 +99,9 @@ def test_sharded_round_trip(tmp_path, suffix):
     (tmp_path / "out").mkdir()
     target = tmp_path / "out" / default_name(ckpt, "permuted")
     assert target.name == f"permuted{suffix}.index.json"
+    planned = output_paths(ckpt, target)
     written = save_checkpoint(ckpt, {k: -v for k, v in state.items()}, target)
-    assert written == output_paths(ckpt, target) and len(written) == 3
+    assert written == planned and len(written) == 3
     again = load_checkpoint(target)
     assert again.weight_map == ckpt.weight_map and _same(again.state, {k: -v for k, v in state.items()})
 
@@ -200,7 +201,7 @@ def test_lightning_style_prefix_is_found_from_the_model(tmp_path):
 def test_a_failed_write_leaves_no_file_under_a_final_name(tmp_path, monkeypatch, layout):
     """Every file is written beside its final name and renamed only once all are written: a write that
     fails halfway (a full disk, a killed process) leaves neither a partial file nor a stale index."""
-    import pyperm.checkpoints as checkpoints
+    import pyperm.checkpoints._write as write_module
 
     state = _state()
     (tmp_path / "in").mkdir()
@@ -215,21 +216,19 @@ def test_a_failed_write_leaves_no_file_under_a_final_name(tmp_path, monkeypatch,
     ckpt = load_checkpoint(source)
     calls = []
 
-    def fail_at(path, write):
-        calls.append(path)
+    def fail_at(f, write):
+        calls.append(f)
         if len(calls) == (2 if layout == "sharded" else 1):
-            with open(path, "wb") as f:
-                f.write(b"half a file")  # what a crash mid-write leaves
+            f.write(b"half a file")  # what a crash mid-write leaves
             raise OSError("No space left on device")
         return write()
 
     if layout == "torch":
         real = torch.save
-        monkeypatch.setattr(checkpoints.torch, "save", lambda obj, path: fail_at(path, lambda: real(obj, path)))
+        monkeypatch.setattr(torch, "save", lambda obj, f: fail_at(f, lambda: real(obj, f)))
     else:  # safetensors files are written tensor by tensor by pyperm's own writer
-        real = checkpoints._write_safetensors
-        monkeypatch.setattr(checkpoints, "_write_safetensors",
-                            lambda path, *args: fail_at(path, lambda: real(path, *args)))  # fmt: skip
+        real = write_module.write_safetensors
+        monkeypatch.setattr(write_module, "write_safetensors", lambda f, *args: fail_at(f, lambda: real(f, *args)))
     (tmp_path / "out").mkdir()
     target = tmp_path / "out" / default_name(ckpt, "permuted")
     with pytest.raises(OSError, match="No space left"):

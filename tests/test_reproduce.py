@@ -39,8 +39,7 @@ def _one_thread():
 
 @pytest.mark.parametrize("name", list(REPORTS))
 def test_smoke_report(name, tmp_path, capsys):
-    if not _available(name):
-        pytest.skip(f"{NEEDS[name]} is not there yet")
+    assert _available(name), f"{NEEDS[name]} is missing"  # a missing feature fails, never skips
     report = load_report(name)
     out = tmp_path / name
     assert main(["reproduce", name, "--smoke", "--out", str(out), "--no-progress"]) == 0

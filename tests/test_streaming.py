@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -27,7 +28,7 @@ pytest.importorskip("matplotlib")
 
 from _vision import import_transformers
 
-import pyperm.checkpoints as checkpoints
+import pyperm.checkpoints._write as write_module
 from pyperm._memory import resident_bytes
 from pyperm.checkpoints import CheckpointError, LazyState, load_checkpoint, save_checkpoint
 from pyperm.cli import main
@@ -143,7 +144,7 @@ def test_sharded_align_equals_the_whole_file_result(tmp_path, kind):
     index = json.loads(Path(sharded["outputs"][0]).read_text())
     assert index["weight_map"] == source.weight_map
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in many.state.values())
-    assert not list(shard_out.rglob(".*.partial"))
+    assert not list(shard_out.rglob(".*.pyperm-partial"))
 
     if kind != "mlp":
         # The output folder loads, computes B's function, and the check ran in the checkpoint's bfloat16.
@@ -189,7 +190,6 @@ def test_safetensors_tensors_are_views_of_the_file_not_copies(tmp_path):
     assert grown < (20 << 20), f"loading a 200 MB file took {grown >> 20} MB of memory"
     big = ckpt.state["big"]
     assert _is_view_of(big, path) and _is_view_of(ckpt.state["small"], path)
-    assert big.untyped_storage().nbytes() == path.stat().st_size  # one map of the whole file
     assert torch.equal(ckpt.state["small"], torch.arange(6.0).reshape(2, 3))
     # Copy on write: this process's tensor changes, the file does not.
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -197,9 +197,12 @@ def test_safetensors_tensors_are_views_of_the_file_not_copies(tmp_path):
     del big, ckpt
     assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
     assert torch.equal(load_checkpoint(path).state["big"][:1000], torch.ones(1000))
-    # mmap=False reads the tensors into memory instead.
-    copied = load_checkpoint(path, mmap=False).state["small"]
-    assert not _is_view_of(copied, path) and torch.equal(copied, torch.arange(6.0).reshape(2, 3))
+    # mmap=False reads the tensors into memory instead: one copy, and no mapping of the file left behind.
+    gc.collect()
+    assert not _mapped_from(path), "the mapped checkpoint's tensors are gone"
+    copied = load_checkpoint(path, mmap=False).state
+    assert not _mapped_from(path), "mmap=False keeps no mapping of the file"
+    assert torch.equal(copied["small"], torch.arange(6.0).reshape(2, 3)) and torch.equal(copied["big"][:10], torch.ones(10))
 
 
 def test_every_dtype_reads_back_exactly(tmp_path):
@@ -256,17 +259,16 @@ def test_align_leaves_its_inputs_unchanged_byte_for_byte(tmp_path):
 
 def _fail_after_first_shard(monkeypatch):
     written = []
-    real = checkpoints._write_safetensors
+    real = write_module.write_safetensors
 
-    def write(path, *args):
+    def write(f, *args):
         if written:
-            with open(path, "wb") as f:
-                f.write(b"half a shard")  # what a full disk leaves
+            f.write(b"half a shard")  # what a full disk leaves
             raise OSError("No space left on device")
-        written.append(path)
-        return real(path, *args)
+        written.append(f.name)
+        return real(f, *args)
 
-    monkeypatch.setattr(checkpoints, "_write_safetensors", write)
+    monkeypatch.setattr(write_module, "write_safetensors", write)
     return written
 
 
@@ -354,36 +356,23 @@ def _header_file(path, header: dict, data: bytes = b""):
 
 
 def test_corrupt_and_truncated_safetensors_are_named(tmp_path):
+    """The safetensors library checks the header; pyperm names the file (tests/test_checkpoint_fuzz.py has every
+    kind of bad file)."""
     safetensors_torch.save_file({"w": torch.ones(4, 4), "v": torch.ones(3)}, str(tmp_path / "ok.safetensors"))
     data = (tmp_path / "ok.safetensors").read_bytes()
-    (tmp_path / "cut.safetensors").write_bytes(data[:-8])
-    with pytest.raises(CheckpointError, match=r"cut\.safetensors: not a readable safetensors file \(key 'w' ends at"
-                                              r".*truncated\)"):  # fmt: skip
-        load_checkpoint(tmp_path / "cut.safetensors")
-    (tmp_path / "head.safetensors").write_bytes(data[:40])
-    with pytest.raises(CheckpointError, match=r"head\.safetensors: .*header length \d+ exceeds the file's 40 bytes"):
-        load_checkpoint(tmp_path / "head.safetensors")
-    (tmp_path / "tiny.safetensors").write_bytes(b"\x01\x02")
-    with pytest.raises(CheckpointError, match=r"tiny\.safetensors: .*2 bytes"):
-        load_checkpoint(tmp_path / "tiny.safetensors")
-    _header_file(tmp_path / "list.safetensors", [1, 2])  # type: ignore[arg-type]
-    with pytest.raises(CheckpointError, match=r"list\.safetensors: .*a JSON list, not an object"):
-        load_checkpoint(tmp_path / "list.safetensors")
-    _header_file(tmp_path / "size.safetensors", {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"x" * 8)
-    with pytest.raises(CheckpointError, match=r"size\.safetensors: .*key 'w': 8 bytes for shape \[3\] of F32"):
-        load_checkpoint(tmp_path / "size.safetensors")
+    for name, content in {"cut": data[:-8], "head": data[:40], "tiny": b"\x01\x02"}.items():
+        (tmp_path / f"{name}.safetensors").write_bytes(content)
+        with pytest.raises(CheckpointError, match=rf"{name}\.safetensors: not a readable safetensors file"):
+            load_checkpoint(tmp_path / f"{name}.safetensors")
     _header_file(tmp_path / "f4.safetensors", {"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, b"x" * 8)
-    with pytest.raises(CheckpointError, match=r"f4\.safetensors: key 'w' has dtype 'F4', which torch .* cannot hold"):
+    with pytest.raises(CheckpointError, match=r"f4\.safetensors: "):
         load_checkpoint(tmp_path / "f4.safetensors")
-    _header_file(tmp_path / "meta.safetensors", {"__metadata__": {"n": 1}})
-    with pytest.raises(CheckpointError, match=r"meta\.safetensors: .*'__metadata__' is not an object of strings"):
-        load_checkpoint(tmp_path / "meta.safetensors")
     # A shard of a sharded checkpoint is named itself.
     (tmp_path / "sharded").mkdir()
     index = _write_mlp(tmp_path / "sharded" / "m", _mlp_state(1), sharded=True)
     shard = index.parent / "model-00002-of-00003.safetensors"
     shard.write_bytes(shard.read_bytes()[:-4])
-    with pytest.raises(CheckpointError, match=r"model-00002-of-00003\.safetensors: .*truncated"):
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00003\.safetensors: not a readable safetensors file"):
         load_checkpoint(index)
 
 

@@ -396,6 +396,39 @@ def test_error_overflow():
         weight_matching(spec, big, big)
 
 
+def test_float16_products_that_overflow_are_the_clear_error():
+    """float16 products overflow at 65504, long before the float32 similarity: the overflow bound must be
+    float16's (it was float32's, and inf costs reached the solver: "cost matrix is infeasible")."""
+    spec = PermutationSpec({"w": ("h", None)}, {"h": 2})
+    a = {"w": torch.full((2, 8), 300.0)}  # entries of the similarity: 8 * 300 * 300 = 720000 > 65504
+    b = {"w": a["w"] + torch.tensor([[0.0], [1.0]])}
+    with pytest.raises(ValueError, match=r"group 'h' is not finite: .* \(products in torch.float16\)"):
+        weight_matching(spec, a, b, init="identity", product_dtype=torch.float16)
+    assert weight_matching(spec, a, b, init="identity").converged  # float32 products hold them
+
+
+@pytest.mark.parametrize("returned, stops", [(True, True), (False, False), (None, False)])
+def test_callback_stops_on_true_only(small, returned, stops):
+    """One rule for every callback (weight_matching's, train_curve's): True stops, False or None goes on."""
+    spec, sa, sb = small
+    calls = []
+
+    def callback(sweep, perms, objective):
+        calls.append(sweep)
+        return returned
+
+    weight_matching(spec, sa, sb, init="identity", callback=callback)
+    assert (calls == [1]) == stops and calls
+
+
+@pytest.mark.parametrize("returned", [1, "stop", 0.0, torch.tensor(True)])
+def test_callback_returning_anything_else_is_a_type_error(small, returned):
+    """The matcher once stopped on any truthy value (a logged number, a string) and train_curve only on True."""
+    spec, sa, sb = small
+    with pytest.raises(TypeError, match="callback must return True \\(stop\\), False or None"):
+        weight_matching(spec, sa, sb, init="identity", callback=lambda *args: returned)
+
+
 def test_error_devices(small):
     spec, sa, sb = small
     meta = {k: v.to("meta") for k, v in sb.items()}

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pyperm._plotting import save_figure
+
 
 @dataclass
 class Timing:
@@ -73,4 +75,26 @@ def save_bar_plot(path: str, title: str, groups: Sequence[str], series: dict[str
     ax.set_title(title)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.legend(fontsize=8)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
+
+
+def write_generated(folder: str, name: str, text: str) -> str:
+    """Write a measured table as ``folder/<name>.md``, headed by the command that measured it and the date.
+
+    The README and the guide include these files instead of retyping their numbers, so a page shows
+    what the command last measured; the file is staged and renamed into place (:mod:`pyperm._staging`).
+    """
+    import datetime
+    import shlex
+    import sys
+    from pathlib import Path
+
+    from pyperm._staging import write_text
+
+    command = shlex.join(["pyperm", *sys.argv[1:]])
+    date = datetime.date.today().isoformat()
+    path = Path(folder) / f"{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, f"Measured {date} by `{command}` (written by the command: rerun it, do not edit).\n\n{text}\n")
+    return str(path)
+

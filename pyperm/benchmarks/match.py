@@ -35,12 +35,13 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from pyperm._plotting import save_figure
 from pyperm._argtypes import choices_list, int_at_least, positive_int
 from pyperm._tables import markdown_table, text_table
 from pyperm.benchmarks._match_scale import MODELS as SCALE_MODELS
 from pyperm.benchmarks._match_starts import MODELS as START_MODELS
 from pyperm.benchmarks._match_structured import CASES as STRUCTURED_CASES
-from pyperm.benchmarks._report import time_calls
+from pyperm.benchmarks._report import time_calls, write_generated
 from pyperm.testing import reference_weight_matching
 
 
@@ -160,6 +161,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: the thread's CPU time (with --threads 1 on a busy machine)")
     parser.add_argument("--markdown", action="store_true", help="print the tables as markdown")
+    parser.add_argument("--write", metavar="DIR", default=None,
+                        help="also write each table as DIR/bench-match-<table>.md, headed by this command and the "
+                             "date (the docs include docs/_generated/)")
     parser.add_argument("--device", default="cpu",
                         help="where the flat and scale tables' models live (cpu, cuda, cuda:N); on a GPU the flat "
                              "table's reference is pyperm on the CPU, whose objective the GPU's must equal")
@@ -191,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     failures: list[str] = []
     if not args.no_flat:
         rows = _flat_rows(args, failures)
-        _print_table(rows, args.markdown, args.device != "cpu")
+        _print_table(rows, args.markdown, args.device != "cpu", args.write)
         if args.plot:
             _plot(rows, args.plot)
             print(f"plot saved to {args.plot}")
@@ -202,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
               "computed whole; run Gflop: the products the run needed, from the units that moved)", flush=True)  # fmt: skip
         table = _match_structured.rows(args.structured, tuple(args.model_seeds), args.repeat, args.clock, args.seed,
                                        _report)  # fmt: skip
-        _print(_match_structured.HEADERS, table, args.markdown)
+        _print(_match_structured.HEADERS, table, args.markdown, args.write, "structured")
     if args.starts:
         from pyperm.benchmarks import _match_starts
 
@@ -211,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         table, failed = _match_starts.rows(args.starts, kinds, tuple(args.model_seeds), args.repeat, args.clock,
                                            args.seed, _report)  # fmt: skip
         failures += failed
-        _print(_match_starts.HEADERS, table, args.markdown)
+        _print(_match_starts.HEADERS, table, args.markdown, args.write, "starts")
     if args.scale:
         from pyperm.benchmarks import _match_scale
 
@@ -219,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
               "process", flush=True)  # fmt: skip
         table, failed = _match_scale.rows(args.scale, args.dtypes, args.repeat, _report, args.device)
         failures += failed
-        _print(_match_scale.headers(args.device), table, args.markdown)
+        _print(_match_scale.headers(args.device), table, args.markdown, args.write, "scale")
     for f in failures:
         print("FAIL:", f, file=sys.stderr)
     return 1 if failures else 0
@@ -291,9 +295,11 @@ def _report(line: str) -> None:
     print(line, flush=True)
 
 
-def _print(headers: list[str], table: list[list], markdown: bool) -> None:
+def _print(headers: list[str], table: list[list], markdown: bool, write: str | None = None, name: str = "") -> None:
     print()
     print(markdown_table(headers, table) if markdown else text_table(headers, table), flush=True)
+    if write is not None:
+        print(f"table written to {write_generated(write, f'bench-match-{name}', markdown_table(headers, table))}")
 
 
 def _print_row(row: Row) -> None:
@@ -303,7 +309,7 @@ def _print_row(row: Row) -> None:
     print(msg, flush=True)
 
 
-def _print_table(rows: list[Row], markdown: bool, on_gpu: bool = False) -> None:
+def _print_table(rows: list[Row], markdown: bool, on_gpu: bool = False, write: str | None = None) -> None:
     ref = "cpu" if on_gpu else "ref"
     headers = ["model", "params", "groups", "sweeps", "pyperm s", "best s", f"{ref} s", "speedup", "target s", "met",
                "objective (pyperm)", f"objective ({ref})", "same perms"]  # fmt: skip
@@ -318,7 +324,7 @@ def _print_table(rows: list[Row], markdown: bool, on_gpu: bool = False) -> None:
             "yes" if r.ours_s <= target else "no", f"{r.ours_obj:.6f}",
             None if r.ref_obj is None else f"{r.ref_obj:.6f}", r.same_perms,
         ])  # fmt: skip
-    _print(headers, table, markdown)
+    _print(headers, table, markdown, write, "flat")
 
 
 def _plot(rows: list[Row], path: str) -> None:
@@ -337,7 +343,7 @@ def _plot(rows: list[Row], path: str) -> None:
     ax.set_xticks(list(x), labels, rotation=10)
     ax.set_title("weight matching, two independently initialised models")
     ax.legend()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":  # python -m pyperm.benchmarks.match

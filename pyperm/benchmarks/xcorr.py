@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from pyperm._plotting import save_figure
 from pyperm._tables import text_table
 from pyperm.benchmarks._report import time_calls
 from pyperm._argtypes import int_at_least, positive_int
@@ -149,7 +150,7 @@ def _plot(results: list[dict[str, float]], dims: list[int], batches: list[int], 
     ax.set_ylabel("update time / (xa.T @ xb) time")
     ax.set_title(f"CrossCorrelation.update overhead over BLAS ({dtype})")
     ax.legend()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

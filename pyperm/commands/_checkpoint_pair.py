@@ -42,11 +42,11 @@ def _fill_tied(ckpt: Any, ties: list[list[str]]) -> None:
 
 def refuse_inputs(outputs: list[Path], ckpts: list[Any]) -> None:
     """Never write over an input checkpoint, not even with ``--force``."""
-    from pyperm.checkpoints import output_paths
+    from pyperm.checkpoints import checkpoint_files
 
     inputs = set()
     for ckpt in ckpts:
-        inputs.update(p.resolve() for p in output_paths(ckpt, ckpt.path))
+        inputs.update(p.resolve() for p in checkpoint_files(ckpt))
     for out in outputs:
         if out.resolve() in inputs:
             raise CommandError(f"{out}: is one of the input checkpoints; choose another --out")

@@ -159,16 +159,25 @@ def checkpoint_outputs(like: Any, out: Path, stem: str, model: str) -> list[Path
 
 
 def prepare_out(out: str | Path, names: list[str], force: bool) -> Path:
-    """Create the output folder and refuse, before any work, to overwrite one of ``names`` without ``--force``."""
+    """Create the output folder and refuse, before any work, to overwrite one of ``names`` without ``--force``.
+
+    A symlink (or a file) where an output folder of ``names`` goes (``--model hf`` writes into
+    ``out/<stem>/``) is an existing output too: ``--force`` removes the link itself, so that
+    nothing is written into its target.
+    """
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise CommandError(f"--out {out}: exists and is not a folder")
-    for name in names:
-        if (out / name).exists() and not force:
-            raise CommandError(f"{out / name}: exists; pass --force to overwrite it")
+    folders = sorted({(out / name).parent for name in names} - {out})
+    in_the_way = [f for f in folders if os.path.lexists(f) and (f.is_symlink() or not f.is_dir())]
+    for path in in_the_way + [out / name for name in names]:
+        if os.path.lexists(path) and not force:  # a dangling symlink is an existing name too
+            raise CommandError(f"{path}: exists; pass --force to overwrite it")
     out.mkdir(parents=True, exist_ok=True)
-    for name in names:  # an output folder of --model hf
-        (out / name).parent.mkdir(parents=True, exist_ok=True)
+    for folder in folders:
+        if folder in in_the_way:
+            os.unlink(folder)
+        folder.mkdir(parents=True, exist_ok=True)
     return out
 
 

@@ -21,10 +21,6 @@ from pyperm.commands._common import CommandError, LoadedModel
 
 __all__ = ["copy_files", "folder_copies", "folder_of", "hf_model"]
 
-# Files of a save_pretrained folder that hold weights: written by the command, never copied.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
 def folder_of(path: str | Path) -> Path:
     """The ``save_pretrained`` folder a checkpoint argument names (the folder itself, or a file in it)."""
     path = Path(path)
@@ -94,16 +90,31 @@ def hf_model(checkpoint: str | Path, shape: tuple[int, ...] | None, *, meta: boo
     return LoadedModel(f"hf ({names[0]})", model, spec, tuple(shape), example, build=build)
 
 
-def folder_copies(source: Any, target: Path) -> list[tuple[Path, Path]]:
+def _is_weights(path: Path) -> bool:
+    """A file of weights (any checkpoint suffix pyperm reads, or an index): written by the command, never copied."""
+    from pyperm.checkpoints import TORCH_SUFFIXES
+
+    return path.suffix in TORCH_SUFFIXES + (".safetensors",) or path.name.endswith(".index.json")
+
+
+def folder_copies(source: Any, written: list[Path]) -> list[tuple[Path, Path]]:
     """The files of ``source``'s folder that are not weights (config, generation config, tokenizer), each with
-    its destination beside ``target`` (the written weights)."""
+    its destination in the folder of ``written`` (the weights the command writes), which they never replace."""
+    from pyperm._staging import SUFFIX
+
     folder = folder_of(source.path)
-    return [(p, target.parent / p.name) for p in sorted(folder.iterdir())
-            if p.is_file() and p.suffix not in _WEIGHT_SUFFIXES and not p.name.endswith(".index.json")]  # fmt: skip
+    taken = {p.name for p in written}
+    return [(p, written[0].parent / p.name) for p in sorted(folder.iterdir())
+            if p.is_file() and not _is_weights(p) and p.name not in taken
+            and not p.name.endswith(SUFFIX)]  # fmt: skip
 
 
 def copy_files(copies: list[tuple[Path, Path]]) -> list[Path]:
-    """Copy every (source, destination) pair of :func:`folder_copies`; returns the destinations."""
+    """Copy every (source, destination) pair of :func:`folder_copies`, each staged beside its destination and
+    renamed into place (:mod:`pyperm._staging`); returns the destinations."""
+    from pyperm._staging import write_file
+
     for src, dst in copies:
-        shutil.copyfile(src, dst)
+        with open(src, "rb") as source:
+            write_file(dst, lambda f, s=source: shutil.copyfileobj(s, f))
     return [dst for _, dst in copies]

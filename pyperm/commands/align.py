@@ -9,11 +9,11 @@ the barriers before and after), and with ``--data`` ``barrier.png``.
 from __future__ import annotations
 
 import argparse
-import gc
 from pathlib import Path
 from typing import Any
 
 from pyperm._json import write_json
+from pyperm._staging import write_text
 from pyperm._tables import markdown_table
 from pyperm._argtypes import int_at_least
 from pyperm.commands._common import add_common_arguments, add_data_arguments, add_model_arguments, cli_errors
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     stem = (folder_of(ckpt_b.path).name if args.model == "hf" else ckpt_b.path.name.split(".")[0]) + "_permuted"
     ckpt_files = checkpoint_outputs(ckpt_b, out, stem, args.model)
-    copies = folder_copies(ckpt_b, ckpt_files[0]) if args.model == "hf" else []
+    copies = folder_copies(ckpt_b, ckpt_files) if args.model == "hf" else []
     names = (
         [str(p.relative_to(out)) for p in ckpt_files + [dst for _, dst in copies]]
         + ["permutations.json", "report.json", "report.md"]
@@ -138,11 +138,9 @@ def run(args: argparse.Namespace) -> int:
             loaded, state_a, {"naive": state_b, args.method: permuted_f32}, data, args.num_points, device, args.progress
         )
         del permuted_f32, state_a, state_b
-    # A is no longer read: let its mapped pages go before B permuted is written and checked. The matching
-    # leaves reference cycles that hold the states' tensors (and its similarity matrices) until the
-    # garbage collector runs: run it now.
+    # A is no longer read: let its mapped pages go before B permuted is written and checked (the matcher
+    # holds no reference cycle: its similarities and views went when it returned).
     ckpt_a.state.clear()
-    gc.collect()
 
     written = save_checkpoint(ckpt_b, permuted, ckpt_files[0], force=args.force)
     written += copy_files(copies)  # --model hf: the config and tokenizer beside the weights
@@ -174,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     write_json(out / "report.json", report)
     if barriers is not None:
         plot_paths(barriers, out / "barrier.png", title=f"{loaded.name}: naive vs {args.method} matching")
-    (out / "report.md").write_text(_markdown(report, barriers))
+    write_text(out / "report.md", _markdown(report, barriers))
 
     where = written[0].parent if args.model == "hf" else written[0]
     print(f"B permuted into A's basin by {args.method} matching in {info['seconds']:.2f} s: {where}")

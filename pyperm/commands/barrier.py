@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pyperm._json import write_json
+from pyperm._staging import write_text
 from pyperm._tables import markdown_table
 from pyperm._argtypes import int_at_least
 from pyperm.commands._common import add_common_arguments, add_data_arguments, add_model_arguments, cli_errors
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     }
     write_json(out / "report.json", report)
     plot_paths(results, out / "barrier.png", title=f"{loaded.name} on {data.name} (test split)")
-    (out / "report.md").write_text(_markdown(report, results))
+    write_text(out / "report.md", _markdown(report, results))
     for label, r in results.items():
         print(
             f"{label:>10} path: loss barrier {r.loss_barrier:.4f}, accuracy barrier {100 * r.accuracy_barrier:.2f} pp"

@@ -21,6 +21,7 @@ from typing import Any
 
 from pyperm._argtypes import int_at_least, nonnegative_float, positive_float, positive_int
 from pyperm._json import write_json
+from pyperm._staging import write_text
 from pyperm._tables import markdown_table
 from pyperm.commands._common import (
     Timer,
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     plot_paths(paths, out / "curve.png", dashed=[label for label in paths if "straight line" in label],
                title=f"{loaded.name}: {report['curve']['kind']} curve, {data.name}")
     write_json(out / "report.json", report)
-    (out / "report.md").write_text(_markdown(report, results, linear))
+    write_text(out / "report.md", _markdown(report, results, linear))
     test = results["test"]
     print(f"curve from A to B: test accuracy min {100 * test.min_accuracy:.2f}%, average "
           f"{100 * test.average_accuracy:.2f}%; train loss max {results['train'].max_loss:.4f}")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pyperm._json import write_json
+from pyperm._staging import write_text
 from pyperm._tables import markdown_table
 from pyperm._argtypes import positive_int
 from pyperm.commands._common import add_common_arguments, add_data_arguments, add_model_arguments, cli_errors
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     ckpts = load_for_model(args.checkpoints, loaded)
     out = Path(args.out)
     ckpt_files = checkpoint_outputs(ckpts[0], out, "merged", args.model)
-    copies = folder_copies(ckpts[0], ckpt_files[0]) if args.model == "hf" else []
+    copies = folder_copies(ckpts[0], ckpt_files) if args.model == "hf" else []
     names = [str(p.relative_to(out)) for p in ckpt_files + [dst for _, dst in copies]] + ["report.json", "report.md"]
     refuse_inputs([out / n for n in names], ckpts)
     prepare_out(out, names, args.force)
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     written = save_checkpoint(ckpts[0], merged, ckpt_files[0], force=args.force)
     written += copy_files(copies)  # --model hf: the config and tokenizer beside the weights
     write_json(out / "report.json", report)
-    (out / "report.md").write_text(_markdown(report))
+    write_text(out / "report.md", _markdown(report))
     print(f"merged {len(ckpts)} checkpoints in {result.iterations} rounds ({timer.seconds:.2f} s): {written[0]}")
     if data is not None:
         for name, e in report["evaluation"].items():

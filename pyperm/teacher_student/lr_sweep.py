@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pyperm._checks import check_int, check_nonnegative_real, check_positive_int, check_positive_real
-from pyperm._plotting import agg_figure
+from pyperm._plotting import agg_figure, save_figure
 from pyperm._tables import markdown_table
 from pyperm.teacher_student._checks import DTYPE, seed_list
 from pyperm.teacher_student._report import mean_and_sem
@@ -142,7 +142,7 @@ class LearningRateSweep:
             ax.legend(fontsize=8)
         left.set_title(f"K={self.K}, d={self.d}, m={self.m}")
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path)
         return path
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pyperm._checks import check_int, check_nonnegative_real, check_positive_int, check_positive_real
-from pyperm._plotting import agg_figure
+from pyperm._plotting import agg_figure, save_figure
 from pyperm._progress import progress_bar
 from pyperm._tables import markdown_table
 from pyperm.teacher_student._checks import DTYPE, seed_list
@@ -151,7 +151,7 @@ class WidthSweep:
         ratio.set_ylabel("permuted barrier / direct barrier")
         ratio.set_title("normalised")
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path)
         return path
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 import pyperm
-from pyperm._checks import check_callable, check_int, check_nonnegative_real, torch_generator
+from pyperm._checks import callback_stops, check_callable, check_int, check_nonnegative_real, torch_generator
 from pyperm._memory import release_free_memory
 from pyperm._progress import progress_bar
 from pyperm.nn._checks import check_spec
@@ -212,7 +212,7 @@ class WeightMatcher:
                          self._b_views[i], self._work, self._cache.hold)
                     for i, ax in self._where[g]
                 ]  # fmt: skip
-                self._groups[g] = GroupSimilarity(g, n, terms, self._products, self._cache, self.device)
+                self._groups[g] = GroupSimilarity(g, n, terms, self._products, self.device)
         else:
             for g, group in self._groups.items():
                 for t, (i, _) in zip(group.all_terms, self._where[g]):
@@ -221,7 +221,8 @@ class WeightMatcher:
         keys_of = {g: [self._pieces[i].key for i, _ in where] for g, where in self._where.items()}
         if self._norms_b is None:
             self._norms_b = {k: frobenius_norm(self.state_b[k]) for ks in keys_of.values() for k in ks}
-        largest = torch.finfo(dtype).max
+        # The products may run in a narrower dtype than the similarity (float16: 65504): its range bounds them.
+        largest = min(torch.finfo(dtype).max, torch.finfo(self.product_dtype).max)
         norms_a = {k: frobenius_norm(sa[k]) for k in self._norms_b}
         for g, group in self._groups.items():
             # By Cauchy-Schwarz no similarity entry (nor partial sum) exceeds this bound: below
@@ -313,7 +314,7 @@ class WeightMatcher:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(objective=f"{objective:.6g}")
-                stop = callback is not None and bool(callback(sweeps, {g: perms[g] for g in names}, objective))
+                stop = callback is not None and callback_stops(callback(sweeps, {g: perms[g] for g in names}, objective))
                 if not improved:
                     converged = True
                     break
@@ -341,12 +342,13 @@ class WeightMatcher:
     def _cost(self, group: GroupSimilarity, perms: Mapping[Any, torch.Tensor]) -> torch.Tensor:
         """Minus the group's similarity at the current permutations, checked for overflow."""
         started = time.perf_counter()
-        cost = group.negated_similarity(perms)
+        cost = group.negated_similarity(perms, self._cache)
         self._seconds["similarity"] += time.perf_counter() - started
         if group.may_overflow and not bool(torch.isfinite(cost).all()):
+            products = f" (products in {self.product_dtype})" if self.product_dtype != self.dtype else ""
             raise ValueError(
                 f"the similarity matrix of group {group.name!r} is not finite: the weights are too large "
-                f"for {self.dtype}; rescale them or pass dtype=torch.float64"
+                f"for {self.dtype}{products}; rescale them or pass dtype=torch.float64"
             )
         return cost
 

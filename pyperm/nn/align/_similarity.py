@@ -327,14 +327,12 @@ class CostCache:
 class GroupSimilarity:
     """A group's similarity matrix, kept in sync with its neighbours' permutations."""
 
-    def __init__(self, name: str, n: int, terms: list[Term], products: Products, cache: CostCache,
-                 device: torch.device) -> None:  # fmt: skip
+    def __init__(self, name: str, n: int, terms: list[Term], products: Products, device: torch.device) -> None:
         self.name = name
         self.n = n
         self.dtype = products.out_dtype
         self.device = device
         self.products = products
-        self.cache = cache
         self.all_terms = list(terms)
         self.moving = [t for t in terms if t.other is not None or t.general_axes is not None]
         self.neighbours = {t.other for t in self.moving if t.other is not None}
@@ -360,7 +358,7 @@ class GroupSimilarity:
         self.built = False
         self.assigner.reset()
 
-    def negated_similarity(self, perms: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def negated_similarity(self, perms: Mapping[str, torch.Tensor], cache: CostCache) -> torch.Tensor:
         """Minus the similarity matrix at the current permutations (the solvers minimise), in ``cost``.
 
         A kept similarity is corrected: the moved units of every term are queued and applied
@@ -368,7 +366,10 @@ class GroupSimilarity:
         tensors when it was evicted, when more than half of its columns moved, when a term
         with several other groups changed, and after _MAX_CORRECTIONS corrections.
         """
-        cost = self.cache.claim(self)
+        # The cache is passed in, not kept: it holds the groups, and a group holding it back would make a
+        # reference cycle that keeps the similarities and the views of A and B alive after weight_matching
+        # returns, until Python's cyclic collector happens to run.
+        cost = cache.claim(self)
         if self.built and self.corrections < _MAX_CORRECTIONS:
             changes, moved, rebuild = [], 0, False
             for t in self.moving:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import pyperm
-from pyperm._checks import torch_generator
+from pyperm._checks import callback_stops, torch_generator
 from pyperm._progress import progress_bar
 from pyperm.nn.align._objective import (
     WeightMatchingResult,
@@ -199,7 +199,7 @@ def reference_matching(
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(objective=f"{current:.6g}")
-            stop = callback(sweeps, perms, current) if callback is not None else None
+            stop = callback is not None and callback_stops(callback(sweeps, perms, current))
             if not improved:
                 converged = True
                 break

@@ -300,7 +300,8 @@ def pam(
         The architecture, run through :func:`torch.func.functional_call`; never modified
         (its training flags are restored).
     spec : PermutationSpec
-        The permutation groups of the model (one group per axis).
+        The permutation groups of the model, in any spec form (flat, ``Segments``,
+        ``Tiled``, ``Blocks``, a group on two axes).
     state_a, state_b : mapping of str to torch.Tensor
         The endpoints' state dicts (``model.state_dict()`` keys; same shapes, dtypes and
         devices). Not modified; B is the model permuted.

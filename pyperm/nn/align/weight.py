@@ -193,7 +193,8 @@ def weight_matching(
     callback : callable, optional
         Called after every sweep as ``callback(sweep, perms, objective)`` with the sweep's
         number (from 1), the current permutations (read-only: on the state's device) and
-        the objective. Returning ``True`` stops the search after that sweep (the result
+        the objective. Returning ``True`` stops the search after that sweep, ``False`` or
+        ``None`` goes on, anything else is a TypeError (as for every pyperm callback; the result
         then has ``converged=False`` unless the sweep improved nothing). Meant for
         logging and early stopping by the methods built on this one.
 

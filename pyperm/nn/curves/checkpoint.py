@@ -16,7 +16,9 @@ any safetensors reader can use it:
   never put between endpoints other than its own.
 
 A bend is stored bit for bit: ``load_curve(save_curve(curve, ...), ...)`` gives the same
-bends, the same points and the same outputs.
+bends, the same points and the same outputs. The file is read and written by
+:mod:`pyperm.checkpoints` (pyperm's one code path for safetensors: the library's strict,
+lazy reader; a writer staged beside the destination and renamed into place).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import torch
 from torch import nn
 
 from pyperm._checks import check_bool
+from pyperm._staging import write_file
+from pyperm.checkpoints import read_safetensors, read_safetensors_metadata, write_safetensors
 from pyperm.nn._checks import check_module, check_state
 from pyperm.nn.curves._base import Curve
 from pyperm.nn.curves.bezier import BezierCurve
@@ -44,14 +48,6 @@ logger = logging.getLogger(__name__)
 FORMAT = "pyperm.curve"
 FORMAT_VERSION = "1"
 CURVE_KINDS: dict[str, type[Curve]] = {"bezier": BezierCurve, "polychain": PolyChain}
-
-
-def _safetensors() -> Any:
-    try:
-        import safetensors.torch
-    except ImportError as exc:  # pragma: no cover - safetensors is in the nn extra
-        raise ImportError("curve files are safetensors files: pip install safetensors") from exc
-    return safetensors
 
 
 def _check_path(path: Any, name: str = "path") -> Path:
@@ -94,7 +90,8 @@ def save_curve(curve: Curve, path: str | Path, *, model_name: str | None = None,
         The curve (trained or not).
     path : str or pathlib.Path
         The file to write (``.safetensors`` by convention); its folder must exist. An
-        existing file is replaced.
+        existing file is replaced in one rename, never partly and never through a symlink
+        (the file is staged beside it first).
     model_name : str, optional
         The model's name as :func:`pyperm.nn.models.create_model` reads it (e.g.
         ``"resnet20:4"``; the ``--model`` of the command line): with it,
@@ -114,8 +111,6 @@ def save_curve(curve: Curve, path: str | Path, *, model_name: str | None = None,
     TypeError
         ``curve`` is not a BezierCurve or PolyChain, ``path`` not a path, ``model_name``
         not a str, or ``endpoints`` not a bool.
-    ImportError
-        safetensors is not installed.
 
     See Also
     --------
@@ -162,8 +157,8 @@ def save_curve(curve: Curve, path: str | Path, *, model_name: str | None = None,
         "endpoint_b": state_fingerprint(state_b),
         "endpoints_stored": "1" if endpoints else "0",
     }
-    _safetensors().torch.save_file(tensors, str(path), metadata=metadata)
-    return path
+    names = {key: key for key in tensors}
+    return write_file(path, lambda f: write_safetensors(f, names, tensors, metadata, path))
 
 
 def read_curve_metadata(path: str | Path) -> dict[str, str]:
@@ -179,12 +174,7 @@ def read_curve_metadata(path: str | Path) -> dict[str, str]:
     path = _check_path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
-    safetensors = _safetensors()
-    try:
-        with safetensors.safe_open(str(path), framework="pt", device="cpu") as f:
-            metadata = dict(f.metadata() or {})
-    except Exception as exc:  # safetensors raises its own error types for a file it cannot parse
-        raise ValueError(f"{path}: not a readable safetensors file ({' '.join(str(exc).split())})") from exc
+    metadata = read_safetensors_metadata(path)  # a CheckpointError (a ValueError) names the file
     if metadata.get("format") != FORMAT:
         raise ValueError(f"{path}: not a pyperm curve file (no format={FORMAT!r} in its metadata); a checkpoint of "
                          "Garipov et al.'s dnn-mode-connectivity loads with load_garipov_curve")
@@ -225,9 +215,9 @@ def load_curve(path: str | Path, model: nn.Module | None = None, state_a: Mappin
     ValueError
         The file is not a pyperm curve file; no model or no endpoints are given and the
         file has none; the bends do not fit the model (the message names the key); an
-        endpoint's fingerprint differs from the file's (with ``check_endpoints``).
-    ImportError
-        safetensors is not installed.
+        endpoint's fingerprint differs from the file's (with ``check_endpoints``). A file
+        the safetensors library refuses (or a missing safetensors package) is a
+        :class:`~pyperm.checkpoints.CheckpointError`, a ValueError naming the file.
     """
     metadata = read_curve_metadata(path)
     check_endpoints = check_bool(check_endpoints, "check_endpoints")
@@ -245,8 +235,7 @@ def load_curve(path: str | Path, model: nn.Module | None = None, state_a: Mappin
 
         model = create_model(name)
     check_module(model, "model")
-    with _safetensors().safe_open(str(path), framework="pt", device="cpu") as f:
-        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    tensors, _ = read_safetensors(Path(path), mmap=False)
     # In the model's order (a safetensors file lists its keys sorted): the curve lays out its
     # flat vectors in the order of state_a.
     order = {key: i for i, key in enumerate(model.state_dict())}

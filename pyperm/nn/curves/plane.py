@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pyperm._checks import check_bool, check_choice, check_int, check_nonnegative_real
-from pyperm._plotting import agg_figure
+from pyperm._plotting import agg_figure, save_figure
 from pyperm._progress import progress_bar
 from pyperm.nn._checks import check_module, check_pair, check_state
 from pyperm.nn._runtime import check_batches
@@ -86,7 +86,7 @@ class PlaneResult:
             ax.set_title(title)
         fig.tight_layout()
         path = Path(path)
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path)
         return path
 
 

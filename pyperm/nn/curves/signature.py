@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from pyperm._plotting import agg_figure
+from pyperm._plotting import agg_figure, save_figure
 from pyperm.nn._checks import check_module, check_spec
 from pyperm.nn.permutations import apply_permutation
 from pyperm.nn.spec import PermutationSpec
@@ -58,7 +58,7 @@ class CorrelationSignature:
             ax.set_title(title)
         fig.tight_layout()
         path = Path(path)
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path)
         return path
 
 

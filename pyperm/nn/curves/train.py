@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pyperm._checks import (
+    callback_stops,
     check_callable,
     check_choice,
     check_int,
@@ -372,7 +373,8 @@ def train_curve(
         Show a tqdm progress bar over the batches.
     callback : callable, optional
         ``callback(epoch, loss)`` after each epoch (``epoch`` from 1, ``loss`` the epoch's
-        mean training loss); returning ``True`` stops training. A hook for logging,
+        mean training loss); returning ``True`` stops training, ``False`` or ``None`` goes
+        on, anything else is a TypeError (the rule of every pyperm callback). A hook for logging,
         checkpoints and methods built on this one (PAM).
     adversarial : dict, optional
         Train on the robust loss (Tatro et al. section 5): each batch is replaced by PGD
@@ -469,7 +471,7 @@ def train_curve(
                 logger.debug("train_curve: epoch %d/%d, lr %.4g, mean loss %.6g", epoch, epochs, trainer.lr, mean)
                 if bar is not None:
                     bar.set_postfix(loss=f"{mean:.4g}")
-                if callback is not None and callback(epoch, mean) is True:
+                if callback is not None and callback_stops(callback(epoch, mean)):
                     break
                 trainer.end_epoch(mean)
     finally:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from pyperm._plotting import agg_figure
+from pyperm._plotting import agg_figure, save_figure
 from pyperm._tables import markdown_table
 
 __all__ = ["BarrierResult", "CurveResult", "PathResult", "chord", "plot_paths", "summary_table"]
@@ -417,7 +417,7 @@ def plot_paths(
     if title:
         fig.suptitle(title)
     path = Path(path)
-    fig.savefig(path, format="png", dpi=120)
+    save_figure(fig, path)
     return path
 
 
