@@ -141,7 +141,7 @@ def _one_sweep(spec, sa, sb) -> Callable[[], None]:
     def run() -> None:
         for group in groups.values():
             group.built = False  # recomputed whole, as after a move of most units
-            group.negated_similarity(perms)
+            group.negated_similarity(perms, matcher._cache)
 
     return run
 

@@ -209,7 +209,7 @@ class WeightMatcher:
             for g, n in spec.sizes.items():
                 terms = [
                     Term(ax, self._pieces[i].labels, self._pieces[i].of(sa[self._pieces[i].key]),
-                         self._b_views[i], self._work, self._cache.hold)
+                         self._b_views[i], self._work)
                     for i, ax in self._where[g]
                 ]  # fmt: skip
                 self._groups[g] = GroupSimilarity(g, n, terms, self._products, self.device)

@@ -137,11 +137,10 @@ class Term:
     the similarity whenever one of them moves.
     """
 
-    __slots__ = ("axis", "other", "general_axes", "block_axis", "a", "b", "snap", "work", "block", "hold", "order",
+    __slots__ = ("axis", "other", "general_axes", "block_axis", "a", "b", "snap", "work", "block", "may_hold", "order",
                  "held_a", "source_a", "whole")
 
-    def __init__(self, axis: int, groups: tuple, ta: torch.Tensor, tb: torch.Tensor, work: Work,
-                 hold: Callable[[int], bool] | None = None) -> None:  # fmt: skip
+    def __init__(self, axis: int, groups: tuple, ta: torch.Tensor, tb: torch.Tensor, work: Work) -> None:
         self.axis = axis
         others = [(ax, g) for ax, g in enumerate(groups) if g is not None and ax != axis]
         self.other: str | None = others[0][1] if len(others) == 1 else None
@@ -156,10 +155,10 @@ class Term:
         # A block that cannot be read as a matrix (a convolution's input-channel axis) is arranged
         # at every product. From its second whole product on (the first would not repay the copy:
         # ResNet20x16 converges in 3 sweeps) such a term holds arranged copies of A and B instead,
-        # (block axis, other axes, group axis) in that order, when ``hold`` grants their bytes: its
+        # (block axis, other axes, group axis) in that order, when the cache's ``hold`` grants their bytes: its
         # blocks, gathers and corrections are then (K, n) views, as in the matcher that kept every
         # tensor arranged, within the similarity budget.
-        self.hold = hold if self.general_axes is None and rest and not _reads_as_matrix(ta, axis) else None
+        self.may_hold = self.general_axes is None and bool(rest) and not _reads_as_matrix(ta, axis)
         self.order: list[int] | None = None
         self.held_a: torch.Tensor | None = None
         self.source_a = ta
@@ -178,18 +177,17 @@ class Term:
         self.a = ta
         self.snap = None
 
-    def _take_arranged(self) -> None:
-        """Holds arranged copies of A and B (see ``__init__``), if the budget grants them."""
+    def _take_arranged(self, hold: Callable[[int], bool]) -> None:
+        """Holds arranged copies of A and B (see ``__init__``), if ``hold`` grants their bytes."""
         ta = self.source_a
-        if not self.hold(2 * ta.numel() * ta.element_size()):
-            self.hold = None  # not asked again
+        self.may_hold = False  # asked once
+        if not hold(2 * ta.numel() * ta.element_size()):
             return
         rest = [ax for ax in range(ta.ndim) if ax not in (self.axis, self.block_axis)]
         self.order = [self.block_axis, *rest, self.axis]
         self.b = self.b.permute(self.order).contiguous()
         self.held_a = self.a = ta.permute(self.order).contiguous()
         self.axis, self.block_axis = ta.ndim - 1, 0
-        self.hold = None
 
     @property
     def columns(self) -> int:
@@ -220,15 +218,16 @@ class Term:
             return torch.cat([perms[g] for _, g in self.general_axes])
         return perms[self.other] if self.other is not None else None
 
-    def add_full_to(self, out: torch.Tensor, perms: Mapping[str, torch.Tensor], pending: Pending) -> None:
+    def add_full_to(self, out: torch.Tensor, perms: Mapping[str, torch.Tensor], pending: Pending,
+                    hold: Callable[[int], bool] | None = None) -> None:  # fmt: skip
         """Subtracts the whole contribution at the given permutations from ``out`` (narrow blocks are
         queued in ``pending``, whose caller flushes it); records the permutations in ``snap``."""
         if self.block_axis is None:  # a vector: one column
             pending.add(out, self.a.reshape(-1, 1), self.b.reshape(-1, 1))
             return
         self.whole += 1
-        if self.hold is not None and self.whole == 2:
-            self._take_arranged()
+        if self.may_hold and hold is not None and self.whole == 2:
+            self._take_arranged(hold)
         index = perms[self.other] if self.other is not None else None
         if self.general_axes is not None:
             index = perms[self.general_axes[0][1]]
@@ -393,7 +392,7 @@ class GroupSimilarity:
         narrow = sum(t.columns for t in self.all_terms if t.block_axis is None or t.columns < _NARROW)
         pending = Pending(self.n, self.products, self.device, narrow)
         for t in self.all_terms:
-            t.add_full_to(cost, perms, pending)
+            t.add_full_to(cost, perms, pending, cache.hold)
         pending.flush(cost)
         self.built = True
         self.corrections = 0
