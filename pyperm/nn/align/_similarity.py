@@ -29,8 +29,10 @@ _INCREMENTAL_UP_TO = 1024
 # has twice the entries: each block's product is added into the float32 similarity in one more pass,
 # which costs 5% of the product at n = 5632 (11% with blocks of half this size).
 BLOCK_BYTES = 32 << 20
-# Entries of the float32 temporary of one band of a mixed-dtype subtraction (see Products.subtract).
-_SUBTRACT_ELEMENTS = 1 << 22
+# Entries of the float32 buffer of one band of a mixed-dtype subtraction (see Products.subtract): 1 MiB, in cache.
+_SUBTRACT_ELEMENTS = 1 << 18
+# Entries per block of a bfloat16 or float16 tensor converted to float32 in accurate_dot.
+_CONVERT_ELEMENTS = 1 << 18
 # Blocks narrower than this many columns are joined with others into one product (see Pending).
 _NARROW = 128
 
@@ -74,21 +76,34 @@ class Products:
         self.out_dtype = out_dtype
         self.compute = compute
         self.work = work
+        # A similarity whose old values are void (being rebuilt): the next product into it
+        # overwrites it, which spares zeroing it first (see GroupSimilarity.negated_similarity).
+        self.fresh: torch.Tensor | None = None
 
     def subtract(self, out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+        overwrite = self.fresh is out
+        if overwrite:
+            self.fresh = None
         if x.dtype != self.compute:
             x = self.work.get("x_cast", x.shape, self.compute, x.device).copy_(x)
         if y.dtype != self.compute:
             y = self.work.get("y_cast", y.shape, self.compute, y.device).copy_(y)
         if self.compute == out.dtype:
-            out.addmm_(x, y.T, alpha=-1)
-        else:
-            product = self.work.get("product", out.shape, self.compute, out.device)
-            torch.mm(x, y.T, out=product)
-            # In bands of rows: a mixed-dtype subtraction converts its operand into a temporary first.
-            rows = max(1, _SUBTRACT_ELEMENTS // max(out.shape[1], 1))
-            for start in range(0, out.shape[0], rows):
-                out[start:start + rows].sub_(product[start:start + rows])
+            out.addmm_(x, y.T, beta=0 if overwrite else 1, alpha=-1)
+            return
+        product = self.work.get("product", out.shape, self.compute, out.device)
+        torch.mm(x, y.T, out=product)
+        if overwrite:  # one converting pass (torch.mul writes a float32 out from bfloat16)
+            torch.mul(product, -1.0, out=out)
+            return
+        # torch's mixed-dtype subtraction is slow on the CPU (a 3072 x 3072 bfloat16 operand: 24 ms,
+        # against 2 ms to convert it and 3 ms to subtract in float32), so each band of rows is
+        # converted into a float32 buffer that stays in cache, then subtracted.
+        rows = max(1, _SUBTRACT_ELEMENTS // max(out.shape[1], 1))
+        band = self.work.get("band", (min(rows, out.shape[0]), out.shape[1]), out.dtype, out.device)
+        for start in range(0, out.shape[0], rows):
+            part = product[start:start + rows]
+            out[start:start + rows].sub_(band[:part.shape[0]].copy_(part))
 
 
 class Pending:
@@ -311,14 +326,22 @@ class CostCache:
             return group.cost
         need = group.n * group.n * torch.empty((), dtype=group.dtype).element_size()
         held = sum(o.cost.numel() * o.cost.element_size() for o in self.held)
+        reuse = None
         for other in list(self.held):
             if held + need <= self.budget:
                 break
             if self.held[other] != self.step:
                 held -= other.cost.numel() * other.cost.element_size()
                 del self.held[other]
+                # An evicted matrix of the same shape is taken over: fresh pages would be faulted in
+                # by the first write (GPT-2's 3072 x 3072 similarities: 19 ms a rebuild).
+                same = (other.cost.shape, other.cost.dtype, other.cost.device) == ((group.n, group.n), group.dtype,
+                                                                                   group.device)  # fmt: skip
+                if reuse is None and same:
+                    reuse = other.cost
                 other.evict()
-        group.cost = torch.empty((group.n, group.n), dtype=group.dtype, device=group.device)
+        group.cost = reuse if reuse is not None else torch.empty((group.n, group.n), dtype=group.dtype,
+                                                                 device=group.device)  # fmt: skip
         self.held[group] = self.step
         return group.cost
 
@@ -388,12 +411,15 @@ class GroupSimilarity:
                     pending.flush(cost)
                     self.corrections += 1
                 return cost
-        cost.zero_()
+        self.products.fresh = cost  # the first product overwrites it
         narrow = sum(t.columns for t in self.all_terms if t.block_axis is None or t.columns < _NARROW)
         pending = Pending(self.n, self.products, self.device, narrow)
         for t in self.all_terms:
             t.add_full_to(cost, perms, pending, cache.hold)
         pending.flush(cost)
+        if self.products.fresh is cost:  # no product at all
+            self.products.fresh = None
+            cost.zero_()
         self.built = True
         self.corrections = 0
         return cost
@@ -419,7 +445,9 @@ def accurate_dot(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.dtype == torch.float64 or b.dtype == torch.float64:
         return float(torch.dot(a.double(), b.double()))
     total = 0.0
-    step = block_elements(torch.float32)
+    # Converted operands in blocks of 1 MiB: allocations that small are reused from the heap, while a
+    # converted block of BLOCK_BYTES is fresh pages every time (GPT-2's bfloat16 embedding: 220 -> 23 ms).
+    step = block_elements(torch.float32) if a.dtype == b.dtype == torch.float32 else _CONVERT_ELEMENTS
     for start in range(0, a.numel(), step):
         x = a[start:start + step].float()
         y = b[start:start + step].float()
@@ -432,7 +460,11 @@ def accurate_dot(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def frobenius_norm(t: torch.Tensor) -> float:
-    """Frobenius norm (inf when it overflows float32, which only makes the bound conservative)."""
-    if t.dtype == torch.float64:
+    """Frobenius norm, or a bound a little above it (inf when it overflows, which only makes the bound
+    conservative)."""
+    if t.dtype in (torch.float64, torch.float32):
         return float(torch.linalg.vector_norm(t))
-    return float(torch.linalg.vector_norm(t, dtype=torch.float32))
+    # Narrower floats: torch accumulates in float32 and rounds the result to the tensor's dtype, so
+    # the result is raised by more than that rounding. (Asking for a float32 result converts the
+    # whole tensor first: 74 ms against 3 ms on GPT-2's bfloat16 embedding.)
+    return float(torch.linalg.vector_norm(t)) * (1 + 2.0**-6)
