@@ -121,6 +121,33 @@ def test_larger_problems():
     _assert_optimal(cost, *pyperm.linear_sum_assignment(cost))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tall_problems_read_in_place(isa, dtype):
+    """A tall minimisation with row caches (from 32768 entries) is solved on the matrix as it is stored:
+    its caches come from one pass over the rows, and a search that needs a whole row transposes it then.
+    Forbidden entries, ties, odd widths (vector tails) and invalid entries go through that pass."""
+    rng = np.random.default_rng(5)
+    for shape in [(1200, 300), (997, 61), (5000, 7)]:
+        for family in (uniform, integers_with_ties, low_rank_planted, offsets):
+            cost = family(rng, *shape).astype(dtype)
+            if family is uniform:
+                cost[rng.random(shape) < 0.5] = np.inf
+            rows, cols = _core.lap_solve(np.ascontiguousarray(cost), False, isa)
+            _assert_optimal(cost, rows, cols, rtol=1e-5 if dtype == np.float32 else 1e-9)
+    cost = uniform(rng, 1200, 301).astype(dtype)
+    cost[1100, 300] = np.nan
+    with pytest.raises(ValueError, match="invalid"):
+        pyperm.linear_sum_assignment(cost)
+    cost[1100, 300] = -np.inf
+    with pytest.raises(ValueError, match="invalid"):
+        pyperm.linear_sum_assignment(cost)
+    cost[1100, 300] = 0.5
+    cost[:, 17] = np.inf
+    with pytest.raises(ValueError, match="infeasible"):
+        pyperm.linear_sum_assignment(cost)
+
+
 def test_constant_matrix_gives_identity():
     for n in (1, 2, 8, 100):
         rows, cols = pyperm.linear_sum_assignment(np.ones((n, n)))

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <queue>
 #include <type_traits>
 #include <utility>
@@ -217,6 +218,52 @@ int k_smallest(const T* row, const T* v, int64_t m, Index* cols, T* costs, T* bo
   *bound = count == kCache ? worst : kInf<T>;
   for (int k = 0; k < count; ++k) costs[k] = row[cols[k]];
   return count;
+}
+
+// The caches of the transposed problem, built from one pass over the tall matrix `src`
+// (m_src rows of n_src entries, row-major) at zero column duals: for each column j in
+// [j0, j1), the rows of its kCache smallest entries (ascending; ties: lowest row) into
+// cols[j * kCache ...], their values into costs, how many are finite into count[j], and
+// the bound every other entry of the column is at least into bound[j] (as k_smallest).
+// Rows are read whole and in order (a strided walk down each column would fetch a cache
+// line per entry); a column's list is touched only by the rare entry below its current
+// kCache-th value. `worst`: scratch, n_src entries. Returns whether any entry was NaN or -inf.
+template <typename T, typename Index>
+bool column_k_smallest(const T* src, int64_t m_src, int64_t n_src, int64_t j0, int64_t j1, Index* cols, T* costs,
+                       int* count, T* bound, T* worst) {
+  using Vec = typename Lanes<T>::Vec;
+  using IVec = typename Lanes<T>::IVec;
+  constexpr int W = sizeof(Vec) / sizeof(T);
+  std::fill(worst + j0, worst + j1, kInf<T>);
+  std::fill(count + j0, count + j1, 0);
+  auto insert = [&](int64_t j, T r, int64_t i) {
+    T* vals = costs + j * kCache;
+    Index* cj = cols + j * kCache;
+    int p = count[j] < kCache ? count[j]++ : kCache - 1;
+    while (p > 0 && vals[p - 1] > r) { vals[p] = vals[p - 1]; cj[p] = cj[p - 1]; --p; }
+    vals[p] = r; cj[p] = Index(i);
+    if (count[j] == kCache) worst[j] = vals[kCache - 1];
+  };
+  IVec bad{};
+  bool tail_bad = false;
+  for (int64_t i = 0; i < m_src; ++i) {
+    const T* r = src + i * n_src;
+    int64_t j = j0;
+    for (; j + W <= j1; j += W) {
+      Vec x = load<Vec>(r + j);
+      bad |= ~(x > splat<Vec>(-kInf<T>));
+      auto lt = x < load<Vec>(worst + j);
+      if (any(lt))
+        for (int k = 0; k < W; ++k)
+          if (x[k] < worst[j + k]) insert(j + k, x[k], i);
+    }
+    for (; j < j1; ++j) {
+      tail_bad |= !(r[j] > -kInf<T>);
+      if (r[j] < worst[j]) insert(j, r[j], i);
+    }
+  }
+  for (int64_t j = j0; j < j1; ++j) bound[j] = count[j] == kCache ? worst[j] : kInf<T>;
+  return tail_bad || any(bad);
 }
 
 template <typename T>
@@ -433,8 +480,10 @@ class Solver {
  public:
   using Index = typename Lanes<T>::Index;
 
-  Solver(const T* cost, int64_t n, int64_t m, int threads)
-      : c_(cost), n_(n), m_(m), cached_(n * m >= kCacheFromSize),
+  // transposed: `cost` is the m x n transpose of the problem (a tall matrix read in place).
+  Solver(const T* cost, int64_t n, int64_t m, int threads, bool transposed = false)
+      : c_(transposed ? nullptr : cost), src_(transposed ? cost : nullptr), n_(n), m_(m),
+        cached_(n * m >= kCacheFromSize),
         threads_(n * m >= kParallelFromSize ? (threads > 0 ? threads : hardware_threads()) : 1), v_(m, T(0)), vscan_(m), d_(m), pred_(m),
         free_(m), x_(n, -1), y_(m, -1) {
     if (cached_) {
@@ -449,6 +498,23 @@ class Solver {
   // return the final ones.
   Status run(int64_t* col_of_row, T* v_inout = nullptr) {
     std::vector<int64_t> free_rows;
+    if (src_ != nullptr && cached_) {
+      // A tall matrix read in place: every row cache of its transpose from one pass over it
+      // (v = 0, as the wide start needs), which also checks every entry; the transpose itself
+      // is written only if a search must scan a whole row (see row()).
+      const int bands = threads_;
+      std::vector<char> band_bad(bands, 0);
+      std::vector<T> worst(n_);
+      parallel_for(bands, bands, [&](int64_t b) {
+        band_bad[b] = column_k_smallest(src_, m_, n_, n_ * b / bands, n_ * (b + 1) / bands, cache_cols_.data(),
+                                        cache_cost_.data(), cache_count_.data(), cache_bound_.data(), worst.data());
+      });
+      for (char b : band_bad) invalid_ |= b != 0;
+      if (invalid_) return Status::Invalid;
+      caches_built_ = true;
+    } else if (src_ != nullptr) {
+      row(0);  // small: the transpose, written at once
+    }
     if (v_inout != nullptr) {
       std::copy(v_inout, v_inout + m_, v_.begin());
       for (int64_t i = 0; i < n_; ++i) free_rows.push_back(i);
@@ -484,7 +550,26 @@ class Solver {
   }
 
  private:
-  const T* row(int64_t i) const { return c_ + i * m_; }
+  // Row i of the problem. A tall matrix read in place (src_) is transposed here, once, the
+  // first time a whole row is needed: the row caches spare most solves that pass.
+  const T* row(int64_t i) {
+    if (c_ == nullptr) transpose_source();
+    return c_ + i * m_;
+  }
+  // Entry (i, j) of the problem, without transposing a tall source.
+  T at(int64_t i, int64_t j) const { return c_ != nullptr ? c_[i * m_ + j] : src_[j * n_ + i]; }
+
+  void transpose_source() {
+    transposed_.reset(new T[static_cast<size_t>(n_ * m_)]);
+    T* out = transposed_.get();
+    constexpr int64_t B = 64;  // bands of source rows: each output row segment written contiguously
+    parallel_for((m_ + B - 1) / B, n_ * m_ >= kParallelFromSize ? threads_ : 1, [&](int64_t band) {
+      const int64_t i0 = band * B, i1 = std::min(i0 + B, m_);
+      for (int64_t j = 0; j < n_; ++j)
+        for (int64_t i = i0; i < i1; ++i) out[j * m_ + i] = src_[i * n_ + j];
+    });
+    c_ = out;
+  }
 
   // Scans row i in full and caches its smallest reduced-cost columns.
   void build_cache(int64_t i) { invalid_ |= scan_row(i); }
@@ -548,7 +633,7 @@ class Solver {
   // Minima of the columns over rows [r0, r1) into v and the row of each into arg; among
   // tied rows a column prefers its own index (so a constant matrix gives the identity),
   // else the first. Returns whether an entry was NaN or -inf: the first pass checks input.
-  bool column_minima(int64_t r0, int64_t r1, T* v, Index* arg) const {
+  bool column_minima(int64_t r0, int64_t r1, T* v, Index* arg) {
     using L = Lanes<T>;
     using Vec = typename L::Vec;
     using IVec = typename L::IVec;
@@ -580,7 +665,7 @@ class Solver {
 
   // Scans rows in full, in parallel when the problem is large, caching each one.
   void build_caches(const std::vector<int64_t>& rows) {
-    if (!cached_ || threads_ == 1) return;  // built on demand instead
+    if (!cached_ || threads_ == 1 || caches_built_) return;  // built on demand, or already
     const int bands = threads_;
     std::vector<char> band_bad(bands, 0);
     parallel_for(bands, bands, [&](int64_t b) {
@@ -781,7 +866,7 @@ class Solver {
       }
       if (y_[j] < 0) break;
       const int64_t i = y_[j];
-      const T h = row(i)[j] - v_[j] - best;
+      const T h = at(i, j) - v_[j] - best;
       done_.push_back({j, best});
       vscan_[j] = -kInf<T>;
       d_[j] = kInf<T>;  // its heap entries are stale from now on
@@ -814,7 +899,10 @@ class Solver {
     bool operator<(const Pending& o) const { return limit > o.limit; }  // min-heap
   };
 
-  const T* c_;
+  const T* c_;               // the n x m problem, row-major (null until a tall source is transposed)
+  const T* src_;             // a tall source read in place (its m x n transpose), or null
+  std::unique_ptr<T[]> transposed_;
+  bool caches_built_ = false;  // every row cache filled before the solve
   int64_t n_, m_;
   bool cached_;           // row caches on (large problems)
   int threads_;           // threads for the whole-matrix passes
@@ -845,9 +933,10 @@ class Solver {
 };
 
 template <typename T>
-Status solve(const T* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads, T* v_inout = nullptr) {
+Status solve(const T* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads, T* v_inout = nullptr,
+             bool transposed = false) {
   if (n == 0) return Status::Ok;
-  Solver<T> solver(cost, n, m, threads);
+  Solver<T> solver(cost, n, m, threads, transposed);
   return solver.run(col_of_row, v_inout);
 }
 
@@ -858,6 +947,12 @@ Status solve_dense(const double* cost, int64_t n, int64_t m, int64_t* col_of_row
 }
 Status solve_dense(const float* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads) {
   return solve(cost, n, m, col_of_row, threads);
+}
+Status solve_dense_transposed(const double* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads) {
+  return solve<double>(cost, n, m, col_of_row, threads, nullptr, true);
+}
+Status solve_dense_transposed(const float* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads) {
+  return solve<float>(cost, n, m, col_of_row, threads, nullptr, true);
 }
 Status solve_square_warm(const double* cost, int64_t n, double* v, int64_t* col_of_row) {
   return solve(cost, n, n, col_of_row, /*threads=*/1, v);

@@ -12,6 +12,9 @@
   /* passes over large matrices (<= 0: all cores). Returns Ok, Infeasible or Invalid. */         \
   Status solve_dense(const double* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads); \
   Status solve_dense(const float* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads);  \
+  /* The same problem given as its m x n transpose (a tall matrix, read in place; n < m). */   \
+  Status solve_dense_transposed(const double* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads); \
+  Status solve_dense_transposed(const float* cost, int64_t n, int64_t m, int64_t* col_of_row, int threads);  \
   /* Square n x n, warm-started from the column duals v (m entries), updated in place. One */ \
   /* thread: a warm start scans rows as it needs them, with no pass over the whole matrix. */    \
   Status solve_square_warm(const double* cost, int64_t n, double* v, int64_t* col_of_row);     \

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the periodic judging is counted at its rate)")
     parser.add_argument("--repeat", type=positive_int, default=3, help="timed runs of each contender (median reported)")
     parser.add_argument("--batch-size", type=positive_int, default=64)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall time, or the calling thread's CPU time with torch on one thread (steady on a "
+                             "busy machine)")
 
 
 def _judge_every() -> int:
@@ -65,8 +68,8 @@ def _judge_every() -> int:
     return inspect.signature(ste_matching).parameters["judge_every"].default
 
 
-def _median_time(fn: Callable[[], object], repeat: int) -> float:
-    return time_call(fn, repeat, warmup=False).median
+def _median_time(fn: Callable[[], object], repeat: int, clock: str) -> float:
+    return time_call(fn, repeat, warmup=False, clock=clock).median
 
 
 def _setup(name: str, batch_size: int, steps: int):
@@ -126,23 +129,19 @@ def _plain_steps(model, state, batches) -> Callable[[], None]:
 
 
 def _one_sweep(spec, sa, sb) -> Callable[[], None]:
-    """Every group's similarity computed once (the products alone, arranged beforehand)."""
+    """Every group's similarity computed once, whole (the products of one projection, no assignments)."""
     import torch
 
-    from pyperm.nn.align._similarity import GroupSimilarity, Term
+    from pyperm.nn.align._matcher import WeightMatcher
 
     perms = {g: torch.arange(n) for g, n in spec.sizes.items()}
-    groups = []
-    for g, n in spec.sizes.items():
-        terms = [Term(axis, spec.axes[key], sa[key], sb[key], {}) for key, axis in spec.group_axes[g]]
-        groups.append(GroupSimilarity(g, n, terms, torch.float32, torch.device("cpu")))
+    matcher = WeightMatcher(spec, sb)
+    groups = matcher._arrange(sa)
 
     def run() -> None:
-        for group in groups:
-            group.built = False
-            for t in group.terms:
-                t.value = None  # recomputed whole, as after a move of most units
-            group.negated_similarity(perms)
+        for group in groups.values():
+            group.built = False  # recomputed whole, as after a move of most units
+            group.negated_similarity(perms, matcher._cache)
 
     return run
 
@@ -151,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
     from pyperm.nn import ste_matching, weight_matching
     from pyperm.testing import reference_weight_matching
 
+    if args.clock == "cpu":  # the thread's CPU time counts only what runs on it
+        import torch
+
+        torch.set_num_threads(1)
     rows = []
     failed = False
     steps = 1 + _judge_every() if args.steps is None else args.steps
@@ -158,15 +161,17 @@ def run(args: argparse.Namespace) -> int:
         model, sa, sb, batches = _setup(name, args.batch_size, steps)
         spec = model.permutation_spec()
         k = len(batches)
-        plain = _median_time(_plain_steps(model, sa, batches), args.repeat) / k
-        sweep = _median_time(_one_sweep(spec, sa, sb), args.repeat)
+        plain = _median_time(_plain_steps(model, sa, batches), args.repeat, args.clock) / k
+        sweep = _median_time(_one_sweep(spec, sa, sb), args.repeat, args.clock)
         # Both runs judge on the same batches (by default each would judge on its own data's
         # first batches, and the difference would count the start's judging as steps).
-        ste_k = _median_time(lambda: ste_matching(model, spec, sa, sb, batches, judge_data=batches), args.repeat)
-        ste_1 = _median_time(lambda: ste_matching(model, spec, sa, sb, batches[:1], judge_data=batches), args.repeat)
+        ste_k = _median_time(lambda: ste_matching(model, spec, sa, sb, batches, judge_data=batches), args.repeat,
+                             args.clock)
+        ste_1 = _median_time(lambda: ste_matching(model, spec, sa, sb, batches[:1], judge_data=batches), args.repeat,
+                             args.clock)
         ste = (ste_k - ste_1) / (k - 1)
-        scratch = plain + _median_time(lambda: weight_matching(spec, sa, sb, init="identity"), args.repeat)
-        published = plain + _median_time(lambda: reference_weight_matching(spec, sa, sb), 1)
+        scratch = plain + _median_time(lambda: weight_matching(spec, sa, sb, init="identity"), args.repeat, args.clock)
+        published = plain + _median_time(lambda: reference_weight_matching(spec, sa, sb), 1, args.clock)
         floor = plain + sweep
         rows.append([
             name, plain * 1e3, sweep * 1e3, floor * 1e3, ste * 1e3, scratch * 1e3, published * 1e3,

@@ -11,7 +11,7 @@ piece's axes are group names or Blocks forms; a Term only reads them as keys of 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -29,8 +29,10 @@ _INCREMENTAL_UP_TO = 1024
 # has twice the entries: each block's product is added into the float32 similarity in one more pass,
 # which costs 5% of the product at n = 5632 (11% with blocks of half this size).
 BLOCK_BYTES = 32 << 20
-# Entries of the float32 temporary of one band of a mixed-dtype subtraction (see Products.subtract).
-_SUBTRACT_ELEMENTS = 1 << 22
+# Entries of the float32 buffer of one band of a mixed-dtype subtraction (see Products.subtract): 1 MiB, in cache.
+_SUBTRACT_ELEMENTS = 1 << 18
+# Entries per block of a bfloat16 or float16 tensor converted to float32 in accurate_dot.
+_CONVERT_ELEMENTS = 1 << 18
 # Blocks narrower than this many columns are joined with others into one product (see Pending).
 _NARROW = 128
 
@@ -74,21 +76,34 @@ class Products:
         self.out_dtype = out_dtype
         self.compute = compute
         self.work = work
+        # A similarity whose old values are void (being rebuilt): the next product into it
+        # overwrites it, which spares zeroing it first (see GroupSimilarity.negated_similarity).
+        self.fresh: torch.Tensor | None = None
 
     def subtract(self, out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+        overwrite = self.fresh is out
+        if overwrite:
+            self.fresh = None
         if x.dtype != self.compute:
             x = self.work.get("x_cast", x.shape, self.compute, x.device).copy_(x)
         if y.dtype != self.compute:
             y = self.work.get("y_cast", y.shape, self.compute, y.device).copy_(y)
         if self.compute == out.dtype:
-            out.addmm_(x, y.T, alpha=-1)
-        else:
-            product = self.work.get("product", out.shape, self.compute, out.device)
-            torch.mm(x, y.T, out=product)
-            # In bands of rows: a mixed-dtype subtraction converts its operand into a temporary first.
-            rows = max(1, _SUBTRACT_ELEMENTS // max(out.shape[1], 1))
-            for start in range(0, out.shape[0], rows):
-                out[start:start + rows].sub_(product[start:start + rows])
+            out.addmm_(x, y.T, beta=0 if overwrite else 1, alpha=-1)
+            return
+        product = self.work.get("product", out.shape, self.compute, out.device)
+        torch.mm(x, y.T, out=product)
+        if overwrite:  # one converting pass (torch.mul writes a float32 out from bfloat16)
+            torch.mul(product, -1.0, out=out)
+            return
+        # torch's mixed-dtype subtraction is slow on the CPU (a 3072 x 3072 bfloat16 operand: 24 ms,
+        # against 2 ms to convert it and 3 ms to subtract in float32), so each band of rows is
+        # converted into a float32 buffer that stays in cache, then subtracted.
+        rows = max(1, _SUBTRACT_ELEMENTS // max(out.shape[1], 1))
+        band = self.work.get("band", (min(rows, out.shape[0]), out.shape[1]), out.dtype, out.device)
+        for start in range(0, out.shape[0], rows):
+            part = product[start:start + rows]
+            out[start:start + rows].sub_(band[:part.shape[0]].copy_(part))
 
 
 class Pending:
@@ -109,7 +124,7 @@ class Pending:
         k = x.shape[1]
         if k > self.capacity - self.k:
             self.flush(out)
-        if k > self.capacity:  # a block this large is its own product
+        if k >= _NARROW or k > self.capacity:  # wide enough to be its own product: no copy into the queue
             self.products.subtract(out, x, y)
             return
         self.x[self.k:self.k + k].copy_(x.T)
@@ -137,7 +152,8 @@ class Term:
     the similarity whenever one of them moves.
     """
 
-    __slots__ = ("axis", "other", "general_axes", "block_axis", "a", "b", "snap", "work", "block")
+    __slots__ = ("axis", "other", "general_axes", "block_axis", "a", "b", "snap", "work", "block", "may_hold", "order",
+                 "held_a", "source_a", "whole")
 
     def __init__(self, axis: int, groups: tuple, ta: torch.Tensor, tb: torch.Tensor, work: Work) -> None:
         self.axis = axis
@@ -151,6 +167,17 @@ class Term:
             self.block_axis = max(rest, key=lambda ax: ta.shape[ax]) if rest else None
         self.b = tb
         self.work = work
+        # A block that cannot be read as a matrix (a convolution's input-channel axis) is arranged
+        # at every product. From its second whole product on (the first would not repay the copy:
+        # ResNet20x16 converges in 3 sweeps) such a term holds arranged copies of A and B instead,
+        # (block axis, other axes, group axis) in that order, when the cache's ``hold`` grants their bytes: its
+        # blocks, gathers and corrections are then (K, n) views, as in the matcher that kept every
+        # tensor arranged, within the similarity budget.
+        self.may_hold = self.general_axes is None and bool(rest) and not _reads_as_matrix(ta, axis)
+        self.order: list[int] | None = None
+        self.held_a: torch.Tensor | None = None
+        self.source_a = ta
+        self.whole = 0  # whole products taken
         # Units of the block axis per block: BLOCK_BYTES at most (one unit at least).
         per_unit = ta.numel() // ta.shape[self.block_axis] if self.block_axis is not None and ta.numel() else 1
         self.block = max(1, block_elements(ta.dtype) // max(per_unit, 1))
@@ -159,8 +186,23 @@ class Term:
 
     def set_a(self, ta: torch.Tensor) -> None:
         """A new tensor of model A; the contribution is then computed whole at its next use."""
+        self.source_a = ta
+        if self.order is not None:  # into the held copy (the same bytes for every A)
+            ta = self.held_a.copy_(ta.permute(self.order))
         self.a = ta
         self.snap = None
+
+    def _take_arranged(self, hold: Callable[[int], bool]) -> None:
+        """Holds arranged copies of A and B (see ``__init__``), if ``hold`` grants their bytes."""
+        ta = self.source_a
+        self.may_hold = False  # asked once
+        if not hold(2 * ta.numel() * ta.element_size()):
+            return
+        rest = [ax for ax in range(ta.ndim) if ax not in (self.axis, self.block_axis)]
+        self.order = [self.block_axis, *rest, self.axis]
+        self.b = self.b.permute(self.order).contiguous()
+        self.held_a = self.a = ta.permute(self.order).contiguous()
+        self.axis, self.block_axis = ta.ndim - 1, 0
 
     @property
     def columns(self) -> int:
@@ -169,6 +211,8 @@ class Term:
 
     def matrix(self, t: torch.Tensor, slot: str) -> torch.Tensor:
         """A block (axes as ``a``'s) as an (n, K) matrix: a view when its strides allow, else arranged in ``slot``."""
+        if self.order is not None:  # held arranged: every block is contiguous, the group's axis last
+            return t.view(-1, t.shape[-1]).T
         moved = t.movedim(self.axis, 0)
         try:
             return moved.view(moved.shape[0], -1)
@@ -189,12 +233,16 @@ class Term:
             return torch.cat([perms[g] for _, g in self.general_axes])
         return perms[self.other] if self.other is not None else None
 
-    def add_full_to(self, out: torch.Tensor, perms: Mapping[str, torch.Tensor], pending: Pending) -> None:
+    def add_full_to(self, out: torch.Tensor, perms: Mapping[str, torch.Tensor], pending: Pending,
+                    hold: Callable[[int], bool] | None = None) -> None:  # fmt: skip
         """Subtracts the whole contribution at the given permutations from ``out`` (narrow blocks are
         queued in ``pending``, whose caller flushes it); records the permutations in ``snap``."""
         if self.block_axis is None:  # a vector: one column
             pending.add(out, self.a.reshape(-1, 1), self.b.reshape(-1, 1))
             return
+        self.whole += 1
+        if self.may_hold and hold is not None and self.whole == 2:
+            self._take_arranged(hold)
         index = perms[self.other] if self.other is not None else None
         if self.general_axes is not None:
             index = perms[self.general_axes[0][1]]
@@ -231,6 +279,17 @@ class Term:
         self.snap = cur.clone()
 
 
+def _reads_as_matrix(t: torch.Tensor, axis: int) -> bool:
+    """Whether ``t`` with ``axis`` first views as an (n, K) matrix (a linear layer's axes do; a
+    convolution's input-channel axis does not)."""
+    moved = t.movedim(axis, 0)
+    try:
+        moved.view(moved.shape[0], -1)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _is_range(index: torch.Tensor, start: int) -> bool:
     """Whether ``index`` is ``start, start + 1, ...`` (B's block is then a view)."""
     return bool((index == torch.arange(start, start + index.numel(), device=index.device)).all())
@@ -247,6 +306,15 @@ class CostCache:
         self.budget = budget
         self.held: dict[GroupSimilarity, int] = {}  # in order of use
         self.step = 0
+        self.reserve = 0  # bytes hold() leaves to the similarities
+
+    def hold(self, nbytes: int) -> bool:
+        """Takes ``nbytes`` out of the budget for good (arranged copies of tensors, see :class:`Term`)
+        when at least one largest similarity's worth stays for the similarities; whether it did."""
+        if nbytes > self.budget - self.reserve:
+            return False
+        self.budget -= nbytes
+        return True
 
     def next_step(self) -> None:
         self.step += 1
@@ -258,14 +326,22 @@ class CostCache:
             return group.cost
         need = group.n * group.n * torch.empty((), dtype=group.dtype).element_size()
         held = sum(o.cost.numel() * o.cost.element_size() for o in self.held)
+        reuse = None
         for other in list(self.held):
             if held + need <= self.budget:
                 break
             if self.held[other] != self.step:
                 held -= other.cost.numel() * other.cost.element_size()
                 del self.held[other]
+                # An evicted matrix of the same shape is taken over: fresh pages would be faulted in
+                # by the first write (GPT-2's 3072 x 3072 similarities: 19 ms a rebuild).
+                same = (other.cost.shape, other.cost.dtype, other.cost.device) == ((group.n, group.n), group.dtype,
+                                                                                   group.device)  # fmt: skip
+                if reuse is None and same:
+                    reuse = other.cost
                 other.evict()
-        group.cost = torch.empty((group.n, group.n), dtype=group.dtype, device=group.device)
+        group.cost = reuse if reuse is not None else torch.empty((group.n, group.n), dtype=group.dtype,
+                                                                 device=group.device)  # fmt: skip
         self.held[group] = self.step
         return group.cost
 
@@ -335,12 +411,15 @@ class GroupSimilarity:
                     pending.flush(cost)
                     self.corrections += 1
                 return cost
-        cost.zero_()
+        self.products.fresh = cost  # the first product overwrites it
         narrow = sum(t.columns for t in self.all_terms if t.block_axis is None or t.columns < _NARROW)
         pending = Pending(self.n, self.products, self.device, narrow)
         for t in self.all_terms:
-            t.add_full_to(cost, perms, pending)
+            t.add_full_to(cost, perms, pending, cache.hold)
         pending.flush(cost)
+        if self.products.fresh is cost:  # no product at all
+            self.products.fresh = None
+            cost.zero_()
         self.built = True
         self.corrections = 0
         return cost
@@ -366,7 +445,9 @@ def accurate_dot(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.dtype == torch.float64 or b.dtype == torch.float64:
         return float(torch.dot(a.double(), b.double()))
     total = 0.0
-    step = block_elements(torch.float32)
+    # Converted operands in blocks of 1 MiB: allocations that small are reused from the heap, while a
+    # converted block of BLOCK_BYTES is fresh pages every time (GPT-2's bfloat16 embedding: 220 -> 23 ms).
+    step = block_elements(torch.float32) if a.dtype == b.dtype == torch.float32 else _CONVERT_ELEMENTS
     for start in range(0, a.numel(), step):
         x = a[start:start + step].float()
         y = b[start:start + step].float()
@@ -379,7 +460,11 @@ def accurate_dot(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def frobenius_norm(t: torch.Tensor) -> float:
-    """Frobenius norm (inf when it overflows float32, which only makes the bound conservative)."""
-    if t.dtype == torch.float64:
+    """Frobenius norm, or a bound a little above it (inf when it overflows, which only makes the bound
+    conservative)."""
+    if t.dtype in (torch.float64, torch.float32):
         return float(torch.linalg.vector_norm(t))
-    return float(torch.linalg.vector_norm(t, dtype=torch.float32))
+    # Narrower floats: torch accumulates in float32 and rounds the result to the tensor's dtype, so
+    # the result is raised by more than that rounding. (Asking for a float32 result converts the
+    # whole tensor first: 74 ms against 3 ms on GPT-2's bfloat16 embedding.)
+    return float(torch.linalg.vector_norm(t)) * (1 + 2.0**-6)
