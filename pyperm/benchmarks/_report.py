@@ -26,6 +26,20 @@ class Timing:
         return min(self.samples)
 
 
+def to_host(x: object):
+    """A benchmark's answer as a numpy array (CUDA tensors are copied back)."""
+    import numpy as np
+
+    return x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
+
+
+def cuda_device_name() -> str:
+    """The current CUDA device's name, for a table's heading."""
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
 def time_calls(
     fns: Mapping[str, Callable[[], object]], repeat: int, *, clock: str = "wall", warmup: bool = True
 ) -> dict[str, Timing]:

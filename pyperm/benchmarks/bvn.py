@@ -32,7 +32,7 @@ import numpy as np
 import pyperm
 from pyperm._ext import core
 from pyperm._tables import text_table
-from pyperm.benchmarks._report import time_call
+from pyperm.benchmarks._report import time_call, to_host
 from pyperm._argtypes import int_at_least, nonnegative_int, positive_int
 from pyperm.testing import (
     dense_doubly_stochastic,
@@ -67,9 +67,6 @@ def best_time(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
     return t.best, t.result
 
 
-def _host(x) -> np.ndarray:
-    return x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
-
 
 def _decompose(device: str, D: np.ndarray) -> Callable[..., tuple[np.ndarray, np.ndarray]]:
     """``birkhoff_decomposition`` of ``D`` on ``device`` (moved there once, here), answers as numpy."""
@@ -81,7 +78,7 @@ def _decompose(device: str, D: np.ndarray) -> Callable[..., tuple[np.ndarray, np
 
     def call(**kwargs):
         coeffs, perms = pyperm.birkhoff_decomposition(on_device, **kwargs)
-        return _host(coeffs), _host(perms)
+        return to_host(coeffs), to_host(perms)
 
     return call
 

@@ -19,7 +19,7 @@ import numpy as np
 import pyperm
 from pyperm._ext import core
 from pyperm._tables import text_table
-from pyperm.benchmarks._report import save_bar_plot, time_call
+from pyperm.benchmarks._report import cuda_device_name, save_bar_plot, time_call, to_host
 from pyperm._argtypes import choices_list, int_at_least, positive_int
 
 Solver = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
@@ -168,10 +168,6 @@ def _objective(cost: np.ndarray, rows, cols) -> float:
     return float(cost[rows, cols].astype(np.float64).sum())
 
 
-def _host(x) -> np.ndarray:
-    """An answer as a numpy array (CUDA tensors are copied back)."""
-    return x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
-
 
 def cuda_solver(cost: np.ndarray, batch: bool) -> Solver:
     """pyperm's CUDA solver on a device copy of ``cost`` made once, here (the copy is not timed): the call
@@ -220,7 +216,7 @@ def run_case(case: Case, rng: np.random.Generator, repeat: int, threads: int | N
         if out is None:
             results.append((name, None, "unsupported"))
             continue
-        out = tuple(_host(x) for x in out)
+        out = tuple(to_host(x) for x in out)
         if not _valid(cost, *out) or abs(_objective(cost.astype(np.float64), *out) - reference) > tol:
             results.append((name, None, "WRONG answer"))
             continue
@@ -288,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     print(text_table(["case", "pyperm / scipy", "fastest peer", "pyperm / fastest peer"], summary))
     if gpu:
         print()
-        print(f"GPU: {_device_name()} against pyperm's CPU solvers on this machine's {core.hardware_threads()} "
+        print(f"GPU: {cuda_device_name()} against pyperm's CPU solvers on this machine's {core.hardware_threads()} "
               "hardware threads (cuda / cpu: lower is faster)")
         print(text_table(["case", "pyperm cpu ms", "pyperm cuda ms", "cuda / cpu", "speed-up", "goal", "met"], gpu))
     if args.plot:
@@ -299,7 +295,3 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _device_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name()

@@ -19,7 +19,7 @@ import numpy as np
 
 from pyperm._plotting import save_figure
 from pyperm._tables import text_table
-from pyperm.benchmarks._report import time_calls
+from pyperm.benchmarks._report import cuda_device_name, time_calls, to_host
 from pyperm._argtypes import int_at_least, positive_int
 
 DEFAULT_DIMS = (512, 1024, 2048, 4096)
@@ -42,18 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cuda: torch CUDA tensors, the update against torch.matmul on the GPU")
 
 
-def _host(x: Any) -> np.ndarray:
-    return x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
-
 
 def _check(acc_cls: Any, xa: Any, xb: Any, threads: int | None) -> float:
     """Relative error of one update's co-moment against a float64 reference (a few rows)."""
     acc = acc_cls(xa.shape[1], xb.shape[1], threads=threads).update(xa, xb)
     rows = min(8, xa.shape[1])
-    a = _host(xa[:, :rows]).astype(np.float64)
-    b = _host(xb).astype(np.float64)
+    a = to_host(xa[:, :rows]).astype(np.float64)
+    b = to_host(xb).astype(np.float64)
     ref = (a - a.mean(0)).T @ (b - b.mean(0))
-    got = _host(acc.covariance(ddof=0))[:rows] * xa.shape[0]
+    got = to_host(acc.covariance(ddof=0))[:rows] * xa.shape[0]
     return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-300))
 
 
@@ -102,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not pyperm.cuda_available():
         print(f"--device cuda: {pyperm.cuda_unavailable_reason()}", file=sys.stderr)
         return 2
-    where = "GPU " + _device_name() if args.device == "cuda" else f"hardware threads {core.hardware_threads()}"
+    where = "GPU " + cuda_device_name() if args.device == "cuda" else f"hardware threads {core.hardware_threads()}"
     print(f"pyperm {pyperm.__version__}  numpy {np.__version__}  {where}  "
           f"kernel threads {args.threads or 'all'}  dtype {dtype}  repeat {repeat}")
     if args.device == "cuda":
@@ -127,10 +124,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _device_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name()
 
 
 def _plot(results: list[dict[str, float]], dims: list[int], batches: list[int], path: str,
