@@ -42,7 +42,7 @@ def _align(rank, world, argv_of_rank, fail_on_rank=None):
         import pyperm.checkpoints._write as write
 
         def fail(*args, **kwargs):
-            raise RuntimeError("disk full (a failure planted by the test)")
+            raise OSError(28, "No space left on device (a failure planted by the test)")
 
         write.stage_shards = write.stage_file = fail
     err = io.StringIO()
@@ -93,7 +93,7 @@ def test_a_failing_rank_ends_both_and_leaves_nothing_under_the_output_names(tmp_
     (tmp_path / "ranks").mkdir()
     outcomes = run_ranks(_align, 2, tmp_path / "ranks", [argv] * 2, failing, deadline=90)
     assert outcomes[failing] == ("ok", (1, outcomes[failing][1][1])), outcomes
-    assert "disk full" in outcomes[failing][1][1]
+    assert "No space left on device" in outcomes[failing][1][1]
     other = outcomes[1 - failing]
     # The other rank raises an error naming the failed rank, or its watchdog ends it (exit status 1).
     assert other == ("exit", 1) or (other[0] == "ok" and other[1][0] == 1 and f"rank {failing} failed" in other[1][1]), other
@@ -125,3 +125,20 @@ def test_over_ranks_refuses_the_starts_that_read_whole_tensors(tmp_path, monkeyp
     monkeypatch.setattr("pyperm.commands._over_ranks.launched", lambda: True)
     assert main(["align", a, b, "--model", "hf", "--out", str(tmp_path / "o"), "--init", "best"]) == 1
     assert "--init best: over ranks" in capsys.readouterr().err
+
+
+def test_a_rank_maps_only_its_shards(tmp_path):
+    from pyperm.checkpoints import load_checkpoint
+    from pyperm.commands._over_ranks import _my_shards, key_owners
+
+    folder = _llama(0, tmp_path / "a", True)
+    whole = load_checkpoint(folder)
+    for rank in range(2):
+        mine = load_checkpoint(folder, shards=lambda weight_map, r=rank: _my_shards(weight_map, r, 2))
+        owners = key_owners(whole, 2)
+        assert set(owners.values()) == {0, 1}
+        for key, tensor in mine.state.items():
+            assert tensor.is_meta == (owners[key] != rank), key
+            assert tensor.shape == whole.state[key].shape and tensor.dtype == whole.state[key].dtype
+            if not tensor.is_meta:
+                assert torch.equal(tensor, whole.state[key])

@@ -8,9 +8,11 @@
 2. every rank states its pyperm version, its options and a fingerprint of each checkpoint
    (:func:`pyperm.distributed.check_same`): a rank that differs is refused before any work;
 3. the keys are split by B's shards (shard ``i`` of ``n`` to rank ``i * N // n``; a one-file
-   checkpoint by contiguous ranges of its keys); each rank reads only the tensors of its own keys
-   (the other shards are mapped, never read), and :func:`pyperm.distributed.weight_matching`
-   finds the permutations (the same as one process's with ``--init identity``);
+   checkpoint by contiguous ranges of its keys); each rank maps only its own shards of B and the
+   shards of A that hold the same keys (of the others it reads the headers: shapes and dtypes, as
+   meta tensors), and :func:`pyperm.distributed.weight_matching` finds the permutations (the same
+   as one process's with ``--init identity``). A one-file checkpoint is mapped by every rank, each
+   reading its own keys; rank 0 writes the one output file;
 4. each rank stages its shards of B permuted (hidden names, fsynced: :mod:`pyperm._staging`);
    once every rank has, rank 0 renames them into place, then the index (the switch), then copies
    the folder's other files and writes ``permutations.json`` and the reports.
@@ -85,14 +87,22 @@ def key_owners(ckpt: Any, world: int) -> dict[str, int]:
     a one-file checkpoint is split in contiguous ranges of its keys; a tied key goes with the key it repeats."""
     keys = [k for k in ckpt.state if k not in ckpt.tied]
     if ckpt.format == "sharded":
-        shards = sorted(set(ckpt.weight_map.values()))
-        rank_of = {s: i * world // len(shards) for i, s in enumerate(shards)}
+        rank_of = _shard_ranks(ckpt.weight_map, world)
         owners = {k: rank_of[ckpt.weight_map[ckpt.prefix + k]] for k in keys}
     else:
         owners = {k: i * world // len(keys) for i, k in enumerate(keys)}
     for key, source in ckpt.tied.items():
         owners[key] = owners[source]
     return owners
+
+
+def _shard_ranks(weight_map: dict[str, str], world: int) -> dict[str, int]:
+    shards = sorted(set(weight_map.values()))
+    return {s: i * world // len(shards) for i, s in enumerate(shards)}
+
+
+def _my_shards(weight_map: dict[str, str], rank: int, world: int) -> list[str]:
+    return [s for s, r in _shard_ranks(weight_map, world).items() if r == rank]
 
 
 def _fingerprint(ckpt: Any, extra: list[Path]) -> str:
@@ -133,7 +143,7 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
     from pyperm import _staging
     from pyperm._json import write_json
     from pyperm._staging import write_text
-    from pyperm.checkpoints import LazyState
+    from pyperm.checkpoints import DATA_PARALLEL_PREFIX, LazyState, check_pair
     from pyperm.checkpoints._write import commit_sharded, stage_file, stage_index, stage_shards
     from pyperm.commands._checkpoint_pair import load_for_model, refuse_inputs
     from pyperm.commands._common import build_model, checkpoint_outputs, on_device, prepare_out
@@ -143,7 +153,16 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     loaded = build_model(args.model, args.example_input_shape, args.a, meta=True)
-    ckpt_a, ckpt_b = load_for_model([args.a, args.b], loaded)
+    # B's shards are split over the ranks; this rank maps its own, and of A the shards holding the same keys.
+    (ckpt_b,) = load_for_model([args.b], loaded, [lambda weight_map: _my_shards(weight_map, rank, world)])
+    owners = key_owners(ckpt_b, world)
+
+    def a_shards(weight_map: dict[str, str]) -> set[str]:
+        return {shard for stored, shard in weight_map.items()
+                if owners.get(stored, owners.get(stored.removeprefix(DATA_PARALLEL_PREFIX))) == rank}  # fmt: skip
+
+    (ckpt_a,) = load_for_model([args.a], loaded, [a_shards])
+    check_pair(ckpt_a, ckpt_b)
     out = Path(args.out)
     stem = (folder_of(ckpt_b.path).name if args.model == "hf" else ckpt_b.path.name.split(".")[0]) + "_permuted"
     ckpt_files = checkpoint_outputs(ckpt_b, out, stem, args.model)
@@ -160,7 +179,6 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
         prepare_out(out, names, args.force)
     dist.barrier()
 
-    owners = key_owners(ckpt_b, world)
     mine = [k for k in loaded.spec.axes if owners.get(k) == rank]
     result = pd.weight_matching(loaded.spec, on_device({k: ckpt_a.state[k] for k in mine}, device),
                                 on_device({k: ckpt_b.state[k] for k in mine}, device),
@@ -175,9 +193,7 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
     _staging.remove_leftovers(path.parent)
     with _staging.staged_files() as staged:
         if ckpt_b.format == "sharded":
-            shards = sorted(set(ckpt_b.weight_map.values()))
-            share = [s for i, s in enumerate(shards) if i * world // len(shards) == rank]
-            staged += stage_shards(ckpt_b, permuted, path, share)
+            staged += stage_shards(ckpt_b, permuted, path, _my_shards(ckpt_b.weight_map, rank, world))
         elif rank == 0:
             staged.append(stage_file(ckpt_b, permuted, path))
         every = [(Path(t), Path(f)) for part in _gather([(str(s.tmp), str(s.final)) for s in staged])
