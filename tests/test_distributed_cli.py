@@ -142,3 +142,12 @@ def test_a_rank_maps_only_its_shards(tmp_path):
             assert tensor.shape == whole.state[key].shape and tensor.dtype == whole.state[key].dtype
             if not tensor.is_meta:
                 assert torch.equal(tensor, whole.state[key])
+
+
+@pytest.mark.parametrize("command", ["merge", "barrier"])
+def test_the_commands_that_do_not_split_their_work_refuse_to_run_over_ranks(tmp_path, monkeypatch, capsys, command):
+    monkeypatch.setattr("pyperm.commands._over_ranks.launched", lambda: True)
+    argv = [command, "a", "b", "--model", "hf", "--out", str(tmp_path / "o")] + (["--data", "digits"] if command == "barrier" else [])
+    assert main(argv) == 1
+    assert "does not run over ranks" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -36,7 +36,7 @@ from typing import Any
 
 from pyperm.commands._common import CommandError
 
-__all__ = ["align_over_ranks", "key_owners", "launched"]
+__all__ = ["align_over_ranks", "key_owners", "launched", "refuse_ranks"]
 
 _LAUNCHER = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 
@@ -56,6 +56,14 @@ def launched() -> bool:
         return int(os.environ["WORLD_SIZE"]) > 1
     except ValueError as exc:
         raise CommandError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} in the environment: not a number") from exc
+
+
+def refuse_ranks(command: str) -> None:
+    """Refuse to run ``command`` as one of several ranks: each would do the whole work and write the same
+    files (only ``align`` splits its work over ranks)."""
+    if launched():
+        raise CommandError(f"{command} does not run over ranks (torchrun, WORLD_SIZE above 1) yet: run it as one "
+                           "process (pyperm align does run over ranks)")  # fmt: skip
 
 
 @contextlib.contextmanager
