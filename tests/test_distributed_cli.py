@@ -7,7 +7,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -151,3 +155,27 @@ def test_the_commands_that_do_not_split_their_work_refuse_to_run_over_ranks(tmp_
     assert main(argv) == 1
     assert "does not run over ranks" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_runs_the_module_over_two_ranks(tmp_path):
+    """The real launcher: ``torchrun --nproc-per-node 2 -m pyperm align`` (its rendezvous on 127.0.0.1 only)
+    joins the process group itself (``env://``) and writes what one process writes."""
+    a, b = _llama(0, tmp_path / "a", True), _llama(1, tmp_path / "b", True)
+    argv = ["align", a, b, "--model", "hf", "--no-progress"]
+    assert main(argv + ["--out", str(tmp_path / "one"), "--init", "identity"]) == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                          "-m", "pyperm", *argv, "--out", str(tmp_path / "two")],
+                         env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "over 2 ranks" in run.stdout
+    one, two = _files(tmp_path / "one"), _files(tmp_path / "two")
+    assert sorted(one) == sorted(two)
+    assert all(one[n] == two[n] for n in one if not n.startswith("report.")), [n for n in one if one[n] != two[n]]
