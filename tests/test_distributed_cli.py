@@ -40,12 +40,14 @@ def _llama(seed: int, folder, sharded: bool) -> str:
     return str(folder)
 
 
-def _align(rank, world, argv_of_rank, fail_on_rank=None):
+def _align(rank, world, argv_of_rank, fail_on_rank=None, how="raises"):
     """The command's entry function on one rank, its exit status and what it printed on stderr."""
     if rank == fail_on_rank:
         import pyperm.checkpoints._write as write
 
         def fail(*args, **kwargs):
+            if how == "killed":
+                os._exit(9)  # as a rank killed while writing
             raise OSError(28, "No space left on device (a failure planted by the test)")
 
         write.stage_shards = write.stage_file = fail
@@ -89,18 +91,23 @@ def test_a_rank_with_another_checkpoint_is_refused_at_the_start(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("failing", [0, 1])
-def test_a_failing_rank_ends_both_and_leaves_nothing_under_the_output_names(tmp_path, failing):
+@pytest.mark.parametrize(("failing", "how"), [(0, "raises"), (1, "raises"), (1, "killed")])
+def test_a_failing_rank_ends_both_and_leaves_nothing_under_the_output_names(tmp_path, failing, how):
     a, b = _llama(0, tmp_path / "a", True), _llama(1, tmp_path / "b", True)
     out = tmp_path / "out"
-    argv = ["align", a, b, "--model", "hf", "--no-progress", "--out", str(out), "--rank-timeout", "20"]
+    argv = ["align", a, b, "--model", "hf", "--no-progress", "--out", str(out), "--rank-timeout", "5"]
     (tmp_path / "ranks").mkdir()
-    outcomes = run_ranks(_align, 2, tmp_path / "ranks", [argv] * 2, failing, deadline=90)
-    assert outcomes[failing] == ("ok", (1, outcomes[failing][1][1])), outcomes
-    assert "No space left on device" in outcomes[failing][1][1]
-    other = outcomes[1 - failing]
+    outcomes = run_ranks(_align, 2, tmp_path / "ranks", [argv] * 2, failing, how, deadline=90)
+    if how == "killed":
+        assert outcomes[failing] == ("exit", 9), outcomes
+        named = f"rank {failing} "  # "rank 1 failed: ..." or "rank 1 stopped (no heartbeat ...)"
+    else:
+        assert outcomes[failing][0] == "ok" and outcomes[failing][1][0] == 1, outcomes
+        assert "No space left on device" in outcomes[failing][1][1]
+        named = f"rank {failing} failed"
     # The other rank raises an error naming the failed rank, or its watchdog ends it (exit status 1).
-    assert other == ("exit", 1) or (other[0] == "ok" and other[1][0] == 1 and f"rank {failing} failed" in other[1][1]), other
+    other = outcomes[1 - failing]
+    assert other == ("exit", 1) or (other[0] == "ok" and other[1][0] == 1 and named in other[1][1]), other
     left = [p for p in out.rglob("*") if p.is_file()] if out.exists() else []
     assert all(p.name.startswith(".") and p.name.endswith(".pyperm-partial") for p in left), left
     # The next run (one process) writes into the same folder without --force, and removes the leftovers.
@@ -151,7 +158,8 @@ def test_a_rank_maps_only_its_shards(tmp_path):
 @pytest.mark.parametrize("command", ["merge", "barrier"])
 def test_the_commands_that_do_not_split_their_work_refuse_to_run_over_ranks(tmp_path, monkeypatch, capsys, command):
     monkeypatch.setattr("pyperm.commands._over_ranks.launched", lambda: True)
-    argv = [command, "a", "b", "--model", "hf", "--out", str(tmp_path / "o")] + (["--data", "digits"] if command == "barrier" else [])
+    argv = [command, "a", "b", "--model", "hf", "--out", str(tmp_path / "o")]
+    argv += ["--data", "digits"] if command == "barrier" else []
     assert main(argv) == 1
     assert "does not run over ranks" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
