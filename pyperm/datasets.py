@@ -4,7 +4,9 @@
 - ``mnist:DIR``: the MNIST idx files (``train-images-idx3-ubyte`` and friends, gzipped or not)
   in a directory the user has;
 - ``cifar10:DIR``: the CIFAR-10 python pickle batches (``data_batch_1`` .. ``data_batch_5``,
-  ``test_batch``) in ``DIR`` or ``DIR/cifar-10-batches-py``.
+  ``test_batch``) in ``DIR`` or ``DIR/cifar-10-batches-py``;
+- ``cifar100:DIR``: the CIFAR-100 python pickles (``train``, ``test``, fine labels) in ``DIR``
+  or ``DIR/cifar-100-python``.
 
 Images come back as float32 arrays of shape (N, C, H, W) scaled to [0, 1], labels as int64;
 numpy only, so the module imports without torch (:func:`to_batches` imports it when called).
@@ -29,6 +31,7 @@ __all__ = [
     "Dataset",
     "DatasetError",
     "load_cifar10",
+    "load_cifar100",
     "load_dataset",
     "load_digits",
     "load_mnist",
@@ -52,7 +55,7 @@ class Dataset:
     Attributes
     ----------
     name : str
-        ``"digits"``, ``"mnist"`` or ``"cifar10"``.
+        ``"digits"``, ``"mnist"``, ``"cifar10"`` or ``"cifar100"``.
     x_train, x_test : (N, C, H, W) ndarray of float32
         Images scaled to [0, 1].
     y_train, y_test : (N,) ndarray of int64
@@ -263,22 +266,26 @@ class _ArrayUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a CIFAR batch")
 
 
-def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+def _read_cifar_batch(path: Path, label_key: str = "labels", kind: str = "CIFAR-10") -> tuple[np.ndarray, np.ndarray]:
+    """Images and labels of one python pickle of CIFAR-10 (``labels``) or CIFAR-100 (``fine_labels``)."""
     if not path.exists():
-        raise DatasetError(f"{path}: no such file (expected the CIFAR-10 python batches)")
+        raise DatasetError(f"{path}: no such file (expected the {kind} python batches)")
     try:
         with path.open("rb") as f:
             batch = _ArrayUnpickler(f, encoding="bytes").load()
     except Exception as exc:  # pickle raises many types for a corrupt file
-        raise DatasetError(f"{path}: not a readable CIFAR-10 batch ({type(exc).__name__}: {exc})") from exc
+        raise DatasetError(f"{path}: not a readable {kind} batch ({type(exc).__name__}: {exc})") from exc
     if not isinstance(batch, dict):
-        raise DatasetError(f"{path}: holds a {type(batch).__name__}, not a CIFAR-10 batch dict")
+        raise DatasetError(f"{path}: holds a {type(batch).__name__}, not a {kind} batch dict")
     data = batch.get(b"data", batch.get("data"))
-    labels = batch.get(b"labels", batch.get("labels"))
+    labels = batch.get(label_key.encode(), batch.get(label_key))
     if data is None or labels is None:
-        raise DatasetError(f"{path}: key 'data' or 'labels' is missing")
+        raise DatasetError(f"{path}: key 'data' or {label_key!r} is missing")
     data = np.asarray(data)
-    labels = np.asarray(labels, dtype=np.int64)
+    try:
+        labels = np.asarray(labels, dtype=np.int64)
+    except (TypeError, ValueError) as exc:
+        raise DatasetError(f"{path}: key {label_key!r} is not a list of integers") from exc
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(labels) != len(data):
         raise DatasetError(f"{path}: key 'data' has shape {data.shape} for {len(labels)} labels, expected (N, 3072)")
     return (data.reshape(-1, 3, 32, 32).astype(np.float32) / 255.0), labels
@@ -321,27 +328,63 @@ def load_cifar10(root: str | Path) -> Dataset:
     )
 
 
+def load_cifar100(root: str | Path) -> Dataset:
+    """CIFAR-100 (fine labels, 100 classes) from its python pickles in ``root`` or ``root/cifar-100-python``.
+
+    Parameters
+    ----------
+    root : str or pathlib.Path
+        The directory with the ``train`` and ``test`` pickles.
+
+    Returns
+    -------
+    Dataset
+        (N, 3, 32, 32) images in [0, 1], not normalised; ``num_classes`` 100.
+
+    Raises
+    ------
+    DatasetError
+        A missing directory or file, or a malformed pickle (named), or a label outside 0..99.
+    """
+    root = Path(root)
+    if (root / "cifar-100-python").is_dir():
+        root = root / "cifar-100-python"
+    if not root.is_dir():
+        raise DatasetError(f"{root}: not a directory")
+    parts = [_read_cifar_batch(root / split, "fine_labels", "CIFAR-100") for split in ("train", "test")]
+    for split, (_, labels) in zip(("train", "test"), parts):
+        if len(labels) and (labels.min() < 0 or labels.max() >= 100):
+            raise DatasetError(f"{root / split}: fine labels must lie in 0..99, got {labels.min()}..{labels.max()}")
+    (x_train, y_train), (x_test, y_test) = parts
+    return Dataset("cifar100", x_train, y_train, x_test, y_test, num_classes=100)
+
+
 # ------------------------------------------------------------------------------ dispatch
 
 
 def load_dataset(spec: str, seed: int = 0) -> Dataset:
-    """A dataset named by ``digits``, ``mnist:DIR`` or ``cifar10:DIR`` (the ``--data`` option).
+    """A dataset named by ``digits``, ``mnist:DIR``, ``cifar10:DIR`` or ``cifar100:DIR`` (the ``--data`` option).
 
     Raises
     ------
     DatasetError
         An unknown name, a missing directory, or a malformed file.
+    TypeError
+        ``spec`` is not a str.
     """
+    if not isinstance(spec, str):
+        raise TypeError(f"data must be a str such as 'digits' or 'mnist:DIR', got {type(spec).__name__}")
     name, _, root = spec.partition(":")
     if name == "digits":
         if root:
             raise DatasetError(f"--data digits takes no directory, got {spec!r}")
         return load_digits(seed)
-    if name in ("mnist", "cifar10"):
+    loaders = {"mnist": load_mnist, "cifar10": load_cifar10, "cifar100": load_cifar100}
+    if name in loaders:
         if not root:
             raise DatasetError(f"--data {name} needs the directory of its files: {name}:DIR")
-        return load_mnist(root) if name == "mnist" else load_cifar10(root)
-    raise DatasetError(f"unknown dataset {spec!r}: expected digits, mnist:DIR or cifar10:DIR")
+        return loaders[name](root)
+    raise DatasetError(f"unknown dataset {spec!r}: expected digits, mnist:DIR, cifar10:DIR or cifar100:DIR")
 
 
 def to_batches(x: np.ndarray, y: np.ndarray, batch_size: int, *, device: Any = "cpu") -> list[tuple[Any, Any]]:

@@ -12,6 +12,7 @@ import pytest
 from pyperm.datasets import (
     DatasetError,
     load_cifar10,
+    load_cifar100,
     load_dataset,
     load_digits,
     load_mnist,
@@ -148,6 +149,58 @@ def test_cifar10_pickle_cannot_run_code(tmp_path):
         pickle.dump({b"data": Evil(), b"labels": []}, f)
     with pytest.raises(DatasetError, match="builtins.print is not allowed"):
         load_cifar10(tmp_path)
+
+
+def write_cifar100(root, n_train: int = 4, n_test: int = 3, seed: int = 0, labels_high: int = 100):
+    """CIFAR-100's python pickles (``train``, ``test`` with ``fine_labels``), tiny."""
+    rng = np.random.default_rng(seed)
+    written = {}
+    for name, n in (("train", n_train), ("test", n_test)):
+        data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
+        fine = [int(v) for v in rng.integers(0, labels_high, n)]
+        with open(root / name, "wb") as f:
+            pickle.dump({b"data": data, b"fine_labels": fine, b"coarse_labels": [0] * n}, f)
+        written[name] = (data, fine)
+    return written
+
+
+def test_cifar100_pickles(tmp_path):
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    written = write_cifar100(folder)
+    ds = load_dataset(f"cifar100:{tmp_path}")  # the parent of cifar-100-python works too
+    assert ds.name == "cifar100" and ds.num_classes == 100
+    assert ds.x_train.shape == (4, 3, 32, 32) and ds.x_test.shape == (3, 3, 32, 32)
+    data, fine = written["test"]
+    np.testing.assert_allclose(ds.x_test.reshape(3, -1) * 255.0, data, atol=1e-4)
+    assert ds.y_test.tolist() == fine
+
+
+def test_cifar100_errors_name_the_file(tmp_path):
+    with pytest.raises(DatasetError, match="nowhere: not a directory"):
+        load_cifar100(tmp_path / "nowhere")
+    with pytest.raises(DatasetError, match="train: no such file"):
+        load_cifar100(tmp_path)
+    write_cifar100(tmp_path, labels_high=1)
+    with open(tmp_path / "test", "wb") as f:
+        pickle.dump({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1]}, f)  # CIFAR-10's key
+    with pytest.raises(DatasetError, match="test: key 'data' or 'fine_labels' is missing"):
+        load_cifar100(tmp_path)
+    with open(tmp_path / "test", "wb") as f:
+        pickle.dump({b"data": np.zeros((1, 3072), np.uint8), b"fine_labels": [100]}, f)
+    with pytest.raises(DatasetError, match=r"test: fine labels must lie in 0..99"):
+        load_cifar100(tmp_path)
+
+
+def test_missing_mnist_dir_and_malformed_idx_name_the_path(tmp_path):
+    with pytest.raises(ValueError, match="absent: not a directory"):
+        load_dataset(f"mnist:{tmp_path / 'absent'}")
+    _write_mnist(tmp_path, gz=True)
+    (tmp_path / "t10k-images-idx3-ubyte.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(ValueError, match="t10k-images-idx3-ubyte.gz: cannot be read"):
+        load_dataset(f"mnist:{tmp_path}")
+    with pytest.raises(TypeError, match="data must be a str"):
+        load_dataset(3)
 
 
 def test_unknown_dataset_names():

@@ -14,6 +14,7 @@ from pyperm.nn.models import (
     VGG11,
     VGG16,
     ResNet20,
+    ResNet32,
     TinyTen,
     create_model,
     input_shape,
@@ -55,6 +56,7 @@ CASES = {
     "resnet20-B-w2": (lambda: ResNet20(width_multiplier=2, num_classes=5), (2, 3, 16, 16)),
     "resnet20-A-w1": (lambda: ResNet20(shortcut="A"), (3, 3, 32, 32)),
     "resnet20-A-w3": (lambda: ResNet20(width_multiplier=3, shortcut="A"), (2, 3, 16, 16)),
+    "resnet32-B-w1": (lambda: ResNet32(num_classes=5), (2, 3, 16, 16)),
     "tinyten": (lambda: TinyTen(), (3, 3, 32, 32)),
     "tinyten-w2-nobias": (lambda: TinyTen(num_classes=100, width_multiplier=2, bias=False), (2, 3, 32, 32)),
 }
@@ -237,6 +239,7 @@ def test_numpy_integers_are_ints():
         ("resnet20:4", ResNet20, lambda m: m.width_multiplier == 4),
         ("resnet20:2,in_channels=1,num_classes=7", ResNet20, lambda m: m.conv1.in_channels == 1 and m.fc.out_features == 7),
         ("resnet20:width_multiplier=3", ResNet20, lambda m: m.width_multiplier == 3),
+        ("resnet32:2,num_classes=100", ResNet32, lambda m: len(m.layer1) == 5 and m.fc.out_features == 100),
         ("vgg11", VGG11, lambda m: m.config == "vgg11"),
         ("vgg16:2,num_classes=100", VGG16, lambda m: m.classifier.out_features == 100),
         ("tinyten:2,bias=0", TinyTen, lambda m: m.layers[0].conv.bias is None and m.layers[0].conv.out_channels == 32),
@@ -252,7 +255,11 @@ def test_create_model(name, cls, check):
 
 
 def test_model_names():
-    assert model_names() == ["mlp", "resnet20", "tinyten", "vgg11", "vgg16"]
+    from pyperm.nn.models import _registry
+
+    # The bundled ones (a guide example run in the same process may have registered its own: register_model).
+    bundled = [n for n in model_names() if _registry._ARCHITECTURES[n].factory.__module__.startswith("pyperm.")]
+    assert bundled == ["mlp", "resnet20", "resnet32", "tinyten", "vgg11", "vgg16"]
     for arch in model_names():
         assert parse_model_name(arch if arch != "mlp" else "mlp:4,2")[0] == arch
 
@@ -273,7 +280,7 @@ def test_model_names():
         ("resnet20:in_channels=1,4", "positional option '4' after a key=value option"),
         ("resnet20:4,width_multiplier=2", "width_multiplier given twice"),
         ("resnet20:4,depth=3", "resnet20 does not take 'depth'"),
-        ("resnet32", "unknown architecture 'resnet32'; expected mlp:IN,HIDDEN"),
+        ("resnet56", "unknown architecture 'resnet56'; expected mlp:IN,HIDDEN"),
         ("", "unknown architecture ''"),
     ],
 )

@@ -66,7 +66,15 @@ def test_reports_declare_their_outputs():
             continue
         report = load_report(name)
         assert "report.md" in report.OUTPUTS and "report.json" in report.OUTPUTS
-        assert set(report.SETTINGS) == set(SCALES)
+        # Every report has the laptop scales; the papers' scale where the report reproduces a paper's setting.
+        assert {"smoke", "quick", "full"} <= set(report.SETTINGS) <= set(SCALES), name
+    assert all("paper" in load_report(n).SETTINGS for n in ("rebasin", "curves", "robust"))
+
+
+def test_a_scale_the_report_lacks_is_named(tmp_path, capsys):
+    assert main(["reproduce", "teacher-student", "--scale", "paper", "--out", str(tmp_path), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "--scale paper: the teacher-student report has no such scale" in err and "Traceback" not in err
 
 
 def test_existing_report_is_refused(tmp_path, capsys):

@@ -51,6 +51,34 @@ def test_the_model_state_does_not_matter():
     assert not used.training  # left in eval mode
 
 
+def _bn_net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                               torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))  # fmt: skip
+
+
+def test_every_layer_is_fresh_batchnorm_included():
+    """Two endpoints trained in one object are as independent as two new models (issue 34, item 11):
+    BatchNorm's affine parameters and running statistics, and LayerNorm's, start fresh from the seed too."""
+    x, y = _data()
+    used = _bn_net()
+    first = train_classifier(used, (x, y), batch_size=32, epochs=2, lr=0.1, seed=1, optimizer="sgd")
+    assert float(first["1.running_mean"].abs().sum()) > 0 and int(first["1.num_batches_tracked"]) > 0
+    again = train_classifier(used, (x, y), batch_size=32, epochs=2, lr=0.1, seed=7, optimizer="sgd")
+    fresh = train_classifier(_bn_net(), (x, y), batch_size=32, epochs=2, lr=0.1, seed=7, optimizer="sgd")
+    assert _same(again, fresh)
+    assert int(again["1.num_batches_tracked"]) == int(first["1.num_batches_tracked"])  # counted from zero again
+
+
+def test_on_epoch_sees_every_epoch():
+    x, y = _data()
+    seen = []
+    train_classifier(MLP([6, 4, 3]), (x, y), batch_size=32, epochs=3, lr=0.1, seed=0,
+                     on_epoch=lambda done, model: seen.append((done, model.training)))  # fmt: skip
+    assert seen == [(1, True), (2, True), (3, True)]
+    with pytest.raises(TypeError, match="on_epoch"):
+        train_classifier(MLP([6, 4, 3]), (x, y), batch_size=32, epochs=1, lr=0.1, seed=0, on_epoch=3)
+
+
 def test_adam_is_torch_adam():
     """The written-out Adam takes torch.optim.Adam's steps (without importing torch._dynamo)."""
     x, y = _data()

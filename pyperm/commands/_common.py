@@ -343,10 +343,15 @@ def _bundled_model(spec_text: str, shape: tuple[int, ...] | None, meta: bool) ->
             model = create_model(spec_text)
     except ValueError as exc:
         raise CommandError(f"--model: {exc}") from exc
-    return LoadedModel(
-        spec_text, model, model.permutation_spec(), shape or input_shape(spec_text),
-        build=functools.partial(create_model, spec_text),
-    )  # fmt: skip
+    shape = shape or input_shape(spec_text)
+    if hasattr(model, "permutation_spec"):
+        spec = model.permutation_spec()
+    else:  # a user's architecture from register_model: traced, as a model file's
+        from pyperm.nn import PermutationSpec
+
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        spec = PermutationSpec.from_model(model, torch.zeros(shape, device=device))
+    return LoadedModel(spec_text, model, spec, shape, build=functools.partial(create_model, spec_text))
 
 
 def build_model(

@@ -6,7 +6,7 @@ import argparse
 
 from pyperm._argtypes import int_at_least
 from pyperm.commands._common import cli_errors
-from pyperm.reproduce import REPORTS
+from pyperm.reproduce import REPORTS, SCALES
 
 HELP = "reproduce a paper's findings at laptop scale: " + ", ".join(REPORTS)
 
@@ -22,9 +22,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "example: pyperm reproduce rebasin --quick --out rebasin/"
     )
     parser.add_argument("name", choices=list(REPORTS), metavar="NAME", help="the report: " + ", ".join(REPORTS))
-    # Without either flag: the default settings, as close to the papers' as a laptop allows
+    # Without a scale: the default settings, as close to the papers' as a laptop allows
     # (each report's Settings section says where they are scaled down); tens of minutes.
     scale = parser.add_mutually_exclusive_group()
+    scale.add_argument(
+        "--scale",
+        choices=SCALES,
+        help="smoke, quick, full (the default) or paper: the papers' architectures, recipes, epochs and batch "
+        "sizes (the command says the expected time first)",
+    )
     scale.add_argument(
         "--quick",
         dest="scale",
@@ -36,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--smoke", dest="scale", action="store_const", const="smoke", help="a tiny setting, under a minute (for tests)"
     )
     parser.set_defaults(scale="full")
+    parser.add_argument(
+        "--data",
+        default="digits",
+        metavar="NAME",
+        help="rebasin, curves, robust: digits (default, scikit-learn's), mnist:DIR (the idx files), cifar10:DIR or "
+        "cifar100:DIR (the python pickles); nothing is downloaded",
+    )
     parser.add_argument("--out", required=True, metavar="DIR", help="folder for report.md, report.json and the PNGs")
     parser.add_argument("--force", action="store_true", help="overwrite existing output files")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
@@ -51,8 +64,44 @@ def run(args: argparse.Namespace) -> int:
 
     report = load_report(args.name)
     device = resolve_device(args.device)
+    if args.scale not in report.SETTINGS:
+        raise ValueError(f"--scale {args.scale}: the {args.name} report has no such scale (it has "
+                         f"{', '.join(report.SETTINGS)})")  # fmt: skip
+    options = _data_option(args, report)
     out = prepare_out(args.out, list(report.OUTPUTS), args.force)
+    _say_expected_time(args, report, device)
     with Timer() as timer:
-        path = report.run(out, args.scale, device=device, seed=args.seed, progress=args.progress)
+        path = report.run(out, args.scale, device=device, seed=args.seed, progress=args.progress, **options)
     print(f"{args.name} ({args.scale}) done in {timer.seconds:.1f} s: {path}")
     return 0
+
+
+def _data_option(args: argparse.Namespace, report: object) -> dict:
+    """``{"data": ...}`` for a report that takes ``--data``; refuses ``--data`` for one that does not."""
+    from pyperm.reproduce._data import check_data
+
+    accepted = getattr(report, "DATASETS", None)
+    if accepted is None:
+        if args.data != "digits":
+            raise ValueError(f"--data: the {args.name} report takes no data option (rebasin, curves and robust do)")
+        return {}
+    check_data(args.data, accepted)
+    return {"data": args.data}
+
+
+def _say_expected_time(args: argparse.Namespace, report: object, device: object) -> None:
+    """Before a long run, the expected time on this machine, and whether it is reasonable."""
+    import sys
+
+    from pyperm.reproduce._estimate import REASONABLE_SECONDS, describe_seconds
+
+    estimate = getattr(report, "estimate_seconds", None)
+    if estimate is None or args.scale in ("smoke", "quick"):
+        return
+    seconds = estimate(args.scale, args.data, device)
+    print(f"{args.name} ({args.scale}, {args.data}): expected time on this machine ({device}): "
+          f"{describe_seconds(seconds)}", file=sys.stderr, flush=True)  # fmt: skip
+    if seconds > REASONABLE_SECONDS:
+        print(f"this machine cannot run {args.name} at --scale {args.scale} in reasonable time "
+              f"({describe_seconds(seconds)}); run it on a GPU (--device cuda) or pass --scale quick",
+              file=sys.stderr, flush=True)  # fmt: skip

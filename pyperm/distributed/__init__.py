@@ -5,6 +5,10 @@
 - :func:`check_same`: refuse, at the start, ranks that run another pyperm or read other inputs.
 - :func:`failure_guard`: a rank that fails ends every rank with an error naming it.
 
+The data split over the ranks instead (both models on every rank) is the ``group=`` keyword of
+the data methods of :mod:`pyperm.nn`: ``activation_matching``, ``repair``, ``reset_bn_stats``,
+``barrier``, ``evaluate_curve``; they all-reduce their statistics and sums.
+
 Nothing here starts processes: ``torchrun`` (or any launcher) does, and the caller initialises
 the process group. See the guide page "Across processes and machines".
 """

@@ -188,47 +188,57 @@ def num_batches(data: Any, max_batches: int | None = None) -> int | None:
 
 def mean_loss_and_accuracy(
     model: nn.Module, data: Iterable[Any], loss_fn: Callable[..., torch.Tensor], device: torch.device,
-    name: str = "data",
+    name: str = "data", ranks: Any = None,
 ) -> tuple[float, float, int]:
     """Mean loss over samples, accuracy (NaN when the targets are not class indices), and the sample count.
 
     The model runs as it is: callers choose its mode and wrap the call in ``torch.no_grad()``.
     ``data`` yields ``(inputs, targets)`` batches, moved to ``device``; ``loss_fn`` returns
     the batch's mean loss, weighted here by the batch size so the result averages over samples.
+    ``ranks`` (a :class:`pyperm.nn._ranks.Ranks`): ``data`` is this rank's share; the loss sum,
+    the samples, the correct and labelled counts are all-reduced, so every rank returns the
+    values of all the shares together (the sample count too).
     """
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    samples = 0
-    labelled = 0
-    classify = True
-    for i, batch in iterate_batches(data, name=name):
-        inputs, targets = inputs_and_targets(batch, i, name)
-        inputs, targets = to_device(inputs, device), targets.to(device)
-        outputs = model(*inputs)
-        loss = loss_fn(outputs, targets)
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
-        if loss.numel() != 1:
-            raise ValueError(
-                f"loss_fn must return the batch's mean loss (one value), got shape {tuple(loss.shape)}; "
-                "use reduction='mean'"
-            )
-        n = targets.shape[0] if targets.ndim else 1
-        # The loss is a mean over the batch: weighting it by the batch size averages over samples.
-        loss_sum += loss.detach().reshape(()).to(torch.float64) * n
-        samples += n
-        if classify:
-            classify = (
-                isinstance(outputs, torch.Tensor)
-                and outputs.ndim >= 2
-                and not targets.is_floating_point()
-                and not targets.is_complex()
-                and targets.dtype != torch.bool
-                and tuple(targets.shape) == tuple(outputs.shape[:1]) + tuple(outputs.shape[2:])
-            )
+    with contextlib.nullcontext() if ranks is None else ranks.together(f"the evaluation on {name}"):
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        correct = torch.zeros((), dtype=torch.int64, device=device)
+        samples = 0
+        labelled = 0
+        classify = True
+        for i, batch in iterate_batches(data, name=name):
+            inputs, targets = inputs_and_targets(batch, i, name)
+            inputs, targets = to_device(inputs, device), targets.to(device)
+            outputs = model(*inputs)
+            loss = loss_fn(outputs, targets)
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
+            if loss.numel() != 1:
+                raise ValueError(
+                    f"loss_fn must return the batch's mean loss (one value), got shape {tuple(loss.shape)}; "
+                    "use reduction='mean'"
+                )
+            n = targets.shape[0] if targets.ndim else 1
+            # The loss is a mean over the batch: weighting it by the batch size averages over samples.
+            loss_sum += loss.detach().reshape(()).to(torch.float64) * n
+            samples += n
             if classify:
-                correct += (outputs.argmax(dim=1) == targets).sum()
-                labelled += targets.numel()
+                classify = (
+                    isinstance(outputs, torch.Tensor)
+                    and outputs.ndim >= 2
+                    and not targets.is_floating_point()
+                    and not targets.is_complex()
+                    and targets.dtype != torch.bool
+                    and tuple(targets.shape) == tuple(outputs.shape[:1]) + tuple(outputs.shape[2:])
+                )
+                if classify:
+                    correct += (outputs.argmax(dim=1) == targets).sum()
+                    labelled += targets.numel()
+    if ranks is not None:  # sample-weighted sums and their counts, over every rank's share
+        local = torch.tensor([float(loss_sum), float(samples), float(correct), float(labelled),
+                              0.0 if classify else 1.0], dtype=torch.float64)
+        total = ranks.sum(local).tolist()
+        loss_sum, samples, correct, labelled = total[0], int(total[1]), int(total[2]), int(total[3])
+        classify = total[4] == 0
     loss_value = float(loss_sum) / samples
     accuracy = float(correct) / labelled if classify and labelled else math.nan
     return loss_value, accuracy, samples

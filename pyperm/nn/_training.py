@@ -1,8 +1,9 @@
 """The one seeded training loop of small classifiers, shared by the tests, benchmarks and reproductions.
 
-Endpoints for alignment experiments are trained the same way everywhere: Linear and Conv
-layers re-initialised from the seed (torch's default scheme, drawn from a generator of
-their own, not the global RNG), then plain first-order steps. So two calls with the same
+Endpoints for alignment experiments are trained the same way everywhere: every layer
+re-initialised from the seed (Linear and Conv layers by torch's default scheme, drawn from a
+generator of their own, not the global RNG; normalisation layers reset to their fresh state,
+BatchNorm's running statistics included), then plain first-order steps. So two calls with the same
 seed give the same network on every device, and different seeds give the independently
 trained pairs that Git Re-Basin and Tatro et al. align.
 
@@ -28,21 +29,28 @@ from pyperm.nn._runtime import check_batches, inputs_and_targets
 __all__ = ["init_weights", "train_classifier"]
 
 OPTIMIZERS = ("adam", "sgd")
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "halving")
+HALVING_EPOCHS = 20  # "a learning rate of 1E-1 that decays by a factor of 0.5 every 20 epochs" (Tatro et al. sec. 5)
 
 
 def init_weights(model: nn.Module, generator: torch.Generator) -> None:
-    """Re-initialise every Linear and Conv layer from ``generator`` (torch's default scheme, no global RNG).
+    """Re-initialise every layer: Linear and Conv from ``generator``, normalisation layers to their fresh state.
 
     Weights and biases are uniform in :math:`\\pm 1/\\sqrt{\\text{fan-in}}`, the range of
     torch's default initialisation. The numbers are drawn on the CPU and copied, so a CPU
     generator seeds a model on any device and a seed gives the same network on every
-    device. Other layers (BatchNorm, ...) are left as they are.
+    device. BatchNorm, LayerNorm and GroupNorm are reset as a new layer starts (scale 1,
+    shift 0, running mean 0 and variance 1, no batches tracked): so a model that was
+    trained before gives, from the same seed, the same network as a new one, and two
+    endpoints trained in one model object are as independent as two fresh models. Layers
+    of other kinds (embeddings, a library's own layers) keep their state: the reproductions
+    build each endpoint as a new model, so theirs is the constructor's.
     """
 
     def uniform(t: torch.Tensor, bound: float) -> None:
         t.copy_(torch.empty(t.shape, dtype=t.dtype).uniform_(-bound, bound, generator=generator))
 
+    norms = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd)):
@@ -50,6 +58,8 @@ def init_weights(model: nn.Module, generator: torch.Generator) -> None:
                 uniform(m.weight, bound)
                 if m.bias is not None:
                     uniform(m.bias, bound)
+            elif isinstance(m, norms):
+                m.reset_parameters()  # deterministic: ones, zeros and fresh running statistics
 
 
 def train_classifier(
@@ -66,14 +76,15 @@ def train_classifier(
     weight_decay: float = 0.0,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     perturb: Callable[[nn.Module, torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
+    on_epoch: Callable[[int, nn.Module], Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Train ``model`` in place from a seeded initialisation; return a copy of its trained state dict.
 
     Parameters
     ----------
     model : torch.nn.Module
-        The classifier. Its Linear and Conv layers are re-initialised from ``seed`` first
-        (:func:`init_weights`); other layers keep their state.
+        The classifier. Its Linear, Conv and normalisation layers are re-initialised from
+        ``seed`` first (:func:`init_weights`); other layers keep their state.
     batches : iterable of (inputs, targets), or (inputs, targets) tensors
         Without ``batch_size``: the batches of one epoch, read in their order every epoch
         (a list or a DataLoader; a one-shot iterator is refused). With ``batch_size``: the
@@ -90,9 +101,9 @@ def train_classifier(
         heavy-ball ``momentum`` (as ``torch.optim.SGD`` without dampening).
     batch_size : int, optional
         See ``batches``.
-    schedule : {"constant", "cosine"}, default "constant"
-        The step size over the run: ``lr`` throughout, or decayed from ``lr`` to zero
-        along half a cosine.
+    schedule : {"constant", "cosine", "halving"}, default "constant"
+        The step size over the run: ``lr`` throughout, decayed from ``lr`` to zero along
+        half a cosine, or halved every 20 epochs (Tatro et al.'s endpoints).
     momentum : float, default 0.9
         SGD's momentum (0: plain gradient descent); ignored by Adam.
     weight_decay : float, default 0.0
@@ -102,6 +113,10 @@ def train_classifier(
     perturb : callable, optional
         ``perturb(model, inputs, targets, step)`` returns the inputs to train on in place
         of each batch's (adversarial training passes a PGD attack).
+    on_epoch : callable, optional
+        ``on_epoch(epochs_done, model)`` after every epoch (1 after the first), with the
+        model in train mode; what it returns is ignored. Git Re-Basin's Figure 3 takes
+        its snapshots of the weights this way.
 
     Returns
     -------
@@ -134,6 +149,7 @@ def train_classifier(
     weight_decay = check_nonnegative_real(weight_decay, "weight_decay")
     loss_fn = check_callable(loss_fn, "loss_fn", allow_none=True) or nn.functional.cross_entropy
     perturb = check_callable(perturb, "perturb", allow_none=True)
+    on_epoch = check_callable(on_epoch, "on_epoch", allow_none=True)
     epoch, steps_per_epoch = _epoch_batches(batches, batch_size, gen)
     if schedule == "cosine" and steps_per_epoch is None:
         raise ValueError("schedule='cosine' needs batches with a length (a list or a DataLoader) or batch_size")
@@ -144,21 +160,33 @@ def train_classifier(
     step_fn = _adam(params) if optimizer == "adam" else _sgd(params, momentum)
     step = 0
     model.train()
-    for _ in range(epochs):
+    for done in range(1, epochs + 1):
         for index, batch in enumerate(epoch()):
             (inputs, *rest), targets = inputs_and_targets(batch, index, "batches")
             if perturb is not None:
                 inputs = perturb(model, inputs, targets, step)
             loss = loss_fn(model(inputs, *rest), targets)
             grads = torch.autograd.grad(loss, params)
-            rate = lr if schedule == "constant" else lr * 0.5 * (1.0 + _cosine(step, total))
+            rate = _rate(schedule, lr, step, total, done)
             with torch.no_grad():
                 if weight_decay:
                     grads = [g.add(p, alpha=weight_decay) for p, g in zip(params, grads)]
                 step_fn(grads, rate)
             step += 1
+        if on_epoch is not None:
+            on_epoch(done, model)
+            model.train()  # the callback may have evaluated the model
     model.eval()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _rate(schedule: str, lr: float, step: int, total: int, epoch: int) -> float:
+    """The step size of step ``step`` (from 0) of ``total``, in epoch ``epoch`` (from 1)."""
+    if schedule == "cosine":
+        return lr * 0.5 * (1.0 + _cosine(step, total))
+    if schedule == "halving":
+        return lr * 0.5 ** ((epoch - 1) // HALVING_EPOCHS)
+    return lr
 
 
 def _cosine(step: int, total: int) -> float:

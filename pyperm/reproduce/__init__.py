@@ -8,8 +8,12 @@ Each report is one module here with
 - ``run(out, scale, *, device, seed, progress) -> pathlib.Path``: writes ``report.md`` (tables,
   PNG plots, each paper's finding beside ours and whether ours agrees) and ``report.json``,
   and returns the markdown's path. ``scale`` is ``"smoke"`` (under a minute, for the test
-  suite), ``"quick"`` (under 10 minutes on a 2-core laptop) or ``"full"`` (the papers'
-  settings where a laptop allows; each report says where it is scaled down).
+  suite), ``"quick"`` (under 10 minutes on a 2-core laptop), ``"full"`` (fuller laptop
+  settings) or ``"paper"`` (the paper's architectures, recipes, epochs and batch sizes,
+  each written in the report beside the paper's line that states it);
+- optionally ``DATASETS`` (the names ``--data`` may give; ``run`` then takes ``data=``, e.g.
+  ``"mnist:DIR"``) and ``estimate_seconds(scale, data, device)`` (the expected wall time on
+  this machine, which the command says before it starts).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ REPORTS = {
     "robust": "pyperm.reproduce.robust",
     "transformers": "pyperm.reproduce.transformers",
 }
-SCALES = ("smoke", "quick", "full")
+SCALES = ("smoke", "quick", "full", "paper")
 
 
 def load_report(name: str) -> ModuleType:

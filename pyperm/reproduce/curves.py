@@ -1,4 +1,4 @@
-"""Tatro et al. (NeurIPS 2020) Tables 1-2 and Figure 1 with a small CNN on scikit-learn's digits.
+"""Tatro et al. (NeurIPS 2020) Tables 1-2 and Figure 1: a small CNN on digits, or their models on CIFAR.
 
 Two CNNs (with BatchNorm) trained from different seeds are joined by quadratic Bezier curves
 four ways: unaligned (Garipov et al.), aligned (neuron alignment by post-activation correlation,
@@ -6,6 +6,13 @@ Algorithm 1, then curve finding), PAM from the identity ("PAM unaligned") and PA
 alignment ("PAM aligned"). Each curve's average and minimum test accuracy along it (Table 1) and
 training loss (Table 2), and the correlation signature of the endpoints before and after
 alignment and of each curve's midpoint to an endpoint (Figure 1).
+
+``--scale paper`` runs the paper's section 5 setting on the data given (``--data
+cifar10:DIR`` or ``cifar100:DIR``): TinyTen and ResNet32, endpoints trained 250 epochs by
+SGD at 0.1 halved every 20 epochs with weight decay 5e-4, curves trained 250 epochs with
+batches of 128 at 1e-2 (1e-1 on CIFAR-100) on the authors' schedule, PAM with 20 epochs of
+projected SGD and the authors' curve step (``pam(recipe="tatro")``), three pairs per
+architecture. Every endpoint is a fresh model from its own seed.
 """
 
 from __future__ import annotations
@@ -16,25 +23,38 @@ from typing import Any
 
 import numpy as np
 
-TITLE = "Tatro et al. Tables 1-2 (unaligned, aligned, PAM unaligned, PAM aligned curves) and Fig. 1 (correlation signature), small CNN on digits"
+TITLE = "Tatro et al. Tables 1-2 (unaligned, aligned, PAM unaligned, PAM aligned curves) and Fig. 1 (correlation signature)"
 OUTPUTS = ("report.md", "report.json", "curves_test.png", "signature.png")
+DATASETS = ("digits", "mnist", "cifar10", "cifar100")
 
-__all__ = ["OUTPUTS", "TITLE", "cnn", "run"]
+__all__ = ["DATASETS", "OUTPUTS", "TITLE", "cnn", "run"]
 
-# Per scale: CNN width, endpoint training epochs, curve epochs, PAM permutation steps, points, pairs of endpoints.
+# Per scale: the architectures ("cnn": the small CNN below, of width ``width``), endpoint
+# training epochs, curve epochs, PAM permutation steps (None: perm_epochs passes over the
+# training batches), points, pairs of endpoints per architecture, training batch size.
 SETTINGS = {
-    "smoke": {"width": 4, "epochs": 4, "curve_epochs": 1, "perm_steps": 4, "points": 5, "pairs": 1},
-    "quick": {"width": 8, "epochs": 20, "curve_epochs": 30, "perm_steps": 40, "points": 11, "pairs": 3},
-    "full": {"width": 16, "epochs": 40, "curve_epochs": 60, "perm_steps": 100, "points": 21, "pairs": 3},
-}
-BATCH = 64
+    "smoke": {"archs": ["cnn"], "width": 4, "epochs": 4, "curve_epochs": 1, "perm_steps": 4, "points": 5, "pairs": 1,
+              "batch": 64},
+    "quick": {"archs": ["cnn"], "width": 8, "epochs": 20, "curve_epochs": 30, "perm_steps": 40, "points": 11,
+              "pairs": 3, "batch": 64},
+    "full": {"archs": ["cnn"], "width": 16, "epochs": 40, "curve_epochs": 60, "perm_steps": 100, "points": 21,
+             "pairs": 3, "batch": 64},
+    # Tatro et al. sec. 5: "trained for 250 epochs"; "Curves are trained for 250 epochs using SGD with a learning
+    # rate of 1E-2 and a batch size of 128"; appendix E: "20 epochs of projected stochastic gradient descent".
+    "paper": {"archs": ["tinyten", "resnet32"], "width": 1, "epochs": 250, "curve_epochs": 250, "perm_steps": None,
+              "perm_epochs": 20, "points": 21, "pairs": 3, "batch": 128},
+}  # fmt: skip
 EVAL_BATCH = 512
 CURVE_LR = 0.01  # SGD with momentum 0.9, as the paper's curve training (1e-2)
+CURVE_LR_CIFAR100 = 0.1  # "For CIFAR100 curves, this learning rate was set to 1E-1"
+# The endpoints at --scale paper: "SGD ... a learning rate of 1E-1 that decays by a factor of 0.5 every 20 epochs.
+# Weight decay of 5E-4" (momentum 0.9, as their code's train_model.py).
+PAPER_ENDPOINTS = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "schedule": "halving", "weight_decay": 5e-4}
 KINDS = ("unaligned", "aligned", "PAM unaligned", "PAM aligned")
 
 
-def cnn(width: int) -> Any:
-    """A three-convolution CNN with BatchNorm for 8x8 one-channel images (a narrow TinyTen stand-in).
+def cnn(width: int, in_channels: int = 1, num_classes: int = 10) -> Any:
+    """A three-convolution CNN with BatchNorm for small images (a narrow TinyTen stand-in).
 
     TinyTen itself needs inputs of at least 16x16 (its last 3x3 convolution has no padding
     after two stride-2 layers); the digits are 8x8.
@@ -42,18 +62,65 @@ def cnn(width: int) -> Any:
     from torch import nn
 
     return nn.Sequential(
-        nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+        nn.Conv2d(in_channels, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
         nn.Conv2d(width, 2 * width, 3, padding=1, stride=2), nn.BatchNorm2d(2 * width), nn.ReLU(),
         nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, 10),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, num_classes),
     )  # fmt: skip
+
+
+def build_model(arch: str, cfg: dict, data: dict) -> Any:
+    """A fresh model of ``arch`` for ``data``'s images: the small CNN, or a registry model (TinyTen, ResNet32)."""
+    from pyperm.nn.models import create_model
+
+    channels, classes = data["input_shape"][0], data["num_classes"]
+    if arch == "cnn":
+        return cnn(cfg["width"], channels, classes)
+    return create_model(f"{arch}:{cfg['width']},num_classes={classes},in_channels={channels}")
+
+
+def load(data: str, device: Any, batch: int = 64) -> dict[str, Any]:
+    """The data as training batches of ``batch``, evaluation batches of 512, and whole training tensors."""
+    from pyperm.reproduce._data import load_data
+
+    return load_data(data, device, EVAL_BATCH, train=batch)
+
+
+def estimate_seconds(scale: str, data: str = "digits", device: Any = "cpu") -> float:
+    """The expected wall time of :func:`run` on this machine, from a few timed training steps of each model.
+
+    Curve training is counted at 1.5 training steps per batch (the point of the curve is built
+    every step), a relaxed PAM step at two, an evaluation pass at a third.
+    """
+    import math
+
+    from pyperm.datasets import load_dataset
+    from pyperm.reproduce._data import check_data
+    from pyperm.reproduce._estimate import step_seconds
+
+    if scale not in SETTINGS:
+        raise ValueError(f"scale must be one of {', '.join(SETTINGS)}, got {scale!r}")
+    name = check_data(data, DATASETS)
+    cfg = SETTINGS[scale]
+    ds = load_dataset(data)
+    info = {"name": name, "input_shape": ds.input_shape, "num_classes": ds.num_classes}
+    n = len(ds.y_train)
+    steps = math.ceil(n / cfg["batch"])
+    perm_steps = cfg["perm_steps"] or cfg["perm_epochs"] * steps
+    total = 0.0
+    for arch in cfg["archs"]:
+        step = step_seconds(f"{arch}/{name}/{cfg['width']}", ds.input_shape, cfg["batch"], device,
+                            build=lambda arch=arch: build_model(arch, cfg, info))  # fmt: skip
+        per_pair = (2 * cfg["epochs"] * steps + 4 * cfg["curve_epochs"] * steps * 1.5 + 2 * perm_steps * 2) * step
+        # Evaluation: 8 curves x points x (BatchNorm reset on the training split + the split itself), forward only.
+        per_pair += 8 * cfg["points"] * 2 * (n + len(ds.y_test)) / cfg["batch"] * step / 3
+        total += cfg["pairs"] * per_pair
+    return total
 
 
 def digits_batches(device: Any) -> dict[str, Any]:
     """Digits as training batches of 64, evaluation batches of 512, and whole training tensors."""
-    from pyperm.reproduce._train import digits_data
-
-    return digits_data(device, EVAL_BATCH, train=BATCH, train_eval=EVAL_BATCH)
+    return load("digits", device)
 
 
 def _midpoint_model(model: Any, curve: Any, data: dict) -> Any:
@@ -66,23 +133,42 @@ def _midpoint_model(model: Any, curve: Any, data: dict) -> Any:
     return mid.eval()
 
 
-def _one_pair(cfg: dict, data: dict, device: Any, seed: int, pair: int, progress: bool) -> dict[str, Any]:
-    """Train two endpoints and the four curves between them; evaluate everything."""
-    from pyperm.nn import connect, correlation_signature, evaluate_curve, pam
+def _endpoint(arch: str, cfg: dict, data: dict, device: Any, seed: int, paper: bool) -> tuple[Any, dict]:
+    """A fresh model from its own seed, trained: the model and its state."""
     from pyperm.nn._training import train_classifier
-    from pyperm.reproduce._train import SGD_COSINE, evaluate, loaded_copy
+    from pyperm.reproduce._train import SGD_COSINE
 
-    model = cnn(cfg["width"]).to(device)
+    model = build_model(arch, cfg, data).to(device)
+    recipe = PAPER_ENDPOINTS if paper else SGD_COSINE
+    state = train_classifier(model, (data["x_train"], data["y_train"]), batch_size=cfg["batch"], epochs=cfg["epochs"],
+                             seed=seed, **recipe)  # fmt: skip
+    return model, state
+
+
+def curve_options(cfg: dict, data: dict, paper: bool) -> dict[str, Any]:
+    """How the curves are trained: Garipov et al.'s recipe on the laptop scales, Tatro et al.'s at paper scale."""
+    if not paper:
+        return {"lr": CURVE_LR, "recipe": "garipov"}  # Garipov et al.'s regulariser and schedule
+    from pyperm.nn.align._tatro_curve import POINT_DECAY, tatro_scheduler
+
+    lr = CURVE_LR_CIFAR100 if data["name"] == "cifar100" else CURVE_LR
+    return {"lr": lr, "point_decay": POINT_DECAY, "lr_scheduler": tatro_scheduler()}
+
+
+def _one_pair(cfg: dict, data: dict, device: Any, seed: int, pair: int, progress: bool, arch: str = "cnn",
+              paper: bool = False) -> dict[str, Any]:
+    """Train two endpoints (fresh models, own seeds) and the four curves between them; evaluate everything."""
+    from pyperm.nn import connect, correlation_signature, evaluate_curve, pam
+    from pyperm.reproduce._train import evaluate, loaded_copy
+
     seeds = (100 * seed + 2 * pair + 1, 100 * seed + 2 * pair + 2)
-    train = (data["x_train"], data["y_train"])
-    sa, sb = (
-        train_classifier(model, train, batch_size=BATCH, epochs=cfg["epochs"], seed=s, **SGD_COSINE) for s in seeds
-    )
+    model, sa = _endpoint(arch, cfg, data, device, seeds[0], paper)
+    _, sb = _endpoint(arch, cfg, data, device, seeds[1], paper)
     spec = _spec(model, data)
+    options = curve_options(cfg, data, paper)
     common = {
         "epochs": cfg["curve_epochs"],
-        "lr": CURVE_LR,
-        "recipe": "garipov",  # the papers' curve training: Garipov et al.'s regulariser and schedule
+        **options,
         "seed": seed,
         "test_data": data["test"],
         "bn_data": data["train_eval"],
@@ -104,9 +190,10 @@ def _one_pair(cfg: dict, data: dict, device: Any, seed: int, pair: int, progress
             sb,
             data["train"],
             init=init,
-            perm_steps=cfg["perm_steps"],
+            perm_steps=cfg["perm_steps"] or cfg["perm_epochs"] * len(data["train"]),
             curve_epochs=cfg["curve_epochs"],
-            lr_curve=CURVE_LR,
+            lr_curve=options["lr"],
+            recipe="tatro",  # the authors' curve step (their nu, schedule and regulariser)
             seed=seed,
             progress=progress,
         )
@@ -137,6 +224,8 @@ def _one_pair(cfg: dict, data: dict, device: Any, seed: int, pair: int, progress
 def _spec(model: Any, data: dict) -> Any:
     from pyperm.nn import PermutationSpec
 
+    if hasattr(model, "permutation_spec"):  # the registry's models carry their hand-written spec
+        return model.permutation_spec()
     return PermutationSpec.from_model(model, data["test"][0][0][:2])
 
 
@@ -223,15 +312,18 @@ def _findings(pairs: list[dict]) -> list:
     ]
 
 
-def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: bool = False) -> Path:
+def run(out: Path, scale: str, *, data: str = "digits", device: Any = "cpu", seed: int = 0,
+        progress: bool = False) -> Path:
     """Train the endpoints and the curves, evaluate them, write the report.
 
     Parameters
     ----------
     out : pathlib.Path
         An existing folder; :data:`OUTPUTS` are written into it.
-    scale : {"smoke", "quick", "full"}
+    scale : {"smoke", "quick", "full", "paper"}
         The settings of :data:`SETTINGS`.
+    data : str, default "digits"
+        ``"digits"``, ``"mnist:DIR"``, ``"cifar10:DIR"`` or ``"cifar100:DIR"``.
     device : str or torch.device
         Where to train and evaluate.
     seed : int
@@ -247,25 +339,44 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
     from pyperm.nn import plot_paths
     from pyperm.reproduce._report import write_report
 
+    from pyperm.reproduce._data import check_data
+
+    if scale not in SETTINGS:
+        raise ValueError(f"scale must be one of {', '.join(SETTINGS)}, got {scale!r}")
+    check_data(data, DATASETS)
     cfg = SETTINGS[scale]
+    paper = scale == "paper"
     start = time.perf_counter()
-    data = digits_batches(device)
-    pairs = [_one_pair(cfg, data, device, seed, p, progress) for p in range(cfg["pairs"])]
-    findings = _findings(pairs)
+    loaded = load(data, device, cfg["batch"])
+    by_arch = {arch: [_one_pair(cfg, loaded, device, seed, p, progress, arch, paper) for p in range(cfg["pairs"])]
+               for arch in cfg["archs"]}  # fmt: skip
+    findings = []
+    for arch, arch_pairs in by_arch.items():
+        found = _findings(arch_pairs)
+        if len(by_arch) > 1:
+            for f in found:
+                f.source += f" ({arch})"
+        findings += found
     seconds = time.perf_counter() - start
 
-    plot_paths(pairs[0]["test"], out / "curves_test.png", title="test accuracy and loss along the curves (first pair)")
+    first = next(iter(by_arch))
+    pairs = by_arch[first]
+    plot_paths(pairs[0]["test"], out / "curves_test.png",
+               title=f"test accuracy and loss along the curves ({first}, first pair)")  # fmt: skip
     _plot_signature(out / "signature.png", pairs[0])
-    settings = _settings(scale, cfg, data, seconds, device)
+    settings = _settings(scale, cfg, loaded, seconds, device)
+    lines = _markdown(by_arch[first], findings, settings, loaded["name"])
+    for arch in list(by_arch)[1:]:
+        lines[-1:-1] = [f"## Tables 1-2 for {arch}", "", *_tables(by_arch[arch]), ""]
     return write_report(
         out,
         "curves",
-        _markdown(pairs, findings, settings),
+        lines,
         findings,
         scale=scale,
         seed=seed,
         seconds=seconds,
-        settings=cfg,
+        settings=cfg | {"data": loaded["name"]},
         pairs=[
             {
                 "test": {k: r.to_dict() for k, r in p["test"].items()},
@@ -274,8 +385,10 @@ def run(out: Path, scale: str, *, device: Any = "cpu", seed: int = 0, progress: 
                 "signature": p["signature"].to_dict(),
                 "midpoint_signature": {k: s.to_dict() for k, s in p["midpoint_signature"].items()},
                 "endpoint_accuracy": p["endpoint_accuracy"],
+                "architecture": arch,
             }
-            for p in pairs
+            for arch, arch_pairs in by_arch.items()
+            for p in arch_pairs
         ],
     )
 
@@ -284,30 +397,63 @@ def _settings(scale: str, cfg: dict, data: dict, seconds: float, device: Any) ->
     """The report's Settings section: what ran, and where it is smaller than the paper."""
     from pyperm.reproduce._report import settings_section
 
-    settings = {
-        "data": f"scikit-learn digits, {data['num_train']} training / {data['num_test']} test 8x8 images",
-        "model": f"CNN 1-{cfg['width']}-{2 * cfg['width']}-{2 * cfg['width']} channels, BatchNorm, ReLU, global average pool, linear 10",
-        "endpoints": f"{cfg['pairs']} pair(s), SGD momentum 0.9, lr 0.05 cosine, batch {BATCH}, {cfg['epochs']} epochs",
-        "curves": f"quadratic Bezier, Garipov et al.'s recipe (SGD lr {CURVE_LR} momentum 0.9, point decay 5e-4, "
-                  f"their lr schedule), {cfg['curve_epochs']} epochs, batch {BATCH}; "
-        f"alignment: activation matching (correlation of post-activations) on the training split",
-        "PAM": f"one outer iteration, {cfg['perm_steps']} projected SGD steps on the relaxed permutations, 32 BvN samples, "
-        f"{cfg['curve_epochs']} curve epochs",
+    paper = scale == "paper"
+    lr = curve_options(cfg, data, paper)["lr"]
+    batch = cfg["batch"]
+    steps = cfg["perm_steps"] or f"{cfg['perm_epochs']} epochs of"
+    c = data["input_shape"][0]
+    models = ", ".join(cfg["archs"]) if paper else (
+        f"CNN {c}-{cfg['width']}-{2 * cfg['width']}-{2 * cfg['width']} channels, BatchNorm, ReLU, global average "
+        f"pool, linear {data['num_classes']}")  # fmt: skip
+    endpoints = ("SGD momentum 0.9, lr 0.1 halved every 20 epochs, weight decay 5e-4" if paper
+                 else "SGD momentum 0.9, lr 0.05 cosine")  # fmt: skip
+    curves = (f"SGD lr {lr:g} momentum 0.9, point decay 5e-4, lr x 0.5^(e//20) x 0.9996^e (the authors' code)" if paper
+              else f"Garipov et al.'s recipe (SGD lr {lr:g} momentum 0.9, point decay 5e-4, their lr schedule)")  # fmt: skip
+    ours = {
+        "data": f"{data['description']} images",
+        "model": models,
+        "endpoints": f"{cfg['pairs']} pair(s) per model, each endpoint a fresh model from its own seed; {endpoints}, "
+                     f"batch {batch}, {cfg['epochs']} epochs",
+        "curves": f"quadratic Bezier, {curves}, {cfg['curve_epochs']} epochs, batch {batch}; alignment: activation "
+                  "matching (correlation of post-activations) on the training split",
+        "PAM": f"one outer iteration, {steps} projected SGD steps on the relaxed permutations, 32 BvN samples, "
+               f"{cfg['curve_epochs']} curve epochs with the authors' curve step (pam recipe='tatro', nu 1e3)",
         "evaluation": f"{cfg['points']} evenly spaced points, BatchNorm statistics recomputed on the training split at each",
-    }
-    scaled = [
-        "CIFAR-10/100 and Tiny ImageNet -> digits; TinyTen/ResNet32/GoogLeNet -> a 3-layer CNN (TinyTen needs 16x16 inputs or more)",
-        f"curve training {cfg['curve_epochs']} epochs (paper: 250), {cfg['pairs']} pair(s) of endpoints (paper: several)",
-    ]
-    if scale != "full":
-        scaled.append(f"`--{scale}`: narrower CNN, fewer epochs and PAM steps than the default")
-    return settings_section(scale, settings, scaled, seconds, device)
+    }  # fmt: skip
+    if paper:
+        lines = {k: f"{v}  \n  *paper:* \"{PAPER_LINES[k]}\"" for k, v in ours.items()}
+        scaled = [] if data["name"] in ("cifar10", "cifar100") else [
+            f"the paper's data is CIFAR-10/100 and Tiny ImageNet; ran on {data['name']}"]  # fmt: skip
+        scaled.append("GoogLeNet and Tiny ImageNet are not run")
+    else:
+        lines = ours
+        scaled = [
+            "CIFAR-10/100 and Tiny ImageNet, TinyTen/ResNet32/GoogLeNet -> a 3-layer CNN (`--scale paper` runs "
+            "TinyTen and ResNet32 on --data cifar10:DIR or cifar100:DIR)",
+            f"curve training {cfg['curve_epochs']} epochs (paper: 250), {cfg['pairs']} pair(s) of endpoints",
+        ]
+        if scale != "full":
+            scaled.append(f"`--{scale}`: narrower CNN, fewer epochs and PAM steps than the default")
+    return settings_section(scale, lines, scaled, seconds, device)
 
 
-def _markdown(pairs: list[dict], findings: list, settings: str) -> list[str]:
-    """The lines of report.md: the findings, Tables 1-2 and Figure 1 with their plots, the settings."""
+# Each setting at --scale paper beside the line of Tatro et al. that states it.
+PAPER_LINES = {
+    "data": "CIFAR10, CIFAR100, Tiny ImageNet (Table 1)",
+    "model": "TinyTen (0.09M) ... ResNet32 (0.47M) ... GoogLeNet (10.24M) (Table 1)",
+    "endpoints": "trained using SGD. We set a learning rate of 1E-1 that decays by a factor of 0.5 every 20 epochs. "
+                 "Weight decay of 5E-4 ... trained for 250 epochs; we train 6 models ... 3 independent model pairs",
+    "curves": "Curves are trained for 250 epochs using SGD with a learning rate of 1E-2 and a batch size of 128. The "
+              "rate anneals by a factor of 0.5 every 20 epochs ... For CIFAR100 curves ... 1E-1",
+    "PAM": "a single outer iteration of PAM ... 20 epochs of projected stochastic gradient descent ... 250 epochs of "
+           "SGD (appendix E)",
+    "evaluation": "BatchNorm statistics ... recomputed for each point (appendix B)",
+}  # fmt: skip
+
+
+def _tables(pairs: list[dict]) -> list[str]:
+    """Tables 1-2 of one architecture: the endpoints' accuracy, and accuracy and training loss along each curve."""
     from pyperm._tables import markdown_table
-    from pyperm.reproduce._report import findings_section
 
     def row(kind: str) -> list[Any]:
         a = [100 * p["test"][kind].average_accuracy for p in pairs]
@@ -317,6 +463,22 @@ def _markdown(pairs: list[dict], findings: list, settings: str) -> list[str]:
                 _mean([p["seconds"][kind] for p in pairs])]  # fmt: skip
 
     endpoint_acc = [100 * a for p in pairs for a in p["endpoint_accuracy"]]
+    return [
+        f"Endpoints' test accuracy: {_mean(endpoint_acc):.2f}% ± {_std(endpoint_acc):.2f}.",
+        "",
+        markdown_table(
+            ["curve", "average test accuracy (%)", "± std", "minimum test accuracy (%)", "± std",
+             "average training loss", "± std", "seconds"],
+            [row(k) for k in KINDS],
+        ),  # fmt: skip
+    ]
+
+
+def _markdown(pairs: list[dict], findings: list, settings: str, data_name: str = "digits") -> list[str]:
+    """The lines of report.md: the findings, Tables 1-2 and Figure 1 with their plots, the settings."""
+    from pyperm._tables import markdown_table
+    from pyperm.reproduce._report import findings_section
+
     sig = pairs[0]["signature"]
     mids = pairs[0]["midpoint_signature"]
     signature_rows = [
@@ -325,7 +487,7 @@ def _markdown(pairs: list[dict], findings: list, settings: str) -> list[str]:
         for i, g in enumerate(sig.groups)
     ]  # fmt: skip
     return [
-        "# Tatro et al. on digits: mode connectivity via neuron alignment",
+        f"# Tatro et al. on {data_name}: mode connectivity via neuron alignment",
         "",
         TITLE + ".",
         "",
@@ -333,13 +495,7 @@ def _markdown(pairs: list[dict], findings: list, settings: str) -> list[str]:
         "",
         "## Tables 1-2: accuracy and training loss along the curves",
         "",
-        f"Endpoints' test accuracy: {_mean(endpoint_acc):.2f}% ± {_std(endpoint_acc):.2f}.",
-        "",
-        markdown_table(
-            ["curve", "average test accuracy (%)", "± std", "minimum test accuracy (%)", "± std",
-             "average training loss", "± std", "seconds"],
-            [row(k) for k in KINDS],
-        ),  # fmt: skip
+        *_tables(pairs),
         "",
         "![curves](curves_test.png)",
         "",

@@ -29,6 +29,7 @@ projected query, key and value: they are computed from its inputs and ``in_proj_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -45,6 +46,7 @@ import torch.nn as nn
 import pyperm
 from pyperm._checks import check_bool, check_choice
 from pyperm.nn._checks import check_module, check_pair, check_spec
+from pyperm.nn._ranks import Ranks, data_group
 from pyperm.nn._runtime import iterate_batches, model_inputs, module_device, num_batches
 from pyperm.nn.align._activations import Reading, Statistics, collect_statistics, readings_of
 from pyperm.nn.align._joint import solve_joint
@@ -107,6 +109,7 @@ def activation_matching(
     progress: bool = False,
     composite: str | None = None,
     dtype: Any = np.float64,
+    group: Any = None,
 ) -> ActivationMatchingResult:
     r"""Permute model B's units to match model A's activations (Tatro et al. Alg. 1; Git Re-Basin eq. 1).
 
@@ -154,6 +157,14 @@ def activation_matching(
         (it names the groups).
     dtype : {numpy.float64, numpy.float32}, default float64
         Accumulator precision of the cross-correlation matrices.
+    group : torch.distributed.ProcessGroup, optional
+        Split ``data`` over the ranks of this process group, both models on every rank:
+        every rank calls with the same models and spec and its own share of the batches
+        (at least one); each reading's cross-correlation statistics are all-reduced exactly
+        (:func:`pyperm.all_reduce_cross_correlation`: counts, means, centred co-moments),
+        so every rank solves the same assignments and returns what one process returns on
+        all the shares together (``num_batches`` counts every rank's). None (the default):
+        this process alone.
 
     Returns
     -------
@@ -165,12 +176,14 @@ def activation_matching(
     ------
     TypeError
         A model is not a module, ``spec`` is neither a PermutationSpec nor None, ``data``
-        is not iterable or yields something that is not a batch, or an argument has the
-        wrong type.
+        is not iterable or yields something that is not a batch, ``group`` is not a
+        process group, or an argument has the wrong type.
     ValueError
         The models differ in state_dict keys, shapes or traced graph; ``data`` is empty or
         holds no samples; ``cost``, ``max_batches`` or ``composite`` is invalid; ``spec``
-        names a group the tracer does not find; or an activation is not finite.
+        names a group the tracer does not find; an activation is not finite; ``group`` is
+        given while torch.distributed is not initialised, or the ranks read different
+        activations.
     pyperm.nn.TraceError
         The model cannot be traced (see :func:`~pyperm.nn.trace_model`).
 
@@ -216,6 +229,7 @@ def activation_matching(
     True
     """
     _check_arguments(model_a, model_b, spec, cost, pre_activation)
+    ranks = data_group(group)
     batches = iterate_batches(data, max_batches)
     _, first = next(batches)  # TypeError, ValueError for data or max_batches
     traced, graph_b = _trace_models(model_a, model_b, spec, first, composite)
@@ -223,9 +237,14 @@ def activation_matching(
     if not spec.sizes:
         return ActivationMatchingResult(perms=Permutations(spec, {}), spec=spec)
     readings, of_group = _plan_readings(spec, sites)
-    stats = collect_statistics(model_a, model_b, (traced.graph_module, graph_b), readings,
-                               itertools.chain([(0, first)], batches), dtype=dtype, progress=progress,
-                               total=num_batches(data, max_batches))  # fmt: skip
+    if ranks is not None:  # the same readings everywhere, or the all-reduces below would not pair up
+        ranks.same([len(readings), *(r.units for r in readings)], "the activations read (one architecture?)")
+    with contextlib.nullcontext() if ranks is None else ranks.together("activation_matching's pass over data"):
+        stats = collect_statistics(model_a, model_b, (traced.graph_module, graph_b), readings,
+                                   itertools.chain([(0, first)], batches), dtype=dtype, progress=progress,
+                                   total=num_batches(data, max_batches))  # fmt: skip
+    if ranks is not None:
+        stats = _all_reduce_statistics(stats, ranks)
     mats = _similarities(stats, cost)
     perms = _solve_plain_groups(spec, readings, of_group, mats)
     perms.update(_solve_structured_groups(spec, readings, mats))
@@ -307,6 +326,17 @@ def _plan_readings(
                         readings.append(r)
                     of_group.setdefault(g, []).append(readings.index(r))
     return readings, of_group
+
+
+def _all_reduce_statistics(stats: Statistics, ranks: Ranks) -> Statistics:
+    """Every rank's accumulators made those of all the ranks' data (the exact merge of
+    :func:`pyperm.all_reduce_cross_correlation`), and the batches of all ranks."""
+    for i in range(len(stats.accumulators)):
+        acc = stats.accumulators[i]
+        # On the group's device (NCCL: the current CUDA device); the accumulator keeps its own.
+        pyperm.all_reduce_cross_correlation(acc, ranks.group, device=ranks.device)
+    total = int(ranks.sum(torch.tensor([float(stats.num_batches)])).item())
+    return dataclasses.replace(stats, num_batches=total)
 
 
 def _similarities(stats: Statistics, cost: str) -> list[np.ndarray]:

@@ -145,6 +145,7 @@ __all__ = ["PAMIteration", "PAMResult", "pam"]
 logger = logging.getLogger(__name__)
 
 _INITS = ("identity", "activation", "weight")
+_RECIPES = ("tatro",)
 _FINAL_TOL = 1e-7  # how doubly stochastic the relaxed solution D* is made before the candidates
 _TIMINGS = ("relaxed_forward_backward", "projection", "assignment", "bvn_sampling", "candidates", "curve_step")
 # lr_perm="auto": how far a step moves each unit's row of D (L2 norm, before the projection).
@@ -285,6 +286,7 @@ def pam(
     projection_iters: int = 20,
     projection_tol: float | None = None,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    recipe: str | None = None,
 ) -> PAMResult:
     r"""Proximal alternating minimization over permutation and curve (Tatro et al. appendix E).
 
@@ -366,6 +368,18 @@ def pam(
         projected to within 1e-7 before the candidates are drawn from it.
     loss_fn : callable, optional
         ``loss_fn(outputs, targets)``, the batch's mean loss; cross-entropy by default.
+    recipe : {"tatro"}, optional
+        The curve step as Tatro et al.'s code (IBM/NeuronAlignment) runs it: SGD with
+        Nesterov ``momentum``, their schedule ``lr_curve * 0.5**(e // 20) * 0.9996**e``
+        over the curve epochs ``e`` (continued, not annealed, from one outer iteration to
+        the next), the regulariser :math:`\frac{\lambda}{2}\|r(t)\|^2` on the point of the
+        curve with :math:`\lambda = 5\cdot 10^{-4}` (``train_curve``'s ``point_decay``),
+        and the proximal term as its exact proximal map after every step, outside the
+        optimizer, so that ``nu_curve`` is their :math:`\nu` (their runs: ``lr_curve=0.1``,
+        ``nu_curve=1e3``, 250 curve epochs). Default (None): heavy-ball momentum, a
+        constant rate annealed by ``anneal``, no regulariser, and the proximal term as a
+        gradient (which the momentum then carries: about ten times stronger at the same
+        ``nu_curve``). The permutation step is the same either way.
 
     Returns
     -------
@@ -416,7 +430,7 @@ def pam(
         max_iter=max_iter, perm_steps=perm_steps, curve_epochs=curve_epochs, lr_perm=lr_perm, lr_curve=lr_curve,
         nu_perm=nu_perm, nu_curve=nu_curve, perm_samples=perm_samples, max_terms=max_terms, seed=seed,
         momentum=momentum, anneal=anneal, judge_points=judge_points, judge_batches=judge_batches,
-        projection_iters=projection_iters, projection_tol=projection_tol, loss_fn=loss_fn,
+        projection_iters=projection_iters, projection_tol=projection_tol, loss_fn=loss_fn, recipe=recipe,
     )  # fmt: skip
     run = _start(model, spec, state_a, state_b, data, init, opts)
     history: list[PAMIteration] = []
@@ -457,6 +471,7 @@ class _Options:
     projection_iters: int
     projection_tol: float | None
     loss_fn: Callable[..., torch.Tensor]
+    recipe: str | None
 
     @classmethod
     def checked(cls, **values: Any) -> _Options:
@@ -476,10 +491,12 @@ class _Options:
         if values["momentum"] == 1.0:  # a momentum of 1 never forgets a gradient: SGD does not converge
             raise ValueError("momentum must lie in [0, 1), got 1.0")
         values["loss_fn"] = check_callable(values["loss_fn"], "loss_fn", allow_none=True) or F.cross_entropy
+        if values["recipe"] is not None:
+            values["recipe"] = check_choice(values["recipe"], "recipe", _RECIPES)
         # The curve's proximal term enters as a gradient (x - x^k) / nu of explicit steps, which
         # overshoot x^k (and, with momentum, oscillate) once lr / nu reaches 1. (The permutation's
-        # is stepped exactly: any lr_perm suits it.)
-        if values["lr_curve"] / values["nu_curve"] >= 1.0:
+        # is stepped exactly: any lr_perm suits it; so is the curve's under recipe="tatro".)
+        if values["recipe"] is None and values["lr_curve"] / values["nu_curve"] >= 1.0:
             raise ValueError("lr_curve / nu_curve must be below 1 (the proximal term is a gradient step), "
                              f"got {values['lr_curve'] / values['nu_curve']:.3g}")
         return cls(**values)
@@ -574,7 +591,7 @@ def _outer_iteration(run: _Run, opts: _Options, k: int) -> PAMIteration:
     scale = opts.anneal**k  # both learning rates are annealed each outer iteration (E.2)
     step = _permutation_step(run, opts, scale, timings)
     start = time.perf_counter()
-    curve_loss = _curve_step(run, opts, scale)
+    curve_loss = _curve_step(run, opts, scale, k)
     timings["curve_step"] += time.perf_counter() - start
     run.objective.append(run.judge(run.offset, run.perms))
     logger.info("pam: iteration %d: objective %.6g after the curve step", k + 1, run.objective[-1])
@@ -726,14 +743,24 @@ def _best_candidate(run: _Run, candidates: list[tuple[str, Mapping[str, torch.Te
     return best_name, best_perms, best_q, len(seen)
 
 
-def _curve_step(run: _Run, opts: _Options, scale: float) -> list[float]:
+def _curve_step(run: _Run, opts: _Options, scale: float, k: int) -> list[float]:
     r""":math:`\phi^{k+1}`: the curve to :math:`P^{k+1}\theta_B`, its bend at the midpoint plus
     the offset, trained with the proximal term; sets ``run.curve`` and the offsets and
     returns :func:`~pyperm.nn.curves.train_curve`'s loss per epoch."""
     end_state = apply_permutation(run.spec, run.perms, run.sb)
     curve, mids = build_curve(run.model, run.sa, end_state, run.offset_flat)
     losses: list[float] = []
-    if opts.curve_epochs:
+    if opts.curve_epochs and opts.recipe == "tatro":
+        from pyperm.nn.align import _tatro_curve as tatro
+
+        # The proximal map is taken by the optimizer after each step (no gradient hook); the
+        # schedule goes on from the epochs of the earlier outer iterations.
+        losses = train_curve(curve, run.data, epochs=opts.curve_epochs, lr=opts.lr_curve,
+                             optimizer=tatro.proximal_nesterov_sgd(opts.nu_curve), momentum=opts.momentum,
+                             point_decay=tatro.POINT_DECAY, lr_scheduler=tatro.tatro_scheduler(k * opts.curve_epochs),
+                             seed=int(torch.randint(0, 2**62, (), generator=run.gen)),
+                             loss_fn=opts.loss_fn)  # fmt: skip
+    elif opts.curve_epochs:
         handles = proximal_hooks(curve, opts.nu_curve)
         try:
             losses = train_curve(curve, run.data, epochs=opts.curve_epochs, lr=opts.lr_curve * scale,

@@ -19,6 +19,7 @@ from torch import nn
 
 from pyperm._checks import check_callable
 from pyperm.nn._checks import check_module
+from pyperm.nn._ranks import data_group
 from pyperm.nn._runtime import check_batches, eval_mode, mean_loss_and_accuracy, module_device
 from pyperm.nn.eval.batchnorm import reset_bn_stats, resolve_bn_data
 
@@ -65,8 +66,10 @@ class PointEvaluator:
     """
 
     def __init__(self, model: nn.Module, datasets: Mapping[str, Iterable[Any]], bn_data: Iterable[Any] | bool | None,
-                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None) -> None:
+                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None, group: Any = None) -> None:
         check_module(model, "model")
+        self.group = group
+        self.ranks = data_group(group)
         self.datasets = dict(datasets)
         if bn_data is not None and not isinstance(bn_data, bool):
             check_batches(bn_data, "bn_data", supervised=False, reiterable=True)
@@ -79,12 +82,12 @@ class PointEvaluator:
         """Mean loss over the samples of each data set and accuracy (NaN unless classification)."""
         self.model.load_state_dict(state, assign=True)
         if self.bn_data is not None:
-            reset_bn_stats(self.model, self.bn_data)
+            reset_bn_stats(self.model, self.bn_data, group=self.group)
         out = {}
         device = module_device(self.model)
         with torch.no_grad(), eval_mode(self.model):
             for name, data in self.datasets.items():
                 loss, accuracy, self.num_samples[name] = mean_loss_and_accuracy(
-                    self.model, data, self.loss_fn, device, name)
+                    self.model, data, self.loss_fn, device, name, ranks=self.ranks)
                 out[name] = (loss, accuracy)
         return out

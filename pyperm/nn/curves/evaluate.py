@@ -13,6 +13,7 @@ import torch
 from pyperm._checks import check_bool, check_int
 from pyperm._progress import progress_bar
 from pyperm.nn.curves._points import PointEvaluator, check_datasets
+from pyperm.nn._ranks import data_group
 from pyperm.nn.curves.train import check_curve
 from pyperm.nn.eval.path import CurveResult
 from pyperm.nn.eval.robust import check_attack, robust_accuracy
@@ -31,6 +32,7 @@ def evaluate_curve(
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     progress: bool = False,
     adversarial: dict[str, Any] | None = None,
+    group: Any = None,
 ) -> CurveResult | dict[str, CurveResult]:
     r"""Loss and accuracy of the networks along a curve (Tatro et al. Tables 1-2, Figure 3).
 
@@ -67,6 +69,13 @@ def evaluate_curve(
         network (eval mode, recomputed BatchNorm statistics) with these
         :func:`~pyperm.nn.eval.robust.pgd_attack` keyword arguments (``eps``,
         ``steps``, ``step_size``, ...).
+    group : torch.distributed.ProcessGroup, optional
+        Split every data set and ``bn_data`` over the ranks of this process group: every
+        rank calls with the same curve and its own share of the batches; the BatchNorm
+        statistics of each point are all-reduced with exact counts, and so are the
+        sample-weighted loss sums and the correct, labelled and sample counts, so every
+        rank returns what one process returns on all the shares together. None (the
+        default): this process alone. Not with ``adversarial``.
 
     Returns
     -------
@@ -89,7 +98,8 @@ def evaluate_curve(
         not an int; ``loss_fn`` is not callable; ``progress`` is not a bool.
     ValueError
         ``num_points`` < 2; the model has BatchNorm layers and ``bn_data`` is None;
-        ``data`` is an empty mapping or a data set yields no batches.
+        ``data`` is an empty mapping or a data set yields no batches; ``group`` is given
+        while torch.distributed is not initialised, or with ``adversarial``.
 
     Notes
     -----
@@ -127,7 +137,10 @@ def evaluate_curve(
     num_points = check_int(num_points, "num_points", 2)
     progress = check_bool(progress, "progress")
     attack = None if adversarial is None else check_attack(adversarial)
-    evaluator = PointEvaluator(curve.model, datasets, bn_data, loss_fn)
+    if data_group(group) is not None and attack is not None:
+        raise ValueError("group: the robust accuracy (adversarial=) is not measured over ranks; evaluate it in one "
+                         "process, or pass group=None")
+    evaluator = PointEvaluator(curve.model, datasets, bn_data, loss_fn, group)
     ts = np.linspace(0.0, 1.0, num_points)
     loss = {name: np.empty(num_points) for name in datasets}
     accuracy = {name: np.empty(num_points) for name in datasets}

@@ -16,6 +16,7 @@ from torch import nn
 from pyperm._checks import check_bool, check_callable, check_fraction, check_int
 from pyperm._progress import progress_bar
 from pyperm.nn._checks import check_model_states, check_module
+from pyperm.nn._ranks import data_group
 from pyperm.nn._runtime import check_batches, eval_mode, mean_loss_and_accuracy, module_device
 from pyperm.nn.eval.batchnorm import reset_bn_stats, resolve_bn_data
 from pyperm.nn.eval.path import BarrierResult, chord
@@ -64,6 +65,7 @@ def barrier(
     bn_data: Iterable[Any] | bool | None = None,
     device: str | torch.device | None = None,
     progress: bool = False,
+    group: Any = None,
 ) -> BarrierResult:
     r"""Evaluate the linear path between two models and its loss and accuracy barriers.
 
@@ -115,6 +117,14 @@ def barrier(
         copy of the model is used and the model itself is not moved.
     progress : bool, default False
         Show a progress bar over the points (needs tqdm).
+    group : torch.distributed.ProcessGroup, optional
+        Split ``data`` and ``bn_data`` over the ranks of this process group: every rank
+        calls with the same model, states and points and its own share of the batches;
+        the BatchNorm statistics are all-reduced (exact counts,
+        :func:`~pyperm.nn.eval.batchnorm.reset_bn_stats`), and so are the sample-weighted
+        loss sums, the correct and labelled counts and the sample counts, so every rank
+        returns the result one process returns on all the shares together
+        (``num_samples`` counts every rank's). None (the default): this process alone.
 
     Returns
     -------
@@ -136,7 +146,8 @@ def barrier(
         The states do not pair up with each other or with the model (the message
         names the key); ``num_points`` < 2; ``ts`` is not increasing from 0 to 1;
         ``data`` yields no batches; the model has BatchNorm layers and ``bn_data``
-        is None; ``loss_fn`` returns more than one value.
+        is None; ``loss_fn`` returns more than one value; ``group`` is given while
+        torch.distributed is not initialised (TypeError: ``group`` is not a process group).
 
     Notes
     -----
@@ -164,6 +175,7 @@ def barrier(
     0.0
     """
     check_module(model)
+    ranks = data_group(group)
     check_model_states(model, state_a, state_b)
     check_batches(data, "data", reiterable=True)
     if bn_data is not None and not isinstance(bn_data, bool):
@@ -193,9 +205,9 @@ def barrier(
             with torch.no_grad():
                 runner.load_state_dict(interpolate(a, b, float(t)))
             if reset_on is not None:
-                reset_bn_stats(runner, reset_on)
+                reset_bn_stats(runner, reset_on, group=group)
             with torch.no_grad(), eval_mode(runner):
-                loss, acc, samples = mean_loss_and_accuracy(runner, data, loss_fn, target)
+                loss, acc, samples = mean_loss_and_accuracy(runner, data, loss_fn, target, ranks=ranks)
             losses.append(loss)
             accuracies.append(acc)
             logger.debug("barrier: t=%.4f loss=%.6g accuracy=%s", t, loss, acc)

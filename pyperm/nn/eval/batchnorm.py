@@ -6,6 +6,7 @@ evaluation of points between two models (barriers, curves, planes).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from pyperm.nn._checks import check_module
+from pyperm.nn._ranks import all_reduce_moments, data_group
 from pyperm.nn._runtime import check_batches, eval_mode, iterate_batches, model_inputs, module_device, to_device
 from pyperm.nn.eval._moments import Moments
 
@@ -59,7 +61,9 @@ def resolve_bn_data(model: nn.Module, bn_data: Any, name: str = "bn_data") -> It
     return bn_data if bns and bn_data is not False else None
 
 
-def reset_bn_stats(model: nn.Module, data: Iterable[Any], *, max_batches: int | None = None) -> nn.Module:
+def reset_bn_stats(
+    model: nn.Module, data: Iterable[Any], *, max_batches: int | None = None, group: Any = None
+) -> nn.Module:
     r"""Recompute every BatchNorm's running statistics exactly over the samples of ``data``.
 
     After interpolating (or permuting and averaging) weights, the running statistics
@@ -91,7 +95,14 @@ def reset_bn_stats(model: nn.Module, data: Iterable[Any], *, max_batches: int | 
         element is the input tensor (or a tuple of the forward's inputs), as a
         DataLoader yields them. Moved to the model's device.
     max_batches : int, optional
-        Read at most this many batches.
+        Read at most this many batches (on each rank, with ``group``).
+    group : torch.distributed.ProcessGroup, optional
+        The data is split over the ranks of this process group: every rank calls with the
+        same model and its own share of the batches, the per-channel counts, means and
+        centred sums of squares are all-reduced (Chan's merge, exact for batches and shares
+        of any size), and every rank's model gets the statistics of all the shares together,
+        as one process computes them on the concatenated data. ``num_batches_tracked`` is then
+        the batches of all ranks. None (the default): this process's data alone.
 
     Returns
     -------
@@ -105,11 +116,14 @@ def reset_bn_stats(model: nn.Module, data: Iterable[Any], *, max_batches: int | 
     Raises
     ------
     TypeError
-        ``model`` is not a module, ``data`` not an iterable of batches, or
-        ``max_batches`` not an int.
+        ``model`` is not a module, ``data`` not an iterable of batches,
+        ``max_batches`` not an int, or ``group`` not a process group.
     ValueError
-        ``data`` yields no batches, ``max_batches`` is below 1, or a BatchNorm saw
-        fewer than two values per channel (no variance can be estimated).
+        ``data`` yields no batches, ``max_batches`` is below 1, a BatchNorm saw
+        fewer than two values per channel (no variance can be estimated), or ``group``
+        is given while torch.distributed is not initialised.
+    pyperm.distributed.RankFailedError
+        With ``group``: another rank's pass over its data raised (that rank raises its own error).
 
     Notes
     -----
@@ -142,6 +156,7 @@ def reset_bn_stats(model: nn.Module, data: Iterable[Any], *, max_batches: int | 
     True
     """
     check_module(model)
+    ranks = data_group(group)
     bns = batchnorm_modules(model)
     if not bns:
         logger.debug(
@@ -166,12 +181,16 @@ def reset_bn_stats(model: nn.Module, data: Iterable[Any], *, max_batches: int | 
         for name, m in bns:
             m.momentum = 0.0
             hooks.append(m.register_forward_pre_hook(collect(name)))
-        with torch.no_grad(), eval_mode(model):
-            for _, m in bns:
-                m.train()
-            for i, batch in iterate_batches(data, max_batches):
-                model(*to_device(model_inputs(batch, i), device))
-                batches += 1
+        with ranks.together("reset_bn_stats") if ranks is not None else contextlib.nullcontext():
+            with torch.no_grad(), eval_mode(model):
+                for _, m in bns:
+                    m.train()
+                for i, batch in iterate_batches(data, max_batches):
+                    model(*to_device(model_inputs(batch, i), device))
+                    batches += 1
+        if ranks is not None:  # every rank: the moments of all the shares
+            all_reduce_moments(ranks, [moments[name] for name, _ in bns], [m.running_mean.numel() for _, m in bns])
+            batches = int(ranks.sum(torch.tensor([float(batches)])).item())
         for name, _ in bns:
             if 0 < moments[name].count < 2:
                 raise ValueError(

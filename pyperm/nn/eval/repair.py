@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import warnings
@@ -14,6 +15,7 @@ from torch import nn
 
 from pyperm._checks import check_bool
 from pyperm.nn._checks import check_model_states, check_module, check_spec, check_t
+from pyperm.nn._ranks import Ranks, all_reduce_moments, data_group
 from pyperm.nn._runtime import check_batches, eval_mode, iterate_batches, model_inputs, module_device, to_device
 from pyperm.nn.eval._moments import Moments
 from pyperm.nn.spec import PermutationSpec
@@ -159,13 +161,15 @@ def _measure(
     data: Iterable[Any],
     max_batches: int | None,
     device: torch.device,
+    ranks: Ranks | None = None,
 ) -> list[Moments]:
     """Per-unit moments at each site over ``data``, the model running ``state`` in eval mode.
 
     A site is read at its module's output, except a BatchNorm with running statistics,
     which is read at its input: its eval-mode output is an affine function of that input
     whose coefficients the caller knows. Each batch's forward stops as soon as every site
-    has been read (an early layer's round costs a fraction of a full pass).
+    has been read (an early layer's round costs a fraction of a full pass). With ``ranks``,
+    ``data`` is this rank's share and the moments are all-reduced (exact counts).
     """
     moments = [Moments() for _ in sites]
     fired: set[int] = set()
@@ -183,21 +187,24 @@ def _measure(
 
         return hook
 
-    try:
-        for k, site in enumerate(sites):
-            hooks.append(site.module.register_forward_hook(reader(k, site)))
-        with torch.no_grad(), eval_mode(model):
-            for i, batch in iterate_batches(data, max_batches, name="data"):
-                fired.clear()
-                try:
-                    # Every key is given, tied ones (GPT-2's embedding and head) each with its own tensor object.
-                    torch.func.functional_call(model, state, to_device(model_inputs(batch, i), device),
-                                               tie_weights=False)  # fmt: skip
-                except _Done:
-                    pass
-    finally:
-        for h in hooks:
-            h.remove()
+    with contextlib.nullcontext() if ranks is None else ranks.together("repair's pass over data"):
+        try:
+            for k, site in enumerate(sites):
+                hooks.append(site.module.register_forward_hook(reader(k, site)))
+            with torch.no_grad(), eval_mode(model):
+                for i, batch in iterate_batches(data, max_batches, name="data"):
+                    fired.clear()
+                    try:
+                        # Every key is given, tied ones (GPT-2's embedding and head) each with its own tensor object.
+                        torch.func.functional_call(model, state, to_device(model_inputs(batch, i), device),
+                                                   tie_weights=False)  # fmt: skip
+                    except _Done:
+                        pass
+        finally:
+            for h in hooks:
+                h.remove()
+    if ranks is not None:
+        all_reduce_moments(ranks, moments, [None] * len(moments))
     for site, acc in zip(sites, moments):
         if acc.count < 2:
             raise ValueError(f"repair: {site.describe()} saw {acc.count} value(s) per unit; need at least two")
@@ -445,6 +452,7 @@ def repair(
     t: float = 0.5,
     max_batches: int | None = None,
     attention: bool = False,
+    group: Any = None,
 ) -> dict[str, torch.Tensor]:
     r"""REPAIR: the interpolated model with its units' statistics renormalised to the endpoints'.
 
@@ -501,6 +509,13 @@ def repair(
         GPT-2s and two ViTs (width 64, 2 layers) it lowered the midpoint loss of
         weight-matched pairs from 2.510 to 2.424 and from 1.658 to 1.389 (plain
         interpolation 2.588 and 1.757).
+    group : torch.distributed.ProcessGroup, optional
+        Split ``data`` over the ranks of this process group: every rank calls with the
+        same model, spec, states and ``t`` and its own share of the batches; each pass's
+        per-unit counts, means and centred sums of squares are all-reduced (Chan's merge,
+        exact for shares and batches of any size), so every rank folds the same
+        corrections and returns the state dict one process returns on all the shares
+        together. None (the default): this process alone.
 
     Returns
     -------
@@ -513,10 +528,11 @@ def repair(
     TypeError
         ``model`` is not a module; a state is not a mapping of str to tensors; ``t``
         is not a real number; ``data`` is not a re-iterable of batches; ``spec`` is
-        not a PermutationSpec.
+        not a PermutationSpec; ``group`` is not a process group.
     ValueError
         The states do not pair up with each other or with the model (the message
-        names the key); ``t`` is outside [0, 1]; ``data`` yields no batches; a group of
+        names the key); ``t`` is outside [0, 1]; ``data`` yields no batches; ``group``
+        is given while torch.distributed is not initialised; a group of
         ``spec`` is not a group of the traced model; no site's correction can be folded
         (see Notes).
     pyperm.nn.TraceError
@@ -594,6 +610,7 @@ def repair(
     True
     """
     check_module(model)
+    ranks = data_group(group)
     check_model_states(model, state_a, state_b)
     t = check_t(t)
     check_batches(data, "data", supervised=False, reiterable=True)
@@ -619,7 +636,7 @@ def repair(
 
     # Targets from the endpoints, every site in one pass each.
     on_device = [{k: v.detach().to(device) for k, v in s.items()} for s in (state_a, state_b)]
-    ends = [_measure(model, s, sites, data, max_batches, device) for s in on_device]
+    ends = [_measure(model, s, sites, data, max_batches, device, ranks) for s in on_device]
     targets = []
     for k, site in enumerate(sites):
         mean_a, std_a = _output_stats(site, ends[0][k], on_device[0])
@@ -633,7 +650,7 @@ def repair(
         ready = [k for k in range(len(sites)) if pending >> k & 1 and not upstream[k] & pending]
         if not ready:  # pragma: no cover - graph order makes the first pending site always ready
             raise RuntimeError("repair: the sites' dependencies are cyclic")
-        measured = _measure(model, working, [sites[k] for k in ready], data, max_batches, device)
+        measured = _measure(model, working, [sites[k] for k in ready], data, max_batches, device, ranks)
         for k, acc in zip(ready, measured):
             _fold(sites[k], acc, targets[k][0], targets[k][1], working)
             pending &= ~(1 << k)

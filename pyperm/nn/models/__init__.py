@@ -15,13 +15,20 @@ it), ``"stage2"`` the residual stream shared by every block of a ResNet stage, a
 
 :func:`create_model` builds any of them from a name (``"mlp:784,512,512,10"``,
 ``"resnet20:4"``, ``"vgg16"``): the one registry the command line, the benchmarks and the
-reproductions share.
+reproductions share. :func:`register_model` adds a user's architecture to it by name.
 """
 
-from pyperm.nn.models._registry import create_model, input_shape, model_names, model_usage, parse_model_name
+from pyperm.nn.models._registry import (
+    create_model,
+    input_shape,
+    model_names,
+    model_usage,
+    parse_model_name,
+    register_model,
+)
 from pyperm.nn.models.huggingface import single_output
 from pyperm.nn.models.mlp import MLP
-from pyperm.nn.models.resnet import ResNet20
+from pyperm.nn.models.resnet import ResNet20, ResNet32
 from pyperm.nn.models.tinyten import TinyTen
 from pyperm.nn.models.vgg import VGG, VGG11, VGG16
 
@@ -31,11 +38,13 @@ __all__ = [
     "VGG11",
     "VGG16",
     "ResNet20",
+    "ResNet32",
     "TinyTen",
     "create_model",
     "input_shape",
     "model_names",
     "model_usage",
     "parse_model_name",
+    "register_model",
     "single_output",
 ]

@@ -113,6 +113,8 @@ class ResNet20(nn.Module):
     ['stage1', 'stage1.block0', 'stage1.block1', 'stage1.block2']
     """
 
+    BLOCKS = 3  # residual blocks per stage: depth 6 * BLOCKS + 2
+
     def __init__(
         self, width_multiplier: int = 1, num_classes: int = 10, shortcut: str = "B", in_channels: int = 3
     ) -> None:
@@ -131,7 +133,7 @@ class ResNet20(nn.Module):
         stages = []
         for s, planes in enumerate(widths):
             blocks = []
-            for i in range(3):
+            for i in range(self.BLOCKS):
                 stride = 2 if (s > 0 and i == 0) else 1
                 blocks.append(BasicBlock(in_planes, planes, stride, shortcut))
                 in_planes = planes
@@ -166,6 +168,20 @@ class ResNet20(nn.Module):
                 stream = out_stream
         b.linear("fc", self.fc, None, stream)
         return b.spec()
+
+
+class ResNet32(ResNet20):
+    """The CIFAR ResNet32 of He et al. (2016) that Tatro et al. align: :class:`ResNet20` with five
+    blocks per stage instead of three (the same options, groups ``"stage{s}.block{0..4}"``).
+
+    Examples
+    --------
+    >>> from pyperm.nn.models import ResNet32
+    >>> sum(p.numel() for p in ResNet32(shortcut="A").parameters() if p.ndim > 1) > 460_000
+    True
+    """
+
+    BLOCKS = 5
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,0 +1,143 @@
+"""Git Re-Basin (Ainsworth et al., ICLR 2023): Figures 2, 3, 4 and Table 2, on digits, MNIST or CIFAR.
+
+Figure 2: the loss and accuracy along the linear path between two independently trained
+MLPs, naively and after weight, activation and STE matching, on the test and the training
+split. Table 2: MergeMany (Algorithm 3) of five MLPs against each of them and their naive
+average. Figure 3: the barrier between the pair epoch by epoch. Figure 4: the barrier after
+weight matching against width (MLPs of growing hidden width; at ``--scale paper`` on CIFAR,
+the paper's ResNet20 and VGG16 at width multipliers).
+
+``--scale paper --data mnist:DIR`` is the paper's MNIST setting (see ``_settings``); the
+default is the laptop setting on scikit-learn's digits.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from pyperm.reproduce.rebasin._settings import SETTINGS
+
+TITLE = "Git Re-Basin Fig. 2 (naive, weight, activation and STE paths), Table 2 (MergeMany), Fig. 3 (barrier vs epoch) and Fig. 4 (barrier vs width)"
+OUTPUTS = ("report.md", "report.json", "fig2_test.png", "fig2_train.png", "fig3_epochs.png", "fig4_width.png")
+DATASETS = ("digits", "mnist", "cifar10", "cifar100")
+
+__all__ = ["DATASETS", "OUTPUTS", "SETTINGS", "TITLE", "estimate_seconds", "run"]
+
+
+def _load(scale: str, data: str, device: Any) -> dict[str, Any]:
+    from pyperm.reproduce._data import load_data
+
+    cfg = SETTINGS[scale]
+    return load_data(data, device, cfg["eval_batch"], ste=cfg["ste_batch"])
+
+
+def estimate_seconds(scale: str, data: str = "digits", device: Any = "cpu") -> float:
+    """The expected wall time of :func:`run` on this machine, from a few timed training steps of each model.
+
+    Raises
+    ------
+    ValueError
+        An unknown ``scale`` or a malformed ``data`` (as :func:`run`).
+    """
+    from pyperm.datasets import load_dataset
+    from pyperm.reproduce._data import check_data
+    from pyperm.reproduce._estimate import forward_seconds, step_seconds
+    from pyperm.reproduce.rebasin._experiments import training_epochs
+    from pyperm.reproduce.rebasin._settings import fig4_models, mlp_name
+
+    cfg = _config(scale)
+    name = check_data(data, DATASETS)
+    ds = load_dataset(data)
+    info = {"name": name, "input_shape": ds.input_shape, "num_classes": ds.num_classes}
+    n_train, n_test = len(ds.y_train), len(ds.y_test)
+    shape = ds.input_shape
+    fig2 = mlp_name(info, cfg["width"], cfg["depth"])
+    total = 0.0
+    for model, epochs, batch, _ in training_epochs(scale, cfg, info, fig2):
+        total += epochs * math.ceil(n_train / batch) * step_seconds(model, shape, batch, device)
+    # STE: a training step and a weight matching (about as long again, measured on MNIST MLPs) per batch.
+    ste_steps = cfg["ste_epochs"] * math.ceil(n_train / cfg["ste_batch"])
+    total += 2 * ste_steps * step_seconds(fig2, shape, cfg["ste_batch"], device)
+    k = cfg["fig3_train_batches"]
+    fig3_train = n_train if k is None else min(n_train, k * cfg["eval_batch"])
+    samples = cfg["points"] * (4 * (n_train + n_test) + len(cfg["marks"]) * (2 * n_test + fig3_train))
+    samples += 2 * (cfg["models"] + 2) * (n_train + n_test)  # Table 2
+    total += forward_seconds(fig2, shape, samples, device)
+    for _, model in fig4_models(scale, cfg, info):
+        total += forward_seconds(model, shape, cfg["pairs"] * 2 * cfg["points"] * (n_test + n_train), device)
+    return total
+
+
+def _config(scale: str) -> dict[str, Any]:
+    if scale not in SETTINGS:
+        raise ValueError(f"scale must be one of {', '.join(SETTINGS)}, got {scale!r}")
+    return SETTINGS[scale]
+
+
+def run(out: Path, scale: str, *, data: str = "digits", device: Any = "cpu", seed: int = 0,
+        progress: bool = False) -> Path:
+    """Train the models, evaluate Figures 2-4 and Table 2, write the report.
+
+    Parameters
+    ----------
+    out : pathlib.Path
+        An existing folder; :data:`OUTPUTS` are written into it.
+    scale : {"smoke", "quick", "full", "paper"}
+        The settings of :data:`SETTINGS`; ``"paper"`` is Git Re-Basin's MNIST recipe.
+    data : str, default "digits"
+        ``"digits"``, ``"mnist:DIR"``, ``"cifar10:DIR"`` or ``"cifar100:DIR"``.
+    device : str or torch.device
+        Where to train and evaluate.
+    seed : int
+        Offsets every training seed and seeds the matchings.
+    progress : bool
+        Progress bars (training epochs, STE steps, paths).
+
+    Returns
+    -------
+    pathlib.Path
+        ``out / "report.md"``.
+
+    Raises
+    ------
+    ValueError
+        An unknown ``scale``, a malformed ``data``, or a dataset file that is missing or
+        malformed (named).
+    """
+    import torch
+
+    from pyperm.reproduce._report import write_report
+    from pyperm.reproduce.rebasin import _experiments as ex
+    from pyperm.reproduce.rebasin._findings import findings
+    from pyperm.reproduce.rebasin._markdown import markdown, plot, settings
+    from pyperm.reproduce.rebasin._settings import mlp_name
+
+    cfg = _config(scale)
+    start = time.perf_counter()
+    torch.manual_seed(seed)  # nothing here draws from the global RNG; this pins anything a dependency might
+    loaded = _load(scale, data, device)
+    arch = mlp_name(loaded, cfg["width"], cfg["depth"])
+    bar = ex.EpochBar(progress, sum(e for _, e, _, _ in ex.training_epochs(scale, cfg, loaded, arch)))
+    try:
+        ends = ex.endpoints(cfg, loaded, device, seed, bar)
+        fig4 = ex.figure4(scale, cfg, loaded, ends, device, seed, bar)
+    finally:
+        bar.close()
+    fig2 = ex.figure2(cfg, loaded, ends, seed, progress)
+    fig3 = ex.figure3(cfg, loaded, ends, seed, progress)
+    table = ex.table2(loaded, ends, seed, cfg["models"])
+    found = findings(fig2, table, fig3, fig4)
+    seconds = time.perf_counter() - start
+
+    plot(out, arch, loaded, fig2, fig3, fig4)
+    text = settings(scale, cfg, loaded, arch, fig2, table, seed, seconds, device)
+    return write_report(
+        out, "rebasin", markdown(TITLE, loaded, fig2, table, fig3, fig4, found, text), found,
+        scale=scale, seed=seed, seconds=seconds, settings=cfg | {"data": loaded["name"], "model": arch},
+        figure2={split: {label: r.to_dict() for label, r in res.items()} for split, res in fig2["results"].items()}
+        | {"matching_seconds": fig2["seconds"]},
+        table2=table, figure3=fig3, figure4=fig4,
+    )  # fmt: skip
