@@ -79,7 +79,11 @@ def process_group(device: Any) -> Iterator[None]:
         yield
         return
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        local, count = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local >= count:
+            raise CommandError(f"--device cuda: this is local rank {local} but the node has {count} GPU(s); "
+                               "start at most one rank per GPU (NCCL cannot share one)")  # fmt: skip
+        torch.cuda.set_device(local)
         backend = "nccl"
     else:
         backend = "gloo"
@@ -141,6 +145,10 @@ def align_over_ranks(args: argparse.Namespace) -> int:
                            "(--init identity; the other starts read whole tensors)")  # fmt: skip
     device = resolve_device(args.device)
     with process_group(device), failure_guard(timeout=args.rank_timeout):
+        if device.type == "cuda":  # each rank on its own GPU (LOCAL_RANK's, or the caller's current one)
+            import torch
+
+            device = torch.device("cuda", torch.cuda.current_device())
         return _align(args, device, init)
 
 
