@@ -61,14 +61,14 @@ def _files(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "one-file"])
-def test_align_over_two_ranks_writes_what_one_process_writes(tmp_path, sharded):
+@pytest.mark.parametrize(("sharded", "world"), [(True, 2), (False, 2), (True, 3)], ids=["sharded", "one-file", "3-ranks"])
+def test_align_over_ranks_writes_what_one_process_writes(tmp_path, sharded, world):
     a, b = _llama(0, tmp_path / "a", sharded), _llama(1, tmp_path / "b", sharded)
     argv = ["align", a, b, "--model", "hf", "--no-progress"]
     assert main(argv + ["--out", str(tmp_path / "one"), "--init", "identity"]) == 0
     (tmp_path / "ranks").mkdir()
-    outcomes = values(run_ranks(_align, 2, tmp_path / "ranks", [argv + ["--out", str(tmp_path / "two")]] * 2))
-    assert [code for code, _ in outcomes] == [0, 0], outcomes
+    outcomes = values(run_ranks(_align, world, tmp_path / "ranks", [argv + ["--out", str(tmp_path / "two")]] * world))
+    assert [code for code, _ in outcomes] == [0] * world, outcomes
     one, two = _files(tmp_path / "one"), _files(tmp_path / "two")
     assert sorted(one) == sorted(two)
     assert (tmp_path / "two" / "b_permuted" / "model.safetensors.index.json").exists() == sharded
@@ -76,7 +76,7 @@ def test_align_over_two_ranks_writes_what_one_process_writes(tmp_path, sharded):
         if not name.startswith("report."):  # the reports hold timings and the ranks
             assert one[name] == two[name], name
     report = json.loads((tmp_path / "two" / "report.json").read_text())
-    assert report["ranks"] == 2 and any(g["units_moved"] for g in report["groups"])
+    assert report["ranks"] == world and any(g["units_moved"] for g in report["groups"])
     assert not any(p.name.endswith(".pyperm-partial") for p in (tmp_path / "two").rglob("*"))
 
 

@@ -193,6 +193,9 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
     refuse_inputs([out / n for n in names], [ckpt_a, ckpt_b])
     if rank == 0:
         prepare_out(out, names, args.force)
+        # Leftovers of killed writers, by rank 0 before any rank stages: a process id of another node
+        # would look dead here (pyperm._staging judges the owners by their process ids).
+        _staging.remove_leftovers(ckpt_files[0].parent)
     dist.barrier()
 
     mine = [k for k in loaded.spec.axes if owners.get(k) == rank]
@@ -206,7 +209,6 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
 
     # Each rank stages its share; rank 0 renames every staged file into place once all are staged.
     path = ckpt_files[0]
-    _staging.remove_leftovers(path.parent)
     with _staging.staged_files() as staged:
         if ckpt_b.format == "sharded":
             staged += stage_shards(ckpt_b, permuted, path, _my_shards(ckpt_b.weight_map, rank, world))
