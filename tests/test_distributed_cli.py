@@ -61,7 +61,8 @@ def _files(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize(("sharded", "world"), [(True, 2), (False, 2), (True, 3)], ids=["sharded", "one-file", "3-ranks"])
+@pytest.mark.parametrize(("sharded", "world"), [(True, 2), (False, 2), (True, 3)],
+                         ids=["sharded", "one-file", "3-ranks"])  # fmt: skip
 def test_align_over_ranks_writes_what_one_process_writes(tmp_path, sharded, world):
     a, b = _llama(0, tmp_path / "a", sharded), _llama(1, tmp_path / "b", sharded)
     argv = ["align", a, b, "--model", "hf", "--no-progress"]
