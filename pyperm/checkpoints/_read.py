@@ -6,13 +6,13 @@ import json
 import mmap as _mmap
 import sys
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pyperm.checkpoints._safetensors import check_regular_file, read_safetensors
+from pyperm.checkpoints._safetensors import check_regular_file, read_safetensors, read_safetensors_meta
 from pyperm.checkpoints._types import Checkpoint, CheckpointError, one_line
 
 __all__ = ["DATA_PARALLEL_PREFIX", "INDEX_BYTES_MAX", "TORCH_SUFFIXES", "load_checkpoint", "read_index"]
@@ -136,14 +136,17 @@ def read_index(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
     return weight_map, metadata
 
 
-def _load_sharded(path: Path, mmap: bool) -> Checkpoint:
+def _load_sharded(path: Path, mmap: bool, shards: Callable[[dict[str, str]], Collection[str]] | None) -> Checkpoint:
     weight_map, metadata = read_index(path)
     state: dict[str, torch.Tensor] = {}
+    wanted = None if shards is None else set(shards(dict(weight_map)))
     for shard in sorted(set(weight_map.values())):
         shard_path = path.parent / shard
         if not shard_path.exists():
             raise CheckpointError(f"{shard_path}: shard named in {path.name} does not exist")
-        if shard.endswith(".safetensors"):
+        if wanted is not None and shard not in wanted and shard.endswith(".safetensors"):
+            tensors = read_safetensors_meta(shard_path)  # another rank's: shapes and dtypes only
+        elif shard.endswith(".safetensors"):
             tensors, _ = read_safetensors(shard_path, mmap=mmap)
         else:
             tensors = _check_tensors(_unwrap(_load_torch_file(shard_path, mmap), shard_path)[0], shard_path)
@@ -159,7 +162,9 @@ def _load_sharded(path: Path, mmap: bool) -> Checkpoint:
     )
 
 
-def load_checkpoint(path: str | Path, *, mmap: bool = True) -> Checkpoint:
+def load_checkpoint(
+    path: str | Path, *, mmap: bool = True, shards: Callable[[dict[str, str]], Collection[str]] | None = None
+) -> Checkpoint:
     """Read a checkpoint: a torch file, a safetensors file, a sharded index json, or a directory of one.
 
     Parameters
@@ -174,6 +179,11 @@ def load_checkpoint(path: str | Path, *, mmap: bool = True) -> Checkpoint:
         the safetensors library (``safe_open``), torch files by ``torch.load(mmap=True)``
         (files of torch's zip format, every ``torch.save`` since torch 1.6; an older file is
         read whole). ``False`` reads every tensor into memory: one copy, no mapping kept.
+    shards : callable, optional
+        For a sharded checkpoint: given the index's weight map (stored key to shard name),
+        the shards to map. The tensors of the other safetensors shards are meta tensors
+        (shape and dtype from their headers; no data mapped): one rank's share of a
+        checkpoint split over ranks. Shards in torch's format are always mapped.
 
     Returns
     -------
@@ -189,7 +199,7 @@ def load_checkpoint(path: str | Path, *, mmap: bool = True) -> Checkpoint:
     """
     path = _resolve(Path(path))
     if path.name.endswith(".index.json"):
-        ckpt = _load_sharded(path, mmap)
+        ckpt = _load_sharded(path, mmap, shards)
     elif path.suffix == ".safetensors":
         state, metadata = read_safetensors(path, mmap=mmap)
         ckpt = Checkpoint(state=_check_tensors(state, path), path=path, format="safetensors", metadata=metadata)

@@ -21,7 +21,8 @@ import torch
 
 from pyperm.checkpoints._types import CheckpointError, like, one_line
 
-__all__ = ["check_regular_file", "read_safetensors", "read_safetensors_metadata", "write_safetensors"]
+__all__ = ["check_regular_file", "read_safetensors", "read_safetensors_meta", "read_safetensors_metadata",
+           "write_safetensors"]
 
 # The safetensors dtype names (the format's spec) of the torch dtypes this writer stores; a dtype
 # this torch lacks is left out.
@@ -90,6 +91,28 @@ def read_safetensors(path: Path, *, mmap: bool = True) -> tuple[dict[str, torch.
     except Exception as exc:  # SafetensorError for every header problem, OSError for the file
         raise CheckpointError(f"{path}: not a readable safetensors file ({one_line(exc)})") from exc
     return state, metadata
+
+
+def read_safetensors_meta(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file ``path`` as meta tensors (their shapes and dtypes from the header
+    checked as by :func:`read_safetensors`; no byte of data is mapped or read)."""
+    check_regular_file(path)
+    safetensors = _library()
+    dtypes = {name: dtype for dtype, name in _NAMES.items()}
+    state: dict[str, torch.Tensor] = {}
+    try:
+        with safetensors.safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                piece = f.get_slice(key)
+                name = piece.get_dtype()
+                if name not in dtypes:
+                    raise CheckpointError(f"{path}: key {key!r} has dtype {name}, which pyperm cannot permute")
+                state[key] = torch.empty(tuple(piece.get_shape()), dtype=dtypes[name], device="meta")
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({one_line(exc)})") from exc
+    return state
 
 
 def read_safetensors_metadata(path: Path) -> dict[str, str]:

@@ -25,7 +25,8 @@ from pyperm.checkpoints._read import read_index
 from pyperm.checkpoints._safetensors import write_safetensors
 from pyperm.checkpoints._types import Checkpoint, CheckpointError, like
 
-__all__ = ["checkpoint_files", "default_name", "output_paths", "save_checkpoint"]
+__all__ = ["checkpoint_files", "commit_sharded", "default_name", "output_paths", "save_checkpoint", "stage_file",
+           "stage_index", "stage_shards"]
 
 
 def _old_shards(index: Path) -> set[str]:
@@ -138,32 +139,72 @@ def save_checkpoint(
     _staging.remove_leftovers(path.parent)
     if like.format == "sharded":
         return _save_sharded(like, state, keys, path)
-    if like.format == "torch":
-        full = _compact(like, state, keys)
-        obj = full if like.wrapper_key is None else {like.wrapper_key: full}
-        _staging.write_file(path, lambda f: torch.save(obj, f))
-    else:
-        metadata = {str(k): str(v) for k, v in like.metadata.items()}
-        names = {like.prefix + k: k for k in keys}
-        _staging.write_file(path, lambda f: write_safetensors(f, names, state, metadata, path))
+    stage_file(like, state, path).commit()
+    _staging.fsync_folder(path.parent)
     return [path]
 
 
+def stage_file(like_: Checkpoint, state: Mapping[str, torch.Tensor], path: Path) -> _staging.Staged:
+    """Stage the one file of ``like_``'s single-file layout (torch or safetensors) at ``path``."""
+    keys = _keys(like_)
+    if like_.format == "torch":
+        full = _compact(like_, state, keys)
+        obj = full if like_.wrapper_key is None else {like_.wrapper_key: full}
+        return _staging.stage(path, lambda f: torch.save(obj, f))
+    metadata = {str(k): str(v) for k, v in like_.metadata.items()}
+    names = {like_.prefix + k: k for k in keys}
+    return _staging.stage(path, lambda f: write_safetensors(f, names, state, metadata, path))
+
+
 def _save_sharded(like_: Checkpoint, state: Mapping[str, torch.Tensor], keys: list[str], path: Path) -> list[Path]:
-    folder = path.parent
-    old = _old_shards(path)
+    staged = stage_shards(like_, state, path)
+    with _staging.staged_files() as guard:
+        guard.extend(staged)
+        guard.append(stage_index(like_, state, path))
+        return commit_sharded(like_, path, guard)
+
+
+def _keys(like_: Checkpoint) -> list[str]:
+    return [k for k in like_.state if k not in like_.tied]
+
+
+def stage_shards(like_: Checkpoint, state: Mapping[str, torch.Tensor], path: Path,
+                 shards: list[str] | None = None) -> list[_staging.Staged]:
+    """Stage (write under hidden names, fsync; not rename) the shards ``shards`` of ``like_``'s sharded layout
+    (default: all) for the index at ``path``; if one fails, those staged are removed and the error propagates.
+
+    With :func:`stage_index` and :func:`commit_sharded`, the pieces of :func:`save_checkpoint` for a writer
+    that stages its shards in several processes (``pyperm.commands._over_ranks``)."""
+    folder, keys = path.parent, _keys(like_)
     names = _shard_names(like_, path)
     with _staging.staged_files() as staged:
         for shard, name in names.items():
+            if shards is not None and shard not in shards:
+                continue
             part = [k for k in keys if like_.weight_map[like_.prefix + k] == shard]
             staged.append(_staging.stage(folder / name, lambda f, p=part, n=name: _write_shard(like_, state, p, f, folder / n)))
-        total = sum(like(state, k).numel() * like(state, k).element_size() for k in keys)
-        weight_map = {key: names[shard] for key, shard in like_.weight_map.items()}
-        index = {"metadata": {**like_.metadata, "total_size": total}, "weight_map": weight_map}
-        text = (json.dumps(index, indent=2) + "\n").encode()
-        staged.append(_staging.stage(path, lambda f: f.write(text)))
-        for file in staged:  # the shards (free names), then the index: the switch from old to new
-            file.commit()
+    return staged
+
+
+def stage_index(like_: Checkpoint, state: Mapping[str, torch.Tensor], path: Path) -> _staging.Staged:
+    """Stage the index json of ``like_``'s sharded layout at ``path`` (shapes and dtypes of ``state`` only: a
+    lazy state computes nothing)."""
+    names = _shard_names(like_, path)
+    total = sum(like(state, k).numel() * like(state, k).element_size() for k in _keys(like_))
+    weight_map = {key: names[shard] for key, shard in like_.weight_map.items()}
+    index = {"metadata": {**like_.metadata, "total_size": total}, "weight_map": weight_map}
+    text = (json.dumps(index, indent=2) + "\n").encode()
+    return _staging.stage(path, lambda f: f.write(text))
+
+
+def commit_sharded(like_: Checkpoint, path: Path, staged: list[_staging.Staged]) -> list[Path]:
+    """Rename the staged shards into place, then the staged index (the switch from the old checkpoint to the
+    new one), then remove the old shards no index names; ``staged`` ends with the index."""
+    folder = path.parent
+    old = _old_shards(path)
+    names = _shard_names(like_, path)
+    for file in staged:  # the shards (free names), then the index: the switch from old to new
+        file.commit()
     _staging.fsync_folder(folder)
     for name in sorted(old - set(names.values())):  # no index names them any more
         _staging.remove(folder / name)

@@ -10,17 +10,18 @@ from pyperm.commands._common import CommandError, LoadedModel
 __all__ = ["function_gap", "load_for_model", "model_with", "refuse_inputs"]
 
 
-def load_for_model(paths: list[str], loaded: LoadedModel) -> list[Any]:
-    """Each checkpoint (memory-mapped: :func:`pyperm.checkpoints.load_checkpoint`), checked to hold ``loaded``'s
-    keys and shapes, and all to agree with the first."""
+def load_for_model(paths: list[str], loaded: LoadedModel, shards: list[Any] | None = None) -> list[Any]:
+    """Each checkpoint (memory-mapped: :func:`pyperm.checkpoints.load_checkpoint`, with ``shards[i]`` choosing
+    the shards of path ``i`` to map), checked to hold ``loaded``'s keys and shapes, and all to agree with the
+    first."""
     from pyperm.checkpoints import check_against_model, check_pair, load_checkpoint
     from pyperm.nn.state import shared_tensors
 
     model_state = loaded.module.state_dict()
     ties = shared_tensors(model_state)
     ckpts = []
-    for path in paths:
-        ckpt = load_checkpoint(path)
+    for i, path in enumerate(paths):
+        ckpt = load_checkpoint(path, shards=None if shards is None else shards[i])
         _fill_tied(ckpt, ties)
         check_against_model(ckpt, model_state, loaded.name)
         if ckpts:

@@ -24,9 +24,10 @@ def add_matching_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--init",
         choices=("best", "identity", "signatures"),
-        default="best",
+        default=None,
         help="weight matching: where the search starts; 'best' runs from the identity and from the units' "
-        "signatures and keeps the better (default), 'identity' is Algorithm 1 as published (half the time)",
+        "signatures and keeps the better (default in one process), 'identity' is Algorithm 1 as published (half "
+        "the time; the default and the only start over ranks under torchrun)",
     )
     parser.add_argument(
         "--max-batches",
@@ -86,7 +87,7 @@ def match(
     with Timer() as timer:
         if method == "weight":
             result = pnn.weight_matching(
-                loaded.spec, state_a, state_b, max_iter=args.max_iter, seed=args.seed, init=args.init,
+                loaded.spec, state_a, state_b, max_iter=args.max_iter, seed=args.seed, init=args.init or "best",
                 progress=args.progress,
             )
             info.update(

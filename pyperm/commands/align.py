@@ -4,6 +4,10 @@ Outputs in ``--out``: B permuted (``<B>_permuted`` with B's suffix; a sharded B 
 names), ``permutations.json`` (unit ``i`` of the permuted model is unit ``perm[i]`` of B),
 ``report.json`` and ``report.md`` (groups, the objective per sweep, time, and with ``--data``
 the barriers before and after), and with ``--data`` ``barrier.png``.
+
+Under ``torchrun`` (``WORLD_SIZE`` above 1) weight matching runs with the checkpoints' tensors split
+over the ranks and each rank writes its share of B permuted (:mod:`pyperm.commands._over_ranks`);
+the files written are byte for byte those of one process with ``--init identity`` (the reports aside).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 from pyperm._json import write_json
 from pyperm._staging import write_text
 from pyperm._tables import markdown_table
-from pyperm._argtypes import int_at_least
+from pyperm._argtypes import int_at_least, positive_float
 from pyperm.commands._common import add_common_arguments, add_data_arguments, add_model_arguments, cli_errors
 from pyperm.commands._matching import METHODS, add_matching_arguments
 
@@ -46,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-points", type=int_at_least(2), default=11, help="points on each path for the barriers (default 11)"
     )
     add_common_arguments(parser)
+    parser.add_argument(
+        "--rank-timeout", type=positive_float, default=60.0, metavar="SECONDS",
+        help="under torchrun: seconds without a sign of life after which a rank counts as dead and every rank "
+        "ends (default 60)",
+    )
 
 
 def path_barriers(
@@ -81,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
     the function check runs B and the written file (mapped again) in their own dtype. With
     ``--data`` the barriers and the other methods run float32 copies of the models, as before.
     """
+    from pyperm.commands._over_ranks import align_over_ranks, launched
+
+    if launched():  # under torchrun: the tensors split over the ranks
+        return align_over_ranks(args)
     from pyperm.checkpoints import LazyState, save_checkpoint
     from pyperm.commands._checkpoint_pair import function_gap, load_for_model, refuse_inputs
     from pyperm.commands._common import (
@@ -197,7 +210,7 @@ def _markdown(report: dict[str, Any], barriers: dict | None) -> str:
     info = report["matching"]
     gap = report["max_output_change_of_b"]
     gap_text = (
-        "not checked (no --data or --example-input-shape)"
+        ("not checked over ranks" if report.get("ranks") else "not checked (no --data or --example-input-shape)")
         if gap is None
         else f"{gap:.3g} (the models run in {report['output_check_dtype']})"
     )

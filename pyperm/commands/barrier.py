@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @cli_errors("barrier")
 def run(args: argparse.Namespace) -> int:
     """Evaluate the paths, write the reports and the plot, print the barriers."""
+    from pyperm.commands._over_ranks import refuse_ranks
+
+    refuse_ranks("barrier")
     from pyperm.commands._checkpoint_pair import load_for_model
     from pyperm.commands._common import build_model, check_inputs, float_state, load_data, prepare_out, resolve_device
     from pyperm.commands._matching import match

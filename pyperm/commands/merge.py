@@ -77,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
         resolve_device,
     )
     from pyperm.commands._hf import copy_files, folder_copies
+    from pyperm.commands._over_ranks import refuse_ranks
     from pyperm.nn import average, merge_many
+
+    refuse_ranks("merge")
 
     if len(args.checkpoints) < 2:
         raise CommandError(f"merge needs at least two checkpoints, got {len(args.checkpoints)}")

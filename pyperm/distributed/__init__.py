@@ -10,7 +10,10 @@ the data methods of :mod:`pyperm.nn`: ``activation_matching``, ``repair``, ``res
 ``barrier``, ``evaluate_curve``; they all-reduce their statistics and sums.
 
 Nothing here starts processes: ``torchrun`` (or any launcher) does, and the caller initialises
-the process group. See the guide page "Across processes and machines".
+the process group. The command line does both for ``align``:
+``torchrun --nproc-per-node N -m pyperm align A B --model hf --out OUT`` splits the checkpoints'
+shards over the ranks and writes the same files as one process (:mod:`pyperm.commands._over_ranks`).
+See the guide page "Across processes and machines".
 """
 
 from pyperm._comm import Channel, check_same

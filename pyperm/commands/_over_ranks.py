@@ -1,0 +1,276 @@
+"""``pyperm align`` under ``torchrun``: weight matching with the checkpoints' tensors split over the ranks.
+
+``torchrun --nproc-per-node N -m pyperm align A B --model hf --out OUT`` (or any launcher that sets
+``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK``, or a caller that initialised torch.distributed itself):
+
+1. the process group is initialised over the launcher's rendezvous (``env://``; gloo on the CPU,
+   NCCL with ``--device cuda``, each rank on its ``LOCAL_RANK``'s GPU);
+2. every rank states its pyperm version, its options and a fingerprint of each checkpoint
+   (:func:`pyperm.distributed.check_same`): a rank that differs is refused before any work;
+3. the keys are split by B's shards (shard ``i`` of ``n`` to rank ``i * N // n``; a one-file
+   checkpoint by contiguous ranges of its keys); each rank maps only its own shards of B and the
+   shards of A that hold the same keys (of the others it reads the headers: shapes and dtypes, as
+   meta tensors), and :func:`pyperm.distributed.weight_matching` finds the permutations (the same
+   as one process's with ``--init identity``). A one-file checkpoint is mapped by every rank, each
+   reading its own keys; rank 0 writes the one output file;
+4. each rank stages its shards of B permuted (hidden names, fsynced: :mod:`pyperm._staging`);
+   once every rank has, rank 0 renames them into place, then the index (the switch), then copies
+   the folder's other files and writes ``permutations.json`` and the reports.
+
+The whole runs inside :func:`pyperm.distributed.failure_guard`: a rank that fails ends every rank
+with an error naming it, and the staged files are removed, so nothing partial is left under the
+output's names (a killed rank can leave hidden ``*.pyperm-partial`` files, which the next write
+into the folder removes). The output folder must be one every rank sees (over several nodes, a
+shared filesystem).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pyperm.commands._common import CommandError
+
+__all__ = ["align_over_ranks", "key_owners", "launched", "refuse_ranks"]
+
+_LAUNCHER = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+
+
+def launched() -> bool:
+    """Whether this process is one of several ranks: torch.distributed already initialised with more than one,
+    or started by torchrun (its ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK``) with ``WORLD_SIZE`` above 1."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    if not all(name in os.environ for name in _LAUNCHER):
+        return False
+    try:
+        return int(os.environ["WORLD_SIZE"]) > 1
+    except ValueError as exc:
+        raise CommandError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} in the environment: not a number") from exc
+
+
+def refuse_ranks(command: str) -> None:
+    """Refuse to run ``command`` as one of several ranks: each would do the whole work and write the same
+    files (only ``align`` splits its work over ranks)."""
+    if launched():
+        raise CommandError(f"{command} does not run over ranks (torchrun, WORLD_SIZE above 1) yet: run it as one "
+                           "process (pyperm align does run over ranks)")  # fmt: skip
+
+
+@contextlib.contextmanager
+def process_group(device: Any) -> Iterator[None]:
+    """The default process group for the command: the caller's, or one made here over the launcher's
+    rendezvous (``env://``) and destroyed at the end."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise CommandError("this torch has no torch.distributed: the command cannot run over ranks")
+    if dist.is_initialized():
+        yield
+        return
+    if device.type == "cuda":
+        local, count = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local >= count:
+            raise CommandError(f"--device cuda: this is local rank {local} but the node has {count} GPU(s); "
+                               "start at most one rank per GPU (NCCL cannot share one)")  # fmt: skip
+        torch.cuda.set_device(local)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, init_method="env://")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def key_owners(ckpt: Any, world: int) -> dict[str, int]:
+    """The rank that holds each key of ``ckpt``: shard ``i`` of ``n`` (sorted names) goes to rank ``i * world // n``;
+    a one-file checkpoint is split in contiguous ranges of its keys; a tied key goes with the key it repeats."""
+    keys = [k for k in ckpt.state if k not in ckpt.tied]
+    if ckpt.format == "sharded":
+        rank_of = _shard_ranks(ckpt.weight_map, world)
+        owners = {k: rank_of[ckpt.weight_map[ckpt.prefix + k]] for k in keys}
+    else:
+        owners = {k: i * world // len(keys) for i, k in enumerate(keys)}
+    for key, source in ckpt.tied.items():
+        owners[key] = owners[source]
+    return owners
+
+
+def _shard_ranks(weight_map: dict[str, str], world: int) -> dict[str, int]:
+    shards = sorted(set(weight_map.values()))
+    return {s: i * world // len(shards) for i, s in enumerate(shards)}
+
+
+def _my_shards(weight_map: dict[str, str], rank: int, world: int) -> list[str]:
+    return [s for s, r in _shard_ranks(weight_map, world).items() if r == rank]
+
+
+def _fingerprint(ckpt: Any, extra: list[Path]) -> str:
+    """What identifies a checkpoint without reading its tensors: each file's name, size and first MiB (a
+    safetensors header, an index json), and the given extra files (``config.json``)."""
+    digest = hashlib.sha256()
+    from pyperm.checkpoints import checkpoint_files
+
+    for path in checkpoint_files(ckpt) + [p for p in extra if p.is_file()]:
+        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:20]
+
+
+def align_over_ranks(args: argparse.Namespace) -> int:
+    """``pyperm align`` with weight matching over the ranks (see the module notes)."""
+    from pyperm.commands._common import resolve_device
+    from pyperm.distributed import failure_guard
+
+    if args.method != "weight":
+        raise CommandError(f"--method {args.method}: over ranks (torchrun) only weight matching runs")
+    if args.data:
+        raise CommandError("--data: over ranks (torchrun) the barriers do not run; align without --data")
+    init = args.init or "identity"
+    if init != "identity":
+        raise CommandError(f"--init {init}: over ranks (torchrun) the search starts from the identity "
+                           "(--init identity; the other starts read whole tensors)")  # fmt: skip
+    device = resolve_device(args.device)
+    with process_group(device), failure_guard(timeout=args.rank_timeout):
+        if device.type == "cuda":  # each rank on its own GPU (LOCAL_RANK's, or the caller's current one)
+            import torch
+
+            device = torch.device("cuda", torch.cuda.current_device())
+        return _align(args, device, init)
+
+
+def _align(args: argparse.Namespace, device: Any, init: str) -> int:
+    import torch.distributed as dist
+
+    import pyperm.distributed as pd
+    from pyperm import _staging
+    from pyperm._json import write_json
+    from pyperm._staging import write_text
+    from pyperm.checkpoints import DATA_PARALLEL_PREFIX, LazyState, check_pair
+    from pyperm.checkpoints._write import commit_sharded, stage_file, stage_index, stage_shards
+    from pyperm.commands._checkpoint_pair import load_for_model, refuse_inputs
+    from pyperm.commands._common import build_model, checkpoint_outputs, on_device, prepare_out
+    from pyperm.commands._hf import copy_files, folder_copies, folder_of
+    from pyperm.commands.align import _markdown, _moved
+    from pyperm.nn.permutations import as_permutations, permute_entry
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loaded = build_model(args.model, args.example_input_shape, args.a, meta=True)
+    # B's shards are split over the ranks; this rank maps its own, and of A the shards holding the same keys.
+    (ckpt_b,) = load_for_model([args.b], loaded, [lambda weight_map: _my_shards(weight_map, rank, world)])
+    owners = key_owners(ckpt_b, world)
+
+    def a_shards(weight_map: dict[str, str]) -> set[str]:
+        return {shard for stored, shard in weight_map.items()
+                if owners.get(stored, owners.get(stored.removeprefix(DATA_PARALLEL_PREFIX))) == rank}  # fmt: skip
+
+    (ckpt_a,) = load_for_model([args.a], loaded, [a_shards])
+    check_pair(ckpt_a, ckpt_b)
+    out = Path(args.out)
+    stem = (folder_of(ckpt_b.path).name if args.model == "hf" else ckpt_b.path.name.split(".")[0]) + "_permuted"
+    ckpt_files = checkpoint_outputs(ckpt_b, out, stem, args.model)
+    copies = folder_copies(ckpt_b, ckpt_files) if args.model == "hf" else []
+    names = ([str(p.relative_to(out)) for p in ckpt_files + [dst for _, dst in copies]]
+             + ["permutations.json", "report.json", "report.md"])  # fmt: skip
+    hf = args.model == "hf"
+    pd.check_same(None, a=_fingerprint(ckpt_a, [folder_of(ckpt_a.path) / "config.json"] if hf else []),
+                  b=_fingerprint(ckpt_b, [folder_of(ckpt_b.path) / "config.json"] if hf else []),
+                  options=[args.model, str(out.resolve()), args.max_iter, args.seed, init, args.force, device.type,
+                           args.example_input_shape])  # fmt: skip
+    refuse_inputs([out / n for n in names], [ckpt_a, ckpt_b])
+    if rank == 0:
+        prepare_out(out, names, args.force)
+        # Leftovers of killed writers, by rank 0 before any rank stages: a process id of another node
+        # would look dead here (pyperm._staging judges the owners by their process ids).
+        _staging.remove_leftovers(ckpt_files[0].parent)
+    dist.barrier()
+
+    mine = [k for k in loaded.spec.axes if owners.get(k) == rank]
+    result = pd.weight_matching(loaded.spec, on_device({k: ckpt_a.state[k] for k in mine}, device),
+                                on_device({k: ckpt_b.state[k] for k in mine}, device),
+                                max_iter=args.max_iter, seed=args.seed, init=init)  # fmt: skip
+    perms = result.perms
+    ckpt_a.state.clear()
+    checked = as_permutations(loaded.spec, perms)
+    permuted = LazyState(ckpt_b.state, lambda key, tensor: permute_entry(loaded.spec, checked, key, tensor))
+
+    # Each rank stages its share; rank 0 renames every staged file into place once all are staged.
+    path = ckpt_files[0]
+    with _staging.staged_files() as staged:
+        if ckpt_b.format == "sharded":
+            staged += stage_shards(ckpt_b, permuted, path, _my_shards(ckpt_b.weight_map, rank, world))
+        elif rank == 0:
+            staged.append(stage_file(ckpt_b, permuted, path))
+        every = [(Path(t), Path(f)) for part in _gather([(str(s.tmp), str(s.final)) for s in staged])
+                 for t, f in part]  # fmt: skip
+        if rank == 0:
+            theirs = [_staging.Staged(t, f) for t, f in every if t not in {s.tmp for s in staged}]
+            staged += theirs  # discarded by rank 0 too if the index cannot be staged
+            if ckpt_b.format == "sharded":
+                staged.append(stage_index(ckpt_b, permuted, path))
+                written = commit_sharded(ckpt_b, path, [_staging.Staged(t, f) for t, f in every]
+                                         + [staged[-1]])  # fmt: skip
+            else:
+                staged[0].commit()
+                _staging.fsync_folder(path.parent)
+                written = [path]
+        # Past the barrier rank 0 owns every staged file: the others' are no longer theirs to remove.
+        dist.barrier()
+        staged.clear()
+    if rank == 0:
+        written += copy_files(copies)
+        info = {
+            "method": "weight",
+            "objective_per_sweep": list(result.objective),
+            "iterations": result.iterations,
+            "converged": result.converged,
+            "seconds": result.seconds["total"],
+            "objective": result.objective[-1],
+            "identity_objective": result.objective[0],
+            "ranks": world,
+            "bytes_per_sweep": result.bytes_per_sweep,
+        }
+        report: dict[str, Any] = {
+            "command": "align",
+            "a": str(ckpt_a.path),
+            "b": str(ckpt_b.path),
+            "model": loaded.name,
+            "format": ckpt_b.format,
+            "groups": [{"name": g, "size": p.numel(), "units_moved": _moved(p)} for g, p in perms.items()],
+            "matching": info,
+            "ranks": world,
+            "max_output_change_of_b": None,
+            "output_check_dtype": None,
+            "dropped_wrapper_entries": ckpt_b.dropped,
+            "outputs": [str(p) for p in ckpt_files],
+        }
+        write_json(out / "permutations.json", perms.to_dict())
+        write_json(out / "report.json", report)
+        write_text(out / "report.md", _markdown(report, None))
+        where = written[0].parent if args.model == "hf" else written[0]
+        print(f"B permuted into A's basin by weight matching over {world} ranks in {info['seconds']:.2f} s: {where}")
+        print(f"objective vec(A).vec(pi(B)): {info['identity_objective']:.6g} -> {info['objective']:.6g}")
+        print(f"report: {out / 'report.md'}")
+    dist.barrier()
+    return 0
+
+
+def _gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every

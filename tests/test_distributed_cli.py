@@ -1,0 +1,190 @@
+"""``pyperm align`` over 2 gloo ranks (as under torchrun): the written folder is byte for byte one process's,
+a rank with other checkpoints is refused at the start, and a failing rank ends both with nothing left
+under the output's names."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+import torch.distributed as dist  # noqa: E402
+from _ranks import run_ranks, values  # noqa: E402
+from _vision import import_transformers  # noqa: E402
+
+from pyperm.cli import main  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with the gloo backend")  # fmt: skip
+
+transformers = import_transformers()
+
+
+def _llama(seed: int, folder, sharded: bool) -> str:
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=16, vocab_size=50,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(str(folder), max_shard_size="20KB" if sharded else "1GB")
+    (folder / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {str(i): i for i in range(50)}}}))
+    return str(folder)
+
+
+def _align(rank, world, argv_of_rank, fail_on_rank=None, how="raises"):
+    """The command's entry function on one rank, its exit status and what it printed on stderr."""
+    if rank == fail_on_rank:
+        import pyperm.checkpoints._write as write
+
+        def fail(*args, **kwargs):
+            if how == "killed":
+                os._exit(9)  # as a rank killed while writing
+            raise OSError(28, "No space left on device (a failure planted by the test)")
+
+        write.stage_shards = write.stage_file = fail
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv_of_rank[rank])
+    return code, err.getvalue()
+
+
+def _files(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(("sharded", "world"), [(True, 2), (False, 2), (True, 3)],
+                         ids=["sharded", "one-file", "3-ranks"])  # fmt: skip
+def test_align_over_ranks_writes_what_one_process_writes(tmp_path, sharded, world):
+    a, b = _llama(0, tmp_path / "a", sharded), _llama(1, tmp_path / "b", sharded)
+    argv = ["align", a, b, "--model", "hf", "--no-progress"]
+    assert main(argv + ["--out", str(tmp_path / "one"), "--init", "identity"]) == 0
+    (tmp_path / "ranks").mkdir()
+    outcomes = values(run_ranks(_align, world, tmp_path / "ranks", [argv + ["--out", str(tmp_path / "two")]] * world))
+    assert [code for code, _ in outcomes] == [0] * world, outcomes
+    one, two = _files(tmp_path / "one"), _files(tmp_path / "two")
+    assert sorted(one) == sorted(two)
+    assert (tmp_path / "two" / "b_permuted" / "model.safetensors.index.json").exists() == sharded
+    for name in one:
+        if not name.startswith("report."):  # the reports hold timings and the ranks
+            assert one[name] == two[name], name
+    report = json.loads((tmp_path / "two" / "report.json").read_text())
+    assert report["ranks"] == world and any(g["units_moved"] for g in report["groups"])
+    assert not any(p.name.endswith(".pyperm-partial") for p in (tmp_path / "two").rglob("*"))
+
+
+def test_a_rank_with_another_checkpoint_is_refused_at_the_start(tmp_path):
+    a, b = _llama(0, tmp_path / "a", True), _llama(1, tmp_path / "b", True)
+    c = _llama(2, tmp_path / "c", True)
+    argv = ["align", a, "--model", "hf", "--no-progress", "--out", str(tmp_path / "out")]
+    (tmp_path / "ranks").mkdir()
+    outcomes = values(run_ranks(_align, 2, tmp_path / "ranks", [argv[:2] + [b] + argv[2:], argv[:2] + [c] + argv[2:]]))
+    for code, err in outcomes:
+        assert code == 1 and "rank 1 differs from rank 0 in its b" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("failing", "how"), [(0, "raises"), (1, "raises"), (1, "killed")])
+def test_a_failing_rank_ends_both_and_leaves_nothing_under_the_output_names(tmp_path, failing, how):
+    a, b = _llama(0, tmp_path / "a", True), _llama(1, tmp_path / "b", True)
+    out = tmp_path / "out"
+    argv = ["align", a, b, "--model", "hf", "--no-progress", "--out", str(out), "--rank-timeout", "5"]
+    (tmp_path / "ranks").mkdir()
+    outcomes = run_ranks(_align, 2, tmp_path / "ranks", [argv] * 2, failing, how, deadline=90)
+    if how == "killed":
+        assert outcomes[failing] == ("exit", 9), outcomes
+        named = f"rank {failing} "  # "rank 1 failed: ..." or "rank 1 stopped (no heartbeat ...)"
+    else:
+        assert outcomes[failing][0] == "ok" and outcomes[failing][1][0] == 1, outcomes
+        assert "No space left on device" in outcomes[failing][1][1]
+        named = f"rank {failing} failed"
+    # The other rank raises an error naming the failed rank, or its watchdog ends it (exit status 1).
+    other = outcomes[1 - failing]
+    assert other == ("exit", 1) or (other[0] == "ok" and other[1][0] == 1 and named in other[1][1]), other
+    left = [p for p in out.rglob("*") if p.is_file()] if out.exists() else []
+    assert all(p.name.startswith(".") and p.name.endswith(".pyperm-partial") for p in left), left
+    # The next run (one process) writes into the same folder without --force, and removes the leftovers.
+    shutil.rmtree(tmp_path / "ranks")
+    assert main(argv[:-2] + ["--init", "identity"]) == 0
+    assert not any(p.name.endswith(".pyperm-partial") for p in out.rglob("*"))
+
+
+def test_torchrun_is_detected_through_its_environment(monkeypatch):
+    from pyperm.commands._over_ranks import launched
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert not launched()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert not launched(), "LOCAL_RANK missing: not torchrun"
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert launched()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not launched(), "one rank: the one-process command"
+
+
+def test_over_ranks_refuses_the_starts_that_read_whole_tensors(tmp_path, monkeypatch, capsys):
+    a, b = _llama(0, tmp_path / "a", True), _llama(1, tmp_path / "b", True)
+    monkeypatch.setattr("pyperm.commands._over_ranks.launched", lambda: True)
+    assert main(["align", a, b, "--model", "hf", "--out", str(tmp_path / "o"), "--init", "best"]) == 1
+    assert "--init best: over ranks" in capsys.readouterr().err
+
+
+def test_a_rank_maps_only_its_shards(tmp_path):
+    from pyperm.checkpoints import load_checkpoint
+    from pyperm.commands._over_ranks import _my_shards, key_owners
+
+    folder = _llama(0, tmp_path / "a", True)
+    whole = load_checkpoint(folder)
+    for rank in range(2):
+        mine = load_checkpoint(folder, shards=lambda weight_map, r=rank: _my_shards(weight_map, r, 2))
+        owners = key_owners(whole, 2)
+        assert set(owners.values()) == {0, 1}
+        for key, tensor in mine.state.items():
+            assert tensor.is_meta == (owners[key] != rank), key
+            assert tensor.shape == whole.state[key].shape and tensor.dtype == whole.state[key].dtype
+            if not tensor.is_meta:
+                assert torch.equal(tensor, whole.state[key])
+
+
+@pytest.mark.parametrize("command", ["merge", "barrier"])
+def test_the_commands_that_do_not_split_their_work_refuse_to_run_over_ranks(tmp_path, monkeypatch, capsys, command):
+    monkeypatch.setattr("pyperm.commands._over_ranks.launched", lambda: True)
+    argv = [command, "a", "b", "--model", "hf", "--out", str(tmp_path / "o")]
+    argv += ["--data", "digits"] if command == "barrier" else []
+    assert main(argv) == 1
+    assert "does not run over ranks" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_runs_the_module_over_two_ranks(tmp_path):
+    """The real launcher: ``torchrun --nproc-per-node 2 -m pyperm align`` (its rendezvous on 127.0.0.1 only)
+    joins the process group itself (``env://``) and writes what one process writes."""
+    a, b = _llama(0, tmp_path / "a", True), _llama(1, tmp_path / "b", True)
+    argv = ["align", a, b, "--model", "hf", "--no-progress"]
+    assert main(argv + ["--out", str(tmp_path / "one"), "--init", "identity"]) == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                          "-m", "pyperm", *argv, "--out", str(tmp_path / "two")],
+                         env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "over 2 ranks" in run.stdout
+    one, two = _files(tmp_path / "one"), _files(tmp_path / "two")
+    assert sorted(one) == sorted(two)
+    assert all(one[n] == two[n] for n in one if not n.startswith("report.")), [n for n in one if one[n] != two[n]]
