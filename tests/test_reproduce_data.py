@@ -19,7 +19,7 @@ pytest.importorskip("matplotlib")
 from pyperm.cli import main
 from pyperm.reproduce import load_report
 from pyperm.testing import one_thread
-from tests.test_datasets import _write_cifar, _write_mnist, write_cifar100
+from test_datasets import _write_cifar, _write_mnist, write_cifar100
 
 
 @pytest.fixture(autouse=True)
