@@ -99,7 +99,7 @@ def measure_one(name: str, dtype_name: str, max_iter: int = 100) -> dict[str, An
     peak = resident_bytes("VmHWM")
     found = recovered_groups(spec, sb, result.perms, planted)
     return {"peaks": [peak], "sweeps": max(result.iterations, 1), "seconds": seconds, "bytes": 0.0,
-            "found": found, "groups": len(spec.sizes), "threads": torch.get_num_threads(), "before": before}  # fmt: skip
+            "found": found, "groups": len(spec.sizes), "threads": torch.get_num_threads()}  # fmt: skip
 
 
 def _rank(rank: int, world: int, name: str, dtype_name: str, tmp: str, deadline: float, max_iter: int) -> None:
@@ -121,8 +121,9 @@ def _rank(rank: int, world: int, name: str, dtype_name: str, tmp: str, deadline:
         seconds = time.perf_counter() - started
         peak = resident_bytes("VmHWM")
         sent = result.bytes_per_sweep
+        wrong = sorted(wrong_groups(spec, sb, result.perms, planted))
         outcome = ("ok", {"peak": peak, "seconds": seconds, "sweeps": max(result.iterations, 1),
-                          "bytes": sum(sent) / max(len(sent), 1), "wrong": sorted(wrong_groups(spec, sb, result.perms, planted)),
+                          "bytes": sum(sent) / max(len(sent), 1), "wrong": wrong,
                           "groups": len(spec.sizes), "threads": torch.get_num_threads(), "keys": len(sa)})  # fmt: skip
     except BaseException as exc:  # reported by the parent, which fails the row
         outcome = ("error", f"{type(exc).__name__}: {exc}")
@@ -140,8 +141,8 @@ def measure_ranks(name: str, dtype_name: str, world: int, deadline: float = DEAD
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_rank, args=(world, name, dtype_name, tmp, deadline, max_iter), nprocs=world, join=False,
-                                 start_method="spawn")  # fmt: skip
+        ctx = mp.start_processes(_rank, args=(world, name, dtype_name, tmp, deadline, max_iter), nprocs=world,
+                                 join=False, start_method="spawn")  # fmt: skip
         end = time.monotonic() + deadline
         for p in ctx.processes:
             p.join(max(0.0, end - time.monotonic()))

@@ -17,7 +17,10 @@ Three tables, each from pairs of independently initialised models (seeded):
   structured/flat ratio.
 - At scale (``--scale``): a 1.1B-parameter Llama pair, GPT-2, ResNet50 and ViT-B/16 in float32 and
   bfloat16: peak memory, the memory the call adds per model, time per sweep against the floor of
-  plain matrix products (see :mod:`pyperm.benchmarks._match_scale`).
+  plain matrix products (see :mod:`pyperm.benchmarks._match_scale`). With ``--ranks N``, also each
+  pair from the identity in one process and over N gloo processes on this machine, each a share of
+  the keys: peak RSS per rank and in all, time per sweep, bytes sent per sweep, groups found (see
+  :mod:`pyperm.benchmarks._match_ranks`).
 - The starts (``--starts``): ``init="identity"``, ``"signatures"`` and the default ``"best"``
   on the bundled models, torchvision's MobileNetV2 and timm's ViT-Tiny (``--planted``: also on a
   model and a permuted copy of it, where the identity start stalls on MobileNetV2 and ViT).
