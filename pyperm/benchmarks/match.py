@@ -17,7 +17,10 @@ Three tables, each from pairs of independently initialised models (seeded):
   structured/flat ratio.
 - At scale (``--scale``): a 1.1B-parameter Llama pair, GPT-2, ResNet50 and ViT-B/16 in float32 and
   bfloat16: peak memory, the memory the call adds per model, time per sweep against the floor of
-  plain matrix products (see :mod:`pyperm.benchmarks._match_scale`).
+  plain matrix products (see :mod:`pyperm.benchmarks._match_scale`). With ``--ranks N``, also each
+  pair from the identity in one process and over N gloo processes on this machine, each a share of
+  the keys: peak RSS per rank and in all, time per sweep, bytes sent per sweep, groups found (see
+  :mod:`pyperm.benchmarks._match_ranks`).
 - The starts (``--starts``): ``init="identity"``, ``"signatures"`` and the default ``"best"``
   on the bundled models, torchvision's MobileNetV2 and timm's ViT-Tiny (``--planted``: also on a
   model and a permuted copy of it, where the identity start stalls on MobileNetV2 and ViT).
@@ -169,6 +172,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "table's reference is pyperm on the CPU, whose objective the GPU's must equal")
     parser.add_argument("--dtypes", type=choices_list(["float32", "bfloat16"]), default=["float32", "bfloat16"],
                         help="the scale table's dtypes (default: float32,bfloat16)")
+    parser.add_argument("--ranks", type=positive_int, default=None, metavar="N",
+                        help="with --scale, also the ranks table: each model and dtype matched from the identity in "
+                             "one process and over N gloo processes on this machine, each a contiguous share of the "
+                             "keys (peak RSS per rank and in all, time per sweep, bytes sent per sweep, groups found)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -224,6 +231,14 @@ def run(args: argparse.Namespace) -> int:
         table, failed = _match_scale.rows(args.scale, args.dtypes, args.repeat, _report, args.device)
         failures += failed
         _print(_match_scale.headers(args.device), table, args.markdown, args.write, "scale")
+        if args.ranks is not None:
+            from pyperm.benchmarks import _match_ranks
+
+            print(f"\nweight matching over ranks: from the identity, 1 process and {args.ranks} gloo processes "
+                  "(each a contiguous share of the keys); each row in its own processes", flush=True)  # fmt: skip
+            table, failed = _match_ranks.rows(args.scale, args.dtypes, args.ranks, _report)
+            failures += failed
+            _print(_match_ranks.HEADERS, table, args.markdown, args.write, "ranks")
     for f in failures:
         print("FAIL:", f, file=sys.stderr)
     return 1 if failures else 0
