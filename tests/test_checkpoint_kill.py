@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -107,8 +108,10 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def _run_child(source, target, kill_at: int) -> subprocess.CompletedProcess:
+    # From a neutral folder: ``python -c`` puts the working directory first on the path, and a source
+    # checkout there (CI tests the installed wheel) would shadow the installed package.
     return subprocess.run([sys.executable, "-c", CHILD, str(source), str(target), str(kill_at)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+                          capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir())  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", ["sharded", "safetensors", "torch"])

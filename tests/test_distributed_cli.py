@@ -179,10 +179,12 @@ def test_torchrun_runs_the_module_over_two_ranks(tmp_path):
     argv = ["align", a, b, "--model", "hf", "--no-progress"]
     assert main(argv + ["--out", str(tmp_path / "one"), "--init", "identity"]) == 0
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
+    # From tmp_path: ``-m`` puts the working directory first on the path, and a source checkout there (CI
+    # tests the installed wheel) would shadow the installed package.
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
                           "-m", "pyperm", *argv, "--out", str(tmp_path / "two")],
-                         env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+                         env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "over 2 ranks" in run.stdout
     one, two = _files(tmp_path / "one"), _files(tmp_path / "two")
