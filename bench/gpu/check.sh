@@ -8,7 +8,7 @@
 # Logs go to $OUT (the device tool's folder) or ./gpu-logs: check.log holds every stage's
 # summary and the build's output; the long outputs have a file each (8 files at most). The
 # build is the editable one, for sm_90 only (H100/H200): about 30 s on 16 cores. The whole
-# run took about 8 minutes on an H200 machine.
+# run took about 6 minutes on an H200 machine.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 LOGS=${OUT:-gpu-logs}
