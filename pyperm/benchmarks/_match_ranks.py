@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import datetime
 import gc
-import json
 import os
 import pickle
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
+
+from pyperm.benchmarks._report import run_child
 
 HEADERS = ["model", "dtype", "processes", "threads each", "peak RSS GB (largest)", "vs 1 process",
            "peak RSS GB (all)", "vs 1 process", "sweeps", "s / sweep", "vs 1 process", "MB sent / sweep",
@@ -170,14 +170,6 @@ def measure_ranks(name: str, dtype_name: str, world: int, deadline: float = DEAD
             "keys": [r["keys"] for r in ranks]}  # fmt: skip
 
 
-def _child(code: str, timeout: float) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tempfile.gettempdir(),
-                          timeout=timeout)  # fmt: skip
-    if proc.returncode != 0:
-        raise RuntimeError((proc.stderr.strip().splitlines() or ["no message"])[-1])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def rows(names: list[str], dtypes: list[str], world: int, report: Callable[[str], None],
          deadline: float = DEADLINE, max_iter: int = 100) -> tuple[list[list[Any]], list[str]]:  # fmt: skip
     """The table's rows (one process, then ``world`` ranks, per model and dtype) and the failures
@@ -191,8 +183,8 @@ def rows(names: list[str], dtypes: list[str], world: int, report: Callable[[str]
             report(f"  {title}, {dtype}, 1 process and {world} ranks ...")
             m = "import json, pyperm.benchmarks._match_ranks as m; print(json.dumps(m.measure_"
             try:
-                one = _child(f"{m}one({name!r}, {dtype!r}, {max_iter})))", deadline)
-                many = _child(f"{m}ranks({name!r}, {dtype!r}, {world}, {deadline}, {max_iter})))", deadline + 60)
+                one = run_child(f"{m}one({name!r}, {dtype!r}, {max_iter})))", deadline)
+                many = run_child(f"{m}ranks({name!r}, {dtype!r}, {world}, {deadline}, {max_iter})))", deadline + 60)
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 failures.append(f"{name} {dtype} over {world} ranks: {exc}")
                 continue

@@ -24,14 +24,12 @@ tensors are then drawn one at a time (normal, standard deviation 0.02; norms' we
 from __future__ import annotations
 
 import gc
-import json
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
+
+from pyperm.benchmarks._report import run_child
 
 HEADERS = ["model", "dtype", "params", "model GB", "peak RSS GB", "extra / model", "sweeps", "s / sweep",
            "first sweep s", "floor s", "first / floor", "LAP share", "groups found"]  # fmt: skip
@@ -254,14 +252,11 @@ def rows(names: list[str], dtypes: list[str], repeat: int, report: Callable[[str
             report(f"  {MODELS[name][0]}, {dtype} ...")
             code = ("import json, pyperm.benchmarks._match_scale as m; "
                     f"print(json.dumps(m.measure({name!r}, {dtype!r}, {repeat}, {device!r})))")
-            # From a neutral folder: ``python -c`` puts the working directory first on the path, and a source
-            # checkout there would shadow the installed package.
-            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                  cwd=tempfile.gettempdir())  # fmt: skip
-            if proc.returncode != 0:
-                failures.append(f"{name} {dtype}: the run failed: {proc.stderr.strip().splitlines()[-1:]}")
+            try:
+                r = run_child(code)
+            except RuntimeError as exc:
+                failures.append(f"{name} {dtype}: the run failed: {exc}")
                 continue
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
             if r["found"] != r["groups"]:
                 failures.append(f"{name} {dtype}: {r['groups'] - r['found']} planted groups not found")
             table.append([

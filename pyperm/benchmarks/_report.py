@@ -26,6 +26,25 @@ class Timing:
         return min(self.samples)
 
 
+def run_child(code: str, timeout: float | None = None) -> dict:
+    """Run ``python -c code`` in a fresh process and return the JSON object its last line prints.
+
+    The child starts in a neutral folder: ``python -c`` puts the working directory first on the
+    path, and a source checkout there would shadow the installed package. A child that fails
+    raises RuntimeError with the last line of its error output (a timeout: subprocess.TimeoutExpired).
+    """
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tempfile.gettempdir(),
+                          timeout=timeout)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError((proc.stderr.strip().splitlines() or ["no message"])[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def to_host(x: object):
     """A benchmark's answer as a numpy array (CUDA tensors are copied back)."""
     import numpy as np
