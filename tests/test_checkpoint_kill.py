@@ -24,6 +24,8 @@ pytest.importorskip("safetensors.torch")
 from pyperm._staging import SUFFIX
 from pyperm.checkpoints import load_checkpoint, save_checkpoint
 
+from _checkpoint_layouts import LAYOUTS, write_layout
+
 # The child: writes the new result over the old one, killing itself after filesystem step KILL_AT (never with 0),
 # and prints how many steps the whole write took.
 CHILD = r"""
@@ -70,20 +72,7 @@ def _state() -> dict[str, torch.Tensor]:
 
 def _source(folder, layout: str):
     """The input checkpoint (whose layout is written) in ``folder``."""
-    folder.mkdir()
-    state = _state()
-    if layout == "torch":
-        torch.save(state, folder / "m.pt")
-        return folder / "m.pt"
-    if layout == "safetensors":
-        safetensors.torch.save_file(state, str(folder / "m.safetensors"))
-        return folder / "m.safetensors"
-    keys = sorted(state)
-    weight_map = {k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(keys)}
-    for shard in set(weight_map.values()):
-        safetensors.torch.save_file({k: state[k] for k in keys if weight_map[k] == shard}, str(folder / shard))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return folder / "model.safetensors.index.json"
+    return write_layout(folder, layout, _state())
 
 
 def _through_the_library(path) -> dict[str, torch.Tensor]:
@@ -114,7 +103,7 @@ def _run_child(source, target, kill_at: int) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir())  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", ["sharded", "safetensors", "torch"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_write_killed_after_any_step_leaves_the_old_or_the_new_result(tmp_path, layout):
     source = _source(tmp_path / "in", layout)
     like = load_checkpoint(source)

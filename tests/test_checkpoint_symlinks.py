@@ -19,6 +19,8 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from pyperm.checkpoints import CheckpointError, load_checkpoint, output_paths, save_checkpoint
 
+from _checkpoint_layouts import LAYOUTS, write_layout
+
 VICTIM = b"the link's target: never written\n"
 
 
@@ -28,20 +30,9 @@ def _state() -> dict[str, torch.Tensor]:
             "layers.1.weight": torch.randn(2, 3, generator=gen), "layers.1.bias": torch.randn(2, generator=gen)}  # fmt: skip
 
 
-def _source(folder, layout):
-    folder.mkdir()
-    state = _state()
-    if layout == "torch":
-        torch.save(state, folder / "m.pt")
-        return folder / "m.pt"
-    if layout == "safetensors":
-        safetensors_torch.save_file(state, str(folder / "m.safetensors"))
-        return folder / "m.safetensors"
-    weight_map = {k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(sorted(state))}
-    for shard in set(weight_map.values()):
-        safetensors_torch.save_file({k: v for k, v in state.items() if weight_map[k] == shard}, str(folder / shard))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    return folder / "model.safetensors.index.json"
+def _source(folder, layout: str):
+    """The input checkpoint (whose layout is written) in ``folder``."""
+    return write_layout(folder, layout, _state())
 
 
 def _plant(links, victims_folder):
@@ -63,7 +54,7 @@ def _untouched(planted):
         assert victim.read_bytes() == VICTIM, f"written through the link at {link}"
 
 
-@pytest.mark.parametrize("layout", ["sharded", "safetensors", "torch"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_link_at_every_checkpoint_name_is_replaced_not_followed(tmp_path, layout):
     like = load_checkpoint(_source(tmp_path / "in", layout))
     out = tmp_path / "out"
