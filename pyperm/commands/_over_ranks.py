@@ -263,6 +263,10 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
         where = written[0].parent if args.model == "hf" else written[0]
         print(f"B permuted into A's basin by weight matching over {world} ranks in {info['seconds']:.2f} s: {where}")
         print(f"objective vec(A).vec(pi(B)): {info['identity_objective']:.6g} -> {info['objective']:.6g}")
+        # One process checks that the written B computes B's function; that needs the whole model in one
+        # process, so over ranks it is not run, and the user is told rather than left to assume it was.
+        print("not checked over ranks: that permuted B computes B's function (run pyperm align in one process "
+              "for that check)")
         print(f"report: {out / 'report.md'}")
     dist.barrier()
     return 0
