@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 pytest.importorskip("matplotlib")
 
+import pyperm
 from pyperm.checkpoints import load_checkpoint
 from pyperm.cli import BENCHMARKS, main
 from pyperm.datasets import load_digits
@@ -263,6 +264,21 @@ def test_malformed_model_name_exits_2(tmp_path, capsys, model, message):
 )
 def test_bad_option_values_exit_2(tmp_path, capsys, argv, message):
     assert message in _usage_error(capsys, argv + (["--out", str(tmp_path)] if argv[0] != "bench" else []))
+
+
+@pytest.mark.parametrize("argv", [["bench", "lap", "--device", "cuda"], ["bench", "xcorr", "--device", "cuda"],
+                                  ["bench", "bvn", "--device", "cuda"], ["bench", "match", "--device", "cuda"]])
+@pytest.mark.skipif(pyperm.cuda_available(), reason="checks the message where no GPU can be used")
+def test_benchmarks_on_cuda_without_a_gpu_say_why(capsys, argv):
+    """--device cuda where pyperm cannot use a GPU: exit 2 and the reason, before anything is timed."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("--device cuda: ") and pyperm.cuda_unavailable_reason().split(" (")[0] in err
+
+
+def test_bench_match_refuses_a_device_torch_does_not_know(capsys):
+    assert main(["bench", "match", "--device", "tpu:x", "--models", "mlp512"]) == 2
+    assert "--device: not a torch device: 'tpu:x'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", list(BENCHMARKS))
