@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks (torch.multiprocessing, a file store), with a deadline: never hangs.
+"""Run a function on N ranks (gloo, or NCCL on GPUs) (torch.multiprocessing, a file store), with a deadline: never hangs.
 
 ``fork`` where no GPU is visible (spawned interpreters spend seconds importing torch again);
 ``spawn`` where one is (torch refuses backward in a child forked after autograd's device threads
@@ -17,9 +17,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, fn, world: int, tmp: str, args: tuple) -> None:
+def _entry(rank: int, fn, world: int, tmp: str, args: tuple, backend: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    if backend == "nccl":  # one device per rank, round robin
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world)
     try:
         outcome = ("ok", fn(rank, world, *args))
     except BaseException as exc:  # reported to the test, which decides
@@ -32,11 +34,11 @@ def _entry(rank: int, fn, world: int, tmp: str, args: tuple) -> None:
         os._exit(1)  # as a failed process would: the others' watchdogs or collectives notice
 
 
-def run_ranks(fn, world: int, tmp, *args, deadline: float = 120.0) -> list:
-    """``fn(rank, world, *args)`` on every rank; per rank ``("ok", value)``, ``("error", text, traceback)``
+def run_ranks(fn, world: int, tmp, *args, deadline: float = 120.0, backend: str = "gloo") -> list:
+    """``fn(rank, world, *args)`` on every rank of a ``backend`` group; per rank ``("ok", value)``, ``("error", text, traceback)``
     or ``("exit", exitcode)`` when it wrote nothing (killed, or ended by its watchdog)."""
     start = "spawn" if torch.cuda.is_available() else "fork"
-    ctx = mp.start_processes(_entry, args=(fn, world, str(tmp), args), nprocs=world, join=False,
+    ctx = mp.start_processes(_entry, args=(fn, world, str(tmp), args, backend), nprocs=world, join=False,
                              start_method=start)  # fmt: skip
     end = time.monotonic() + deadline
     for p in ctx.processes:

@@ -3,7 +3,8 @@
 # commands on a CUDA machine, each stage under its own time limit, everything logged.
 #
 #   bash bench/gpu/check.sh STAGE...      stages: build config sanitize cuda-tests memory bench
-#                                          e2e scale suite (default: all, in that order)
+#                                          e2e scale suite (default: all, in that order), and
+#                                          distributed profile scale-ranks (only when named)
 #
 # Logs go to $OUT (the device tool's folder) or ./gpu-logs: check.log holds every stage's
 # summary and the build's output; the long outputs have a file each (8 files at most). The
@@ -88,6 +89,31 @@ for s in "${stages[@]}"; do
   scale)
     stage bench-scale-llama 300 bench.log pyperm bench match --no-flat --scale llama-1.1b --dtypes bfloat16 \
       --device cuda --repeat 1
+    ;;
+  distributed)
+    # NCCL with one rank per device and gloo with ranks sharing one device (tests/test_distributed_cuda.py),
+    # the distributed curve test that forks or spawns, and whether NCCL accepts two ranks on one GPU.
+    stage distributed 240 distributed.log pytest -q -rfE -p no:cacheprovider --timeout 200 $XDIST_OK \
+      tests/test_distributed_cuda.py tests/test_curves_distributed.py tests/test_distributed_weight.py
+    tail -n 8 "$LOGS/distributed.log" >>"$LOGS/check.log"
+    ;;
+  profile)
+    # Where the missed targets' time goes: the LAP solver's launch configurations, then a kernel summary
+    # (Nsight Systems, when installed) of activation matching and of matching VGG16 on the device.
+    stage lap-probe 200 profile.log $PY bench/gpu/lap_probe.py
+    if command -v nsys >/dev/null; then
+      stage nsys-activations 120 profile.log nsys profile --stats=true --force-overwrite=true -o /tmp/pp-act \
+        $PY bench/gpu/cases.py activations
+      stage nsys-match 150 profile.log nsys profile --stats=true --force-overwrite=true -o /tmp/pp-match \
+        pyperm bench match --device cuda --models vgg16 mlp2048 --no-reference --repeat 1
+    else
+      say "   nsys not installed: no kernel summary"
+    fi
+    ;;
+  scale-ranks)
+    # Issue 35's scale table on the device: one process, then 2 ranks (gloo when they share one GPU).
+    stage bench-scale-ranks ${RANKS_LIMIT:-300} bench.log pyperm bench match --no-flat --scale llama-1.1b \
+      --dtypes bfloat16 --device cuda --ranks 2 --repeat 1
     ;;
   suite)
     # One thread per worker: 14 workers of 16 threads each oversubscribe the cores (the first run of the

@@ -41,6 +41,11 @@ HEADERS = ["model", "dtype", "processes", "threads each", "peak RSS GB (largest)
 DEADLINE = 1800.0
 
 
+def headers(device: str) -> list[str]:
+    """The columns; on a GPU the peaks are device memory (``torch.cuda.max_memory_allocated``)."""
+    return HEADERS if device == "cpu" else [h.replace("RSS", "device memory") for h in HEADERS]
+
+
 def shares(state: dict, world: int) -> list[list[str]]:
     """The keys in ``world`` contiguous shares cut between layers (a key's layer: its name up to its first
     number, ``transformer.h.3``), balanced by bytes; keys sharing a tensor go with the first of them."""
@@ -65,11 +70,11 @@ def _threads(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
-def _prepare(name: str, dtype_name: str, keep: Callable[[dict], list[str]] | None = None) -> tuple:
-    """The pair (this process's share of it), its size, and the resident memory before the call."""
+def _prepare(name: str, dtype_name: str, device: str, keep: Callable[[dict], list[str]] | None = None) -> tuple:
+    """The pair (this process's share of it, on ``device``), with the peak memory counters restarted."""
     import torch
 
-    from pyperm._memory import release_free_memory, reset_peak_resident, resident_bytes
+    from pyperm._memory import release_free_memory, reset_peak_resident
     from pyperm.benchmarks._match_scale import _pair
 
     spec, sa, sb, planted = _pair(name, getattr(torch, dtype_name))
@@ -77,49 +82,80 @@ def _prepare(name: str, dtype_name: str, keep: Callable[[dict], list[str]] | Non
         kept = set(keep(sa))
         sa = {k: t for k, t in sa.items() if k in kept}
         sb = {k: t for k, t in sb.items() if k in kept}
+    if device != "cpu":
+        sa = {k: t.to(device) for k, t in sa.items()}
+        sb = {k: t.to(device) for k, t in sb.items()}
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     gc.collect()
     release_free_memory()
-    before = resident_bytes("VmRSS")
     reset_peak_resident()
-    return spec, sa, sb, planted, before
+    return spec, sa, sb, planted
 
 
-def measure_one(name: str, dtype_name: str, max_iter: int = 100) -> dict[str, Any]:
-    """The one-process row from the identity, in this process."""
+def _peak(device: str) -> int:
+    """The peak since :func:`_prepare`: resident memory on the CPU, allocated device memory on a GPU."""
     import torch
 
     from pyperm._memory import resident_bytes
+
+    if device == "cpu":
+        return resident_bytes("VmHWM")
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def _backend(device: str, world: int) -> str:
+    """NCCL where every rank has a GPU of its own; gloo otherwise (NCCL refuses two ranks on one GPU)."""
+    import torch
+
+    return "nccl" if device != "cpu" and torch.cuda.device_count() >= world else "gloo"
+
+
+def _rank_device(device: str, rank: int) -> str:
+    import torch
+
+    return device if device == "cpu" else f"cuda:{rank % torch.cuda.device_count()}"
+
+
+def measure_one(name: str, dtype_name: str, max_iter: int = 100, device: str = "cpu") -> dict[str, Any]:
+    """The one-process row from the identity, in this process."""
+    import torch
+
     from pyperm.benchmarks._match_scale import recovered_groups
     from pyperm.nn import weight_matching
 
-    spec, sa, sb, planted, before = _prepare(name, dtype_name)
+    spec, sa, sb, planted = _prepare(name, dtype_name, device)
     started = time.perf_counter()
     result = weight_matching(spec, sa, sb, init="identity", max_iter=max_iter)
     seconds = time.perf_counter() - started
-    peak = resident_bytes("VmHWM")
+    peak = _peak(device)
     found = recovered_groups(spec, sb, result.perms, planted)
     return {"peaks": [peak], "sweeps": max(result.iterations, 1), "seconds": seconds, "bytes": 0.0,
             "found": found, "groups": len(spec.sizes), "threads": torch.get_num_threads()}  # fmt: skip
 
 
-def _rank(rank: int, world: int, name: str, dtype_name: str, tmp: str, deadline: float, max_iter: int) -> None:
+def _rank(rank: int, world: int, name: str, dtype_name: str, tmp: str, deadline: float, max_iter: int,
+          device: str) -> None:  # fmt: skip
     import torch
     import torch.distributed as dist
 
-    from pyperm._memory import resident_bytes
     from pyperm.benchmarks._match_scale import wrong_groups
     from pyperm.distributed import weight_matching
 
     torch.set_num_threads(_threads(world))
     try:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world,
+        backend, device = _backend(device, world), _rank_device(device, rank)
+        if backend == "nccl":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=deadline))  # fmt: skip
-        spec, sa, sb, planted, before = _prepare(name, dtype_name, lambda s: shares(s, world)[rank])
+        spec, sa, sb, planted = _prepare(name, dtype_name, device, lambda s: shares(s, world)[rank])
         dist.barrier()
         started = time.perf_counter()
         result = weight_matching(spec, sa, sb, init="identity", max_iter=max_iter)
         seconds = time.perf_counter() - started
-        peak = resident_bytes("VmHWM")
+        peak = _peak(device)
         sent = result.bytes_per_sweep
         wrong = sorted(wrong_groups(spec, sb, result.perms, planted))
         outcome = ("ok", {"peak": peak, "seconds": seconds, "sweeps": max(result.iterations, 1),
@@ -136,12 +172,12 @@ def _rank(rank: int, world: int, name: str, dtype_name: str, tmp: str, deadline:
 
 
 def measure_ranks(name: str, dtype_name: str, world: int, deadline: float = DEADLINE,
-                  max_iter: int = 100) -> dict[str, Any]:  # fmt: skip
+                  max_iter: int = 100, device: str = "cpu") -> dict[str, Any]:  # fmt: skip
     """The N-rank row: ``world`` spawned processes, each its share; raises if a rank fails or outlives ``deadline``."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_rank, args=(world, name, dtype_name, tmp, deadline, max_iter), nprocs=world,
+        ctx = mp.start_processes(_rank, args=(world, name, dtype_name, tmp, deadline, max_iter, device), nprocs=world,
                                  join=False, start_method="spawn")  # fmt: skip
         end = time.monotonic() + deadline
         for p in ctx.processes:
@@ -171,9 +207,11 @@ def measure_ranks(name: str, dtype_name: str, world: int, deadline: float = DEAD
 
 
 def rows(names: list[str], dtypes: list[str], world: int, report: Callable[[str], None],
-         deadline: float = DEADLINE, max_iter: int = 100) -> tuple[list[list[Any]], list[str]]:  # fmt: skip
+         deadline: float = DEADLINE, max_iter: int = 100, device: str = "cpu") -> tuple[list[list[Any]], list[str]]:
     """The table's rows (one process, then ``world`` ranks, per model and dtype) and the failures
-    (``max_iter``: the sweeps allowed; the tests' 0 finds no group)."""
+    (``max_iter``: the sweeps allowed; the tests' 0 finds no group). On a GPU (``device="cuda"``) the
+    pair lives on the devices and the peaks are device memory; NCCL where each rank has a GPU, else gloo
+    with the ranks sharing the devices."""
     from pyperm.benchmarks._match_scale import MODELS
 
     table, failures = [], []
@@ -183,8 +221,9 @@ def rows(names: list[str], dtypes: list[str], world: int, report: Callable[[str]
             report(f"  {title}, {dtype}, 1 process and {world} ranks ...")
             m = "import json, pyperm.benchmarks._match_ranks as m; print(json.dumps(m.measure_"
             try:
-                one = run_child(f"{m}one({name!r}, {dtype!r}, {max_iter})))", deadline)
-                many = run_child(f"{m}ranks({name!r}, {dtype!r}, {world}, {deadline}, {max_iter})))", deadline + 60)
+                one = run_child(f"{m}one({name!r}, {dtype!r}, {max_iter}, {device!r})))", deadline)
+                many = run_child(f"{m}ranks({name!r}, {dtype!r}, {world}, {deadline}, {max_iter}, {device!r})))",
+                                 deadline + 60)  # fmt: skip
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 failures.append(f"{name} {dtype} over {world} ranks: {exc}")
                 continue

@@ -234,11 +234,12 @@ def run(args: argparse.Namespace) -> int:
         if args.ranks is not None:
             from pyperm.benchmarks import _match_ranks
 
-            print(f"\nweight matching over ranks: from the identity, 1 process and {args.ranks} gloo processes "
+            backend = "gloo" if args.device == "cpu" else _match_ranks._backend(args.device, args.ranks)
+            print(f"\nweight matching over ranks: from the identity, 1 process and {args.ranks} {backend} processes "
                   "(each a contiguous share of the keys); each row in its own processes", flush=True)  # fmt: skip
-            table, failed = _match_ranks.rows(args.scale, args.dtypes, args.ranks, _report)
+            table, failed = _match_ranks.rows(args.scale, args.dtypes, args.ranks, _report, device=args.device)
             failures += failed
-            _print(_match_ranks.HEADERS, table, args.markdown, args.write, "ranks")
+            _print(_match_ranks.headers(args.device), table, args.markdown, args.write, "ranks")
     for f in failures:
         print("FAIL:", f, file=sys.stderr)
     return 1 if failures else 0
