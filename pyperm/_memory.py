@@ -50,6 +50,15 @@ def resident_bytes(field: str = "VmRSS") -> int:
     raise ValueError(f"field must be a memory line of /proc/self/status, got {field!r}")
 
 
+def peak_resident() -> int | None:
+    """The process's peak resident memory in bytes (mapped pages it touched included), or None where
+    ``/proc`` cannot tell (not Linux): for reports, which say "unknown" rather than fail."""
+    try:
+        return resident_bytes("VmHWM")
+    except OSError:
+        return None
+
+
 def reset_peak_resident() -> bool:
     """Restart the peak (``resident_bytes("VmHWM")``) from the current resident memory; False where the
     system cannot (not Linux)."""

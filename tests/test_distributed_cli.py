@@ -61,12 +61,13 @@ def _files(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize(("sharded", "world"), [(True, 2), (False, 2), (True, 3)],
-                         ids=["sharded", "one-file", "3-ranks"])  # fmt: skip
-def test_align_over_ranks_writes_what_one_process_writes(tmp_path, sharded, world):
+@pytest.mark.parametrize(("sharded", "world", "init"), [(True, 2, "identity"), (False, 2, "identity"),
+                                                      (True, 3, "identity"), (True, 2, "best"), (True, 2, "signatures")],
+                         ids=["sharded", "one-file", "3-ranks", "best", "signatures"])  # fmt: skip
+def test_align_over_ranks_writes_what_one_process_writes(tmp_path, sharded, world, init):
     a, b = _llama(0, tmp_path / "a", sharded), _llama(1, tmp_path / "b", sharded)
-    argv = ["align", a, b, "--model", "hf", "--no-progress"]
-    assert main(argv + ["--out", str(tmp_path / "one"), "--init", "identity"]) == 0
+    argv = ["align", a, b, "--model", "hf", "--no-progress", "--init", init]
+    assert main(argv + ["--out", str(tmp_path / "one")]) == 0
     (tmp_path / "ranks").mkdir()
     outcomes = values(run_ranks(_align, world, tmp_path / "ranks", [argv + ["--out", str(tmp_path / "two")]] * world))
     assert [code for code, _ in outcomes] == [0] * world, outcomes
@@ -132,13 +133,6 @@ def test_torchrun_is_detected_through_its_environment(monkeypatch):
     assert not launched(), "one rank: the one-process command"
 
 
-def test_over_ranks_refuses_the_starts_that_read_whole_tensors(tmp_path, monkeypatch, capsys):
-    a, b = _llama(0, tmp_path / "a", True), _llama(1, tmp_path / "b", True)
-    monkeypatch.setattr("pyperm.commands._over_ranks.launched", lambda: True)
-    assert main(["align", a, b, "--model", "hf", "--out", str(tmp_path / "o"), "--init", "best"]) == 1
-    assert "--init best: over ranks" in capsys.readouterr().err
-
-
 def test_a_rank_maps_only_its_shards(tmp_path):
     from pyperm.checkpoints import load_checkpoint
     from pyperm.commands._over_ranks import _my_shards, key_owners
@@ -176,8 +170,8 @@ def test_torchrun_runs_the_module_over_two_ranks(tmp_path):
     """The real launcher: ``torchrun --nproc-per-node 2 -m pyperm align`` (its rendezvous on 127.0.0.1 only)
     joins the process group itself (``env://``) and writes what one process writes."""
     a, b = _llama(0, tmp_path / "a", True), _llama(1, tmp_path / "b", True)
-    argv = ["align", a, b, "--model", "hf", "--no-progress"]
-    assert main(argv + ["--out", str(tmp_path / "one"), "--init", "identity"]) == 0
+    argv = ["align", a, b, "--model", "hf", "--no-progress"]  # the default start on both sides
+    assert main(argv + ["--out", str(tmp_path / "one")]) == 0
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
     # From tmp_path: ``-m`` puts the working directory first on the path, and a source checkout there (CI
     # tests the installed wheel) would shadow the installed package.

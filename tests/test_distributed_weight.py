@@ -58,18 +58,19 @@ def _share(keys: list[str], rank: int, world: int, how: str) -> list[str]:
     return keys if rank == 0 else []  # "one": everything on rank 0
 
 
-def _match(rank, world, problems, how, concurrent):
+def _match(rank, world, problems, how, concurrent, init="identity"):
     out = {}
     for name, (spec, a, b) in problems.items():
         mine = _share(list(spec.axes), rank, world, how)
-        r = pd.weight_matching(spec, {k: a[k] for k in mine}, {k: b[k] for k in mine}, seed=3, concurrent=concurrent)
+        r = pd.weight_matching(spec, {k: a[k] for k in mine}, {k: b[k] for k in mine}, seed=3, concurrent=concurrent,
+                               init=init)  # fmt: skip
         out[name] = (dict(r.perms.items()), r.objective, r.iterations, r.bytes_per_sweep)
     return out
 
 
-def _check_equal(problems, results):
+def _check_equal(problems, results, init="identity"):
     for name, (spec, a, b) in problems.items():
-        one = weight_matching(spec, a, b, seed=3, init="identity")
+        one = weight_matching(spec, a, b, seed=3, init=init)
         for rank_result in results:
             perms, objective, iterations, _ = rank_result[name]
             for g in spec.sizes:
@@ -91,6 +92,34 @@ def test_four_ranks_strided_match_one_process(tmp_path):
     problems = {k: v for k, v in _problems().items() if k in ("mlp", "llama", "attention-heads", "recurrent")}
     results = values(run_ranks(_match, 4, tmp_path, problems, "strided", False))
     _check_equal(problems, results)
+
+
+def _planted():
+    """MobileNetV2 and a permuted copy of it plus 1% noise: the identity start stalls there (one process)."""
+    from test_architectures import MobileNetV2
+
+    from pyperm.nn import apply_permutation, trace_model
+    from pyperm.nn.align._starts import stalled
+    from pyperm.testing import random_permutations
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = MobileNetV2()
+    spec = trace_model(model, torch.randn(1, 3, 32, 32)).spec
+    a = model.state_dict()
+    g = torch.Generator().manual_seed(1)
+    b = apply_permutation(spec, random_permutations(spec, g), a)
+    b = {k: t + 0.01 * t.float().std() * torch.randn(t.shape, generator=g) if t.is_floating_point() and t.numel() > 1
+         else t for k, t in b.items()}  # fmt: skip
+    one = weight_matching(spec, a, b, seed=3, init="identity")
+    assert stalled(spec, a, b, one.perms, list(spec.axes)), "the identity start should stall here"
+    return {"mobilenet_v2": (spec, a, b)}
+
+
+@pytest.mark.parametrize("init", ["best", "signatures"])
+def test_the_starts_that_read_whole_tensors_match_one_process(tmp_path, init):
+    problems = _planted()
+    _check_equal(problems, values(run_ranks(_match, 2, tmp_path, problems, "strided", False, init)), init)
 
 
 def test_groups_on_one_rank_send_nothing(tmp_path):
@@ -150,7 +179,7 @@ def _bad(rank, world):
     spec, a, b = _mlp()
     keys = list(spec.axes)
     errors = [
-        (dict(init="best"), ValueError, "init='best' reads whole tensors"),
+        (dict(init="nearest"), ValueError, "init must be one of 'best', 'identity', 'signatures'"),
         (dict(concurrent=1), TypeError, "concurrent must be a bool"),
     ]
     for kwargs, error, match in errors:

@@ -227,17 +227,24 @@ def rows(names: list[str], dtypes: list[str], world: int, report: Callable[[str]
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 failures.append(f"{name} {dtype} over {world} ranks: {exc}")
                 continue
-            for r in (one, many):
-                if r["found"] != r["groups"]:
-                    failures.append(f"{name} {dtype}, {len(r['peaks'])} process(es): "
-                                    f"{r['groups'] - r['found']} planted groups not found")  # fmt: skip
-            base_peak, base_sweep = one["peaks"][0], one["seconds"] / one["sweeps"]
-            for r in (one, many):
-                per_sweep = r["seconds"] / r["sweeps"]
-                table.append([
-                    title, dtype, len(r["peaks"]), r["threads"], f"{max(r['peaks']) / 1e9:.2f}",
-                    f"{max(r['peaks']) / base_peak:.2f}x", f"{sum(r['peaks']) / 1e9:.2f}",
-                    f"{sum(r['peaks']) / base_peak:.2f}x", r["sweeps"], f"{per_sweep:.3g}",
-                    f"{per_sweep / base_sweep:.2f}x", f"{r['bytes'] / 1e6:.3g}", f"{r['found']}/{r['groups']}",
-                ])  # fmt: skip
+            table += table_rows(f"{name} {dtype}", title, dtype, one, many, failures)
     return table, failures
+
+
+def table_rows(what: str, title: str, dtype: str, one: dict, many: dict, failures: list[str]) -> list[list[Any]]:
+    """The two rows of one model and dtype (``one`` process, ``many`` ranks: dicts with peaks, sweeps,
+    seconds, bytes, found, groups and threads); a planted group not found is added to ``failures``."""
+    for r in (one, many):
+        if r["found"] != r["groups"]:
+            failures.append(f"{what}, {len(r['peaks'])} process(es): {r['groups'] - r['found']} planted groups not found")
+    base_peak, base_sweep = one["peaks"][0], one["seconds"] / one["sweeps"]
+    out = []
+    for r in (one, many):
+        per_sweep = r["seconds"] / r["sweeps"]
+        out.append([
+            title, dtype, len(r["peaks"]), r["threads"], f"{max(r['peaks']) / 1e9:.2f}",
+            f"{max(r['peaks']) / base_peak:.2f}x", f"{sum(r['peaks']) / 1e9:.2f}",
+            f"{sum(r['peaks']) / base_peak:.2f}x", r["sweeps"], f"{per_sweep:.3g}",
+            f"{per_sweep / base_sweep:.2f}x", f"{r['bytes'] / 1e6:.3g}", f"{r['found']}/{r['groups']}",
+        ])  # fmt: skip
+    return out

@@ -45,12 +45,18 @@ MODELS = {
     "gpt2": ("GPT-2 124M", "hf"),
     "resnet50": ("ResNet50 (torchvision)", "torchvision"),
     "vit_b_16": ("ViT-B/16 (torchvision)", "torchvision"),
+    "llama-3.2-3b": ("Llama 3.2 3B shape", "hf"),
 }
+# What --scale runs when it names no model: the 3B pair (13 GB in bfloat16) only on request.
+DEFAULT = ["llama-1.1b", "gpt2", "resnet50", "vit_b_16"]
 SMALL = ["gpt2", "resnet50", "vit_b_16"]
 _HF_CONFIGS = {
     "llama-1.1b": ("LlamaForCausalLM", "LlamaConfig", {
         "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
         "num_key_value_heads": 4, "vocab_size": 32000, "tie_word_embeddings": False}),
+    "llama-3.2-3b": ("LlamaForCausalLM", "LlamaConfig", {
+        "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+        "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True}),
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", {"n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257}),
     # Not in MODELS (not offered on the command line): the tests' pair.
     "gpt2-tiny": ("GPT2LMHeadModel", "GPT2Config", {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 64,

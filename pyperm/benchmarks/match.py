@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pyperm._plotting import save_figure
 from pyperm._argtypes import choices_list, int_at_least, positive_int
 from pyperm._tables import markdown_table, text_table
+from pyperm.benchmarks._match_scale import DEFAULT as SCALE_DEFAULT
 from pyperm.benchmarks._match_scale import MODELS as SCALE_MODELS
 from pyperm.benchmarks._match_starts import MODELS as START_MODELS
 from pyperm.benchmarks._match_structured import CASES as STRUCTURED_CASES
@@ -153,11 +154,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{','.join(START_MODELS)}; the last two need torchvision and timm)")
     parser.add_argument("--planted", action="store_true",
                         help="the starts table also on a model and a permuted copy of it")
-    parser.add_argument("--scale", nargs="?", type=choices_list(list(SCALE_MODELS)), const=list(SCALE_MODELS),
+    parser.add_argument("--scale", nargs="?", type=choices_list(list(SCALE_MODELS)), const=SCALE_DEFAULT,
                         default=None, metavar="MODELS",
                         help="also the scale table: peak memory, time per sweep and the matmul floor of large "
-                             f"models in float32 and bfloat16 (models: {','.join(SCALE_MODELS)}; default all; "
-                             "the 1.1B Llama pair needs 9 GB in float32 and about 25 minutes, the others minutes; "
+                             f"models in float32 and bfloat16 (models: {','.join(SCALE_MODELS)}; default "
+                             f"{','.join(SCALE_DEFAULT)}; the 1.1B Llama pair needs 9 GB in float32 and about 25 "
+                             "minutes, the others minutes, the 3B pair 13 GB in bfloat16; "
                              "the Hugging Face rows need transformers, the others torchvision)")
     parser.add_argument("--no-flat", action="store_true", help="skip the flat table (--models)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
@@ -176,6 +178,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --scale, also the ranks table: each model and dtype matched from the identity in "
                              "one process and over N gloo processes on this machine, each a contiguous share of the "
                              "keys (peak RSS per rank and in all, time per sweep, bytes sent per sweep, groups found)")
+    parser.add_argument("--checkpoints", metavar="DIR", default=None,
+                        help="with --scale and --ranks: run the ranks table through the command line instead (pyperm "
+                             "align in one process, then under torchrun), on the pair written to DIR once as sharded "
+                             "safetensors (Hugging Face models only; the scale table is not run)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -192,6 +198,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if device.type == "cuda" and not (torch.cuda.is_available() and pyperm.cuda_available()):
         print(f"--device {args.device}: {pyperm.cuda_unavailable_reason() or 'torch sees no CUDA device'}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.checkpoints is not None and (args.scale is None or args.ranks is None or device.type != "cpu"):
+        print("--checkpoints: needs --scale and --ranks, on the CPU (the command line's ranks are gloo processes)",
               file=sys.stderr)  # fmt: skip
         return 2
     where = f", device {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
@@ -226,12 +236,21 @@ def run(args: argparse.Namespace) -> int:
     if args.scale:
         from pyperm.benchmarks import _match_scale
 
-        print("\nweight matching at scale: B a planted permutation of A plus noise, defaults; each row in its own "
-              "process", flush=True)  # fmt: skip
-        table, failed = _match_scale.rows(args.scale, args.dtypes, args.repeat, _report, args.device)
-        failures += failed
-        _print(_match_scale.headers(args.device), table, args.markdown, args.write, "scale")
-        if args.ranks is not None:
+        if args.checkpoints is None:
+            print("\nweight matching at scale: B a planted permutation of A plus noise, defaults; each row in its own "
+                  "process", flush=True)  # fmt: skip
+            table, failed = _match_scale.rows(args.scale, args.dtypes, args.repeat, _report, args.device)
+            failures += failed
+            _print(_match_scale.headers(args.device), table, args.markdown, args.write, "scale")
+        if args.ranks is not None and args.checkpoints is not None:
+            from pyperm.benchmarks import _align_ranks, _match_ranks
+
+            print(f"\npyperm align over ranks: 1 process and torchrun with {args.ranks} gloo "
+                  f"processes, each mapping its shards of the pair in {args.checkpoints}", flush=True)  # fmt: skip
+            table, failed = _align_ranks.rows(args.scale, args.dtypes, args.ranks, args.checkpoints, _report)
+            failures += failed
+            _print(_match_ranks.HEADERS, table, args.markdown, args.write, "ranks-cli")
+        elif args.ranks is not None:
             from pyperm.benchmarks import _match_ranks
 
             backend = "gloo" if args.device == "cpu" else _match_ranks._backend(args.device, args.ranks)

@@ -11,7 +11,7 @@
    checkpoint by contiguous ranges of its keys); each rank maps only its own shards of B and the
    shards of A that hold the same keys (of the others it reads the headers: shapes and dtypes, as
    meta tensors), and :func:`pyperm.distributed.weight_matching` finds the permutations (the same
-   as one process's with ``--init identity``). A one-file checkpoint is mapped by every rank, each
+   as one process's with the same ``--init``). A one-file checkpoint is mapped by every rank, each
    reading its own keys; rank 0 writes the one output file;
 4. each rank stages its shards of B permuted (hidden names, fsynced: :mod:`pyperm._staging`);
    once every rank has, rank 0 renames them into place, then the index (the switch), then copies
@@ -139,10 +139,7 @@ def align_over_ranks(args: argparse.Namespace) -> int:
         raise CommandError(f"--method {args.method}: over ranks (torchrun) only weight matching runs")
     if args.data:
         raise CommandError("--data: over ranks (torchrun) the barriers do not run; align without --data")
-    init = args.init or "identity"
-    if init != "identity":
-        raise CommandError(f"--init {init}: over ranks (torchrun) the search starts from the identity "
-                           "(--init identity; the other starts read whole tensors)")  # fmt: skip
+    init = args.init or "best"
     device = resolve_device(args.device)
     with process_group(device), failure_guard(timeout=args.rank_timeout):
         if device.type == "cuda":  # each rank on its own GPU (LOCAL_RANK's, or the caller's current one)
@@ -153,10 +150,12 @@ def align_over_ranks(args: argparse.Namespace) -> int:
 
 
 def _align(args: argparse.Namespace, device: Any, init: str) -> int:
+    import torch
     import torch.distributed as dist
 
     import pyperm.distributed as pd
     from pyperm import _staging
+    from pyperm._memory import peak_resident
     from pyperm._json import write_json
     from pyperm._staging import write_text
     from pyperm.checkpoints import DATA_PARALLEL_PREFIX, LazyState, check_pair
@@ -230,6 +229,7 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
         # Past the barrier rank 0 owns every staged file: the others' are no longer theirs to remove.
         dist.barrier()
         staged.clear()
+    peaks = _gather(peak_resident())
     if rank == 0:
         written += copy_files(copies)
         info = {
@@ -256,6 +256,8 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
             "output_check_dtype": None,
             "dropped_wrapper_entries": ckpt_b.dropped,
             "outputs": [str(p) for p in ckpt_files],
+            "peak_rss_bytes": peaks,
+            "torch_threads": torch.get_num_threads(),
         }
         write_json(out / "permutations.json", perms.to_dict())
         write_json(out / "report.json", report)

@@ -94,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
 
     if launched():  # under torchrun: the tensors split over the ranks
         return align_over_ranks(args)
+    import torch
+
+    from pyperm._memory import peak_resident
     from pyperm.checkpoints import LazyState, save_checkpoint
     from pyperm.commands._checkpoint_pair import function_gap, load_for_model, refuse_inputs
     from pyperm.commands._common import (
@@ -177,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
         "output_check_dtype": gap_dtype,
         "dropped_wrapper_entries": ckpt_b.dropped,
         "outputs": [str(p) for p in ckpt_files],
+        "peak_rss_bytes": [peak_resident()],
+        "torch_threads": torch.get_num_threads(),
     }
     if barriers is not None:
         report["data"] = {"name": data.name, "train_samples": data.num_train, "test_samples": data.num_test}
@@ -223,6 +228,10 @@ def _markdown(report: dict[str, Any], barriers: dict | None) -> str:
         f"- largest change of B's outputs after permuting (should be ~0): {gap_text}",
         f"- written: {', '.join(f'`{p}`' for p in report['outputs'])}",
     ]
+    peaks = [p for p in report.get("peak_rss_bytes", []) if p is not None]
+    if peaks:
+        each = ", ".join(f"{p / 1e9:.2f}" for p in peaks)
+        lines.append(f"- peak resident memory, GB ({'per rank' if len(peaks) > 1 else 'the process'}): {each}")
     if report["dropped_wrapper_entries"]:
         lines.append(
             f"- entries of B's checkpoint not written back (they describe the unpermuted model): {report['dropped_wrapper_entries']}"

@@ -43,7 +43,8 @@ from pyperm.nn.align._pieces import inner_of_pairs
 from pyperm.nn.permutations import Permutations, permute_entry
 from pyperm.nn.spec import PermutationSpec
 
-__all__ = ["STARTS", "copy_start", "match_from", "optimal_copy", "signature_start", "stalled"]
+__all__ = ["STARTS", "copy_start", "match_from", "optimal_copy", "signature_cost", "signature_start",
+           "solve_inner_signatures", "solve_signatures", "stall_evidence", "stalled"]
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +219,21 @@ def stalled(
     norm. Stalled: some tensor stays far from aligned. The cosines read up to 64 evenly spaced
     units per permuted axis (see the module's constants).
     """
+    aligned, unaligned, same_norms = stall_evidence(spec, state_a, state_b, perms, keys)
+    return unaligned and (aligned or same_norms)
+
+
+@torch.no_grad()
+def stall_evidence(
+    spec: PermutationSpec,
+    state_a: Mapping[str, torch.Tensor],
+    state_b: Mapping[str, torch.Tensor],
+    perms: Mapping[str, torch.Tensor],
+    keys: Iterable[str],
+) -> tuple[bool, bool, bool]:
+    """What :func:`stalled` decides on, for the tensors ``keys``: (some tensor aligned, some tensor
+    far from aligned, every tensor's norm equal to its counterpart's). Over ranks each rank reads its
+    own tensors and the flags are combined (or, or, and)."""
     aligned = unaligned = False
     same_norms = True
     for key in keys:
@@ -239,7 +255,7 @@ def stalled(
             cosine = float(x @ y) / norms
             aligned = aligned or (cosine >= _RELATED and x.numel() >= _MIN_ENTRIES)
             unaligned = unaligned or cosine < _STALLED
-    return unaligned and (aligned or same_norms)
+    return aligned, unaligned, same_norms
 
 
 # Order statistics kept per slice of a unit's signature: the whole sorted slice would make the
@@ -265,35 +281,55 @@ def signature_start(
     perms: dict[str, torch.Tensor] = {}
     costs: dict[str, torch.Tensor] = {}
     for g, n in spec.sizes.items():
-        sig_a, sig_b = [], []
-        for key, axis in spec.group_axes[g]:
-            if key not in chosen:
-                continue
-            pos = spec.unit_positions(key, axis, g).reshape(-1)
-            whole = pos.numel() == sa[key].shape[axis] and bool((pos == torch.arange(pos.numel())).all())
-            for t, out in ((sa[key], sig_a), (sb[key], sig_b)):
-                rows = t if whole else t.index_select(axis, pos.to(t.device))
-                out.append(_signature(rows.movedim(axis, 0).reshape(n, -1)))
-        if not sig_a:
+        cost = signature_cost(spec, sa, sb, g, chosen)
+        if cost is None:
             perms[g] = torch.arange(n)
-            continue
-        cost = torch.cdist(torch.cat(sig_a, 1), torch.cat(sig_b, 1)) ** 2  # on the weights' device
-        if g in spec.blocks:  # solved below, within the blocks its outer group pairs
+        elif g in spec.blocks:  # solved below, within the blocks its outer group pairs
             costs[g] = cost
-            continue
-        perms[g] = _columns(pyperm.linear_sum_assignment(_solver_input(cost))[1])
-    for inner, outer in spec.blocks.items():
-        # An outer unit's signature covers its whole block, whatever the order within it,
-        # so the blocks are paired first; then each pair of blocks pairs its units.
-        nb, bs = spec.num_blocks(inner), spec.block_size(inner)
-        if inner not in costs:
-            perms[inner] = torch.arange(spec.sizes[inner])
-            continue
-        paired = perms[outer] if isinstance(outer, str) else torch.arange(nb)  # fixed blocks pair with themselves
-        pairs = costs[inner].view(nb, bs, nb, bs)[torch.arange(nb), :, paired]  # (nb, bs, bs)
-        _, cols = pyperm.batch_linear_sum_assignment(_solver_input(pairs.contiguous()))
-        perms[inner] = inner_of_pairs(paired, _columns(cols))
+        else:
+            perms[g] = solve_signatures(cost)
+    for inner in spec.blocks:
+        perms[inner] = solve_inner_signatures(spec, inner, costs.get(inner), perms)
     return perms
+
+
+def signature_cost(spec: PermutationSpec, sa: Mapping[str, torch.Tensor], sb: Mapping[str, torch.Tensor], g: str,
+                   chosen: set[str]) -> torch.Tensor | None:  # fmt: skip
+    """Group ``g``'s squared signature distances (n x n, float64) over the tensors ``chosen``, or None
+    when it acts on none of them. A sum over tensors: over ranks, each rank's part is added."""
+    n = spec.sizes[g]
+    sig_a, sig_b = [], []
+    for key, axis in spec.group_axes[g]:
+        if key not in chosen:
+            continue
+        pos = spec.unit_positions(key, axis, g).reshape(-1)
+        whole = pos.numel() == sa[key].shape[axis] and bool((pos == torch.arange(pos.numel())).all())
+        for t, out in ((sa[key], sig_a), (sb[key], sig_b)):
+            rows = t if whole else t.index_select(axis, pos.to(t.device))
+            out.append(_signature(rows.movedim(axis, 0).reshape(n, -1)))
+    if not sig_a:
+        return None
+    return torch.cdist(torch.cat(sig_a, 1), torch.cat(sig_b, 1)) ** 2  # on the weights' device
+
+
+def solve_signatures(cost: torch.Tensor) -> torch.Tensor:
+    """The units paired by the smallest total distance (a plain group)."""
+    return _columns(pyperm.linear_sum_assignment(_solver_input(cost))[1])
+
+
+def solve_inner_signatures(spec: PermutationSpec, inner: str, cost: torch.Tensor | None,
+                           perms: Mapping[str, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """A Blocks inner group's permutation from its signature cost, within the blocks its outer group
+    (already in ``perms``) pairs: an outer unit's signature covers its whole block, whatever the order
+    within it, so the blocks are paired first; then each pair of blocks pairs its units."""
+    if cost is None:
+        return torch.arange(spec.sizes[inner])
+    outer = spec.blocks[inner]
+    nb, bs = spec.num_blocks(inner), spec.block_size(inner)
+    paired = perms[outer] if isinstance(outer, str) else torch.arange(nb)  # fixed blocks pair with themselves
+    pairs = cost.view(nb, bs, nb, bs)[torch.arange(nb), :, paired]  # (nb, bs, bs)
+    _, cols = pyperm.batch_linear_sum_assignment(_solver_input(pairs.contiguous()))
+    return inner_of_pairs(paired, _columns(cols))
 
 
 def _signature(rows: torch.Tensor) -> torch.Tensor:

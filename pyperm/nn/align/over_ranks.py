@@ -37,7 +37,9 @@ import torch
 from pyperm._checks import check_int, check_nonnegative_real, torch_generator
 from pyperm._comm import Channel, check_same
 from pyperm.nn.align._rank_layout import gather_layout
+from pyperm.nn.align._rank_starts import signature_start_over_ranks, stalled_over_ranks
 from pyperm.nn.align._ranks import RankMatcher
+from pyperm.nn.align._starts import STARTS, _same_seed
 from pyperm.nn._checks import check_spec
 from pyperm.nn.align._pieces import blocks_index
 from pyperm.nn.align._objective import WeightMatchingResult, _check_dtype, _objective, _objective_keys
@@ -70,7 +72,7 @@ def weight_matching(
     state_b: Mapping[str, torch.Tensor],
     *,
     group: Any = None,
-    init: Mapping[str, Any] | str | None = "identity",
+    init: Mapping[str, Any] | str | None = "best",
     max_iter: int = 100,
     seed: int | torch.Generator = 0,
     keys: Iterable[str] | None = None,
@@ -94,9 +96,12 @@ def weight_matching(
         (the current CUDA device under NCCL).
     group : torch.distributed.ProcessGroup, optional
         The ranks (default: the world).
-    init : "identity", None, Permutations or mapping of str to (n,) int array, default "identity"
-        Where the search starts (the same on every rank). The starts that look at whole tensors
-        (``"best"``, ``"signatures"``) are not available over ranks.
+    init : {"best", "identity", "signatures"}, None, Permutations or mapping of str to (n,) int array, default "best"
+        Where the search starts (the same on every rank), as :func:`pyperm.nn.weight_matching`. The
+        signatures are computed where the tensors are and summed (see
+        :mod:`pyperm.nn.align._rank_starts`); ``"best"`` tries the signatures start when the identity
+        start looks stalled. One process's ``"best"`` first looks for an exact permuted copy; over
+        ranks that test is not made (a copy is then found by the searches).
     max_iter, seed, keys, tol, dtype, product_dtype
         As :func:`pyperm.nn.weight_matching` (the same on every rank).
     concurrent : bool, default False
@@ -113,8 +118,8 @@ def weight_matching(
     RuntimeError
         torch.distributed is not initialised.
     TypeError, ValueError
-        A bad argument (as :func:`pyperm.nn.weight_matching`), ``init`` a start that needs whole
-        tensors, shares that overlap, miss a key of the spec or differ from it.
+        A bad argument (as :func:`pyperm.nn.weight_matching`), shares that overlap, miss a key of
+        the spec or differ from it.
     """
     check_spec(spec)
     max_iter = check_int(max_iter, "max_iter", 0)
@@ -122,66 +127,95 @@ def weight_matching(
     dtype = _check_dtype(dtype)
     if not isinstance(concurrent, bool):
         raise TypeError(f"concurrent must be a bool, got {type(concurrent).__name__}")
-    if isinstance(init, str) and init != "identity":
-        raise ValueError(f"init={init!r} reads whole tensors: over ranks, pass init='identity' or permutations")
     gen = torch_generator(seed)
-    start = spec.identity() if init is None or isinstance(init, str) else as_permutations(spec, init, "init")
+    if isinstance(init, str) and init not in STARTS:
+        raise ValueError(f"init must be one of {', '.join(map(repr, STARTS))}, permutations or None, got {init!r}")
+    start = init if init is None or isinstance(init, str) else as_permutations(spec, init, "init")
     chan = Channel(group)
-    check_same(chan, spec=sorted(spec.sizes.items()), start={g: p.tolist() for g, p in start.items()},
+    check_same(chan, spec=sorted(spec.sizes.items()),
+               start=start if start is None or isinstance(start, str) else {g: p.tolist() for g, p in start.items()},
                max_iter=max_iter, tol=tol, dtype=dtype, concurrent=concurrent,
-               seed=hashlib.sha256(gen.get_state().numpy().tobytes()).hexdigest())
+               seed=hashlib.sha256(gen.get_state().numpy().tobytes()).hexdigest())  # fmt: skip
     sa, sb, layout = gather_layout(spec, state_a, state_b, chan)
     chosen = _objective_keys(spec, layout.meta, keys)
-    matcher = RankMatcher(spec, sa, sb, layout, chosen, dtype, product_dtype, chan)
-    device = matcher.device
-    perms: dict[Any, torch.Tensor] = {g: p.to(device) for g, p in start.items()}
-    for form in matcher.forms:
-        perms[form] = blocks_index(form, perms)
-    local = _objective(spec, sa, sb, {g: perms[g] for g in spec.sizes}, matcher.local_keys)
-    (objective,) = chan.all_reduce([local])
-    chan.bytes_sent = 0
-    history, per_sweep = [objective], []
-    names = list(spec.sizes)
-    started = time.perf_counter()
-    converged = False
-    sweeps = 0
-    before = chan.bytes_sent
-    for _ in range(max_iter):
-        sweeps += 1
-        order = [names[i] for i in torch.randperm(len(names), generator=gen).tolist()] if names else []
-        if concurrent:
-            order = _waves(matcher, order)
-        gains, moved = 0.0, 0
-        for g in order:
-            if matcher.steps[g] is None or matcher.rank not in matcher.participants[g]:
-                continue  # moved with its outer group, or none of its tensors here
-            gain = matcher.visit(g, perms, tol)
-            if gain is not None:
-                gains += gain
-                moved += 1
-        sent = chan.bytes_sent - before + 24  # with this rank's three sums below
-        gains, moved, sent = chan.all_reduce([gains, float(moved), float(sent)])
+    run = _Run(spec, sa, sb, layout, chosen, dtype, product_dtype, chan, max_iter, tol, concurrent)
+    if start == "signatures":
+        return run(signature_start_over_ranks(spec, sa, sb, layout.owner, set(chosen), chan), gen)
+    if start != "best":
+        return run(spec.identity() if start in (None, "identity") else start, gen)
+    # As one process: the identity start, and the signatures start too when the first looks stalled
+    # (both visit the groups in the same seeded orders); the better objective wins, the identity's on a tie.
+    first = run(spec.identity(), _same_seed(gen))
+    local = [k for k in chosen if layout.owner[k] == chan.rank]
+    if not stalled_over_ranks(spec, sa, sb, first.perms, local, chan):
+        return first
+    second = run(signature_start_over_ranks(spec, sa, sb, layout.owner, set(chosen), chan), _same_seed(gen))
+    second.bytes_per_sweep = first.bytes_per_sweep + second.bytes_per_sweep
+    second.bytes_total += first.bytes_total
+    return second if second.objective[-1] > first.objective[-1] else first
+
+
+class _Run:
+    """Weight matching over the ranks from one start (a fresh matcher each time)."""
+
+    def __init__(self, spec: PermutationSpec, sa: dict, sb: dict, layout: Any, chosen: list[str], dtype: torch.dtype,
+                 product_dtype: Any, chan: Channel, max_iter: int, tol: float, concurrent: bool) -> None:  # fmt: skip
+        self.spec, self.sa, self.sb, self.layout, self.chosen = spec, sa, sb, layout, chosen
+        self.dtype, self.product_dtype, self.chan = dtype, product_dtype, chan
+        self.max_iter, self.tol, self.concurrent = max_iter, tol, concurrent
+
+    def __call__(self, start: Mapping[str, torch.Tensor], gen: torch.Generator) -> DistributedMatchingResult:
+        spec, sa, sb, chan, tol = self.spec, self.sa, self.sb, self.chan, self.tol
+        matcher = RankMatcher(spec, sa, sb, self.layout, self.chosen, self.dtype, self.product_dtype, chan)
+        device = matcher.device
+        perms: dict[Any, torch.Tensor] = {g: p.to(device) for g, p in start.items()}
+        for form in matcher.forms:
+            perms[form] = blocks_index(form, perms)
+        local = _objective(spec, sa, sb, {g: perms[g] for g in spec.sizes}, matcher.local_keys)
+        (objective,) = chan.all_reduce([local])
+        chan.bytes_sent = 0
+        history, per_sweep = [objective], []
+        names = list(spec.sizes)
+        started = time.perf_counter()
+        converged = False
+        sweeps = 0
         before = chan.bytes_sent
-        objective += gains
-        history.append(objective)
-        per_sweep.append(int(sent))
-        if not moved:
-            converged = True
-            break
-    final = {}
-    for g in names:  # every rank gets every permutation from the rank that solved it
-        final[g] = chan.broadcast(perms[g].to(torch.int64), matcher.home.get(g, 0)).cpu()
-    seconds = {**matcher.stepper._seconds, "total": time.perf_counter() - started}
-    (total,) = chan.all_reduce([float(chan.bytes_sent)])
-    return DistributedMatchingResult(
-        perms=Permutations(spec, final),
-        objective=history,
-        iterations=sweeps,
-        converged=converged,
-        seconds=seconds,
-        bytes_per_sweep=per_sweep,
-        bytes_total=int(total),
-    )
+        for _ in range(self.max_iter):
+            sweeps += 1
+            order = [names[i] for i in torch.randperm(len(names), generator=gen).tolist()] if names else []
+            if self.concurrent:
+                order = _waves(matcher, order)
+            gains, moved = 0.0, 0
+            for g in order:
+                if matcher.steps[g] is None or matcher.rank not in matcher.participants[g]:
+                    continue  # moved with its outer group, or none of its tensors here
+                gain = matcher.visit(g, perms, tol)
+                if gain is not None:
+                    gains += gain
+                    moved += 1
+            sent = chan.bytes_sent - before + 24  # with this rank's three sums below
+            gains, moved, sent = chan.all_reduce([gains, float(moved), float(sent)])
+            before = chan.bytes_sent
+            objective += gains
+            history.append(objective)
+            per_sweep.append(int(sent))
+            if not moved:
+                converged = True
+                break
+        final = {}
+        for g in names:  # every rank gets every permutation from the rank that solved it
+            final[g] = chan.broadcast(perms[g].to(torch.int64), matcher.home.get(g, 0)).cpu()
+        seconds = {**matcher.stepper._seconds, "total": time.perf_counter() - started}
+        (total,) = chan.all_reduce([float(chan.bytes_sent)])
+        return DistributedMatchingResult(
+            perms=Permutations(spec, final),
+            objective=history,
+            iterations=sweeps,
+            converged=converged,
+            seconds=seconds,
+            bytes_per_sweep=per_sweep,
+            bytes_total=int(total),
+        )
 
 
 def _waves(matcher: RankMatcher, order: list[str]) -> list[str]:
