@@ -122,6 +122,31 @@ def test_the_starts_that_read_whole_tensors_match_one_process(tmp_path, init):
     _check_equal(problems, values(run_ranks(_match, 2, tmp_path, problems, "strided", False, init)), init)
 
 
+def _merge(rank, world, spec, states):
+    mine = _share(list(spec.axes), rank, world, "strided")
+    r = pd.merge_many(spec, [{k: s[k] for k in mine} for s in states], seed=4)
+    return [dict(p.items()) for p in r.perms], r.merged, r.iterations, r.history
+
+
+def test_merge_many_over_ranks_matches_one_process(tmp_path):
+    from pyperm.nn import merge_many
+
+    torch.manual_seed(0)
+    models = [MLP([16, 32, 32, 4]) for _ in range(3)]
+    spec, states = models[0].permutation_spec(), [m.state_dict() for m in models]
+    one = merge_many(spec, states, seed=4)
+    assert one.iterations > 1  # more than one round: the warm starts and the shared generator are exercised
+    merged = {}
+    for perms, share, iterations, history in values(run_ranks(_merge, 2, tmp_path, spec, states)):
+        assert (iterations, history) == (one.iterations, one.history)
+        for p, q in zip(perms, one.perms):
+            assert all(torch.equal(p[g], q[g]) for g in spec.sizes)
+        merged.update(share)
+    assert sorted(merged) == sorted(one.merged)
+    for k, v in one.merged.items():
+        torch.testing.assert_close(merged[k], v, rtol=1e-6, atol=1e-7)
+
+
 def test_groups_on_one_rank_send_nothing(tmp_path):
     problems = {"mlp": _mlp()}
     results = values(run_ranks(_match, 2, tmp_path, problems, "one", False))
@@ -192,4 +217,11 @@ def _bad(rank, world):
     with pytest.raises(ValueError, match="no rank holds 1 of the spec's keys"):
         mine = _share(keys[:-1], rank, world, "ranges")
         pd.weight_matching(spec, {k: a[k] for k in mine}, {k: b[k] for k in mine})
+    mine = _share(keys, rank, world, "ranges")
+    with pytest.raises(ValueError, match="at least two state dicts"):
+        pd.merge_many(spec, [{k: a[k] for k in mine}])
+    with pytest.raises(ValueError, match=r"states\[1\] must hold the same keys as states\[0\]"):
+        pd.merge_many(spec, [{k: a[k] for k in mine}, {k: b[k] for k in mine[1:]}])
+    with pytest.raises(TypeError, match="states must be a sequence"):
+        pd.merge_many(spec, a)
     return True

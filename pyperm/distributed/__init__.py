@@ -2,6 +2,7 @@
 
 - :func:`weight_matching`: the pair's tensors split over the ranks (each rank holds a share of
   the keys); the same permutations as one process.
+- :func:`merge_many`: Git Re-Basin's MergeMany with every model's tensors split over the ranks.
 - :func:`check_same`: refuse, at the start, ranks that run another pyperm or read other inputs.
 - :func:`failure_guard`: a rank that fails ends every rank with an error naming it.
 
@@ -18,6 +19,7 @@ See the guide page "Across processes and machines".
 
 from pyperm._comm import Channel, check_same
 from pyperm.distributed._failure import RankFailedError, failure_guard
-from pyperm.distributed.weight import DistributedMatchingResult, weight_matching
+from pyperm.distributed.weight import DistributedMatchingResult, merge_many, weight_matching
 
-__all__ = ["Channel", "DistributedMatchingResult", "RankFailedError", "check_same", "failure_guard", "weight_matching"]
+__all__ = ["Channel", "DistributedMatchingResult", "RankFailedError", "check_same", "failure_guard", "merge_many",
+           "weight_matching"]

@@ -10,7 +10,7 @@ search from scratch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +23,7 @@ from pyperm.nn.permutations import Permutations
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.state import average
 
-__all__ = ["MergeResult", "merge_many"]
+__all__ = ["MergeResult", "align_many", "merge_many"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +134,34 @@ def merge_many(
     for i, state in enumerate(states):
         spec.check_state_dict(check_state(state, f"states[{i}]"), f"states[{i}]")
     states = [{k: v.detach() for k, v in s.items()} for s in states]
-    n = len(states)
-    perms = [Permutations.identity(spec) for _ in range(n)]
     # One matcher per model, which is always the B side of its matchings: its arrangement
     # and warm solvers carry over from round to round.
     matchers = [WeightMatcher(spec, s) for s in states]
+    return align_many(
+        states,
+        lambda i, others, init, gen: matchers[i].match(others, init=init, seed=gen).perms,
+        lambda perms, state: perms.apply(state),
+        Permutations.identity(spec),
+        max_iter,
+        gen,
+        progress,
+    )
+
+
+def align_many(
+    states: list[dict[str, torch.Tensor]],
+    match: Callable[[int, dict[str, torch.Tensor], Permutations, torch.Generator], Permutations],
+    permute: Callable[[Permutations, dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    identity: Permutations,
+    max_iter: int,
+    gen: torch.Generator,
+    progress: bool,
+) -> MergeResult:
+    """MergeMany's rounds on ``states`` (whole state dicts, or one rank's shares of them): ``match(i,
+    others, init, gen)`` weight-matches model ``i`` to the mean of the others, ``permute`` applies
+    permutations to a state dict."""
+    n = len(states)
+    perms = [identity for _ in range(n)]
     permuted = [dict(s) for s in states]
     # A running sum of the permuted models, so each model's "mean of the others" is one subtraction.
     total = {k: sum(s[k].double() for s in states) if v.is_floating_point() else v for k, v in states[0].items()}
@@ -154,12 +177,12 @@ def merge_many(
                     k: ((v - permuted[i][k].double()) / (n - 1)).to(states[i][k].dtype) if v.is_floating_point() else v
                     for k, v in total.items()
                 }
-                new = matchers[i].match(others, init=perms[i], seed=gen).perms
+                new = match(i, others, perms[i], gen)
                 if new == perms[i]:
                     continue
                 changed += 1
                 perms[i] = new
-                new_state = new.apply(states[i])
+                new_state = permute(new, states[i])
                 for k, v in new_state.items():
                     if v.is_floating_point():
                         total[k] += v.double() - permuted[i][k].double()
@@ -177,6 +200,6 @@ def merge_many(
     # The first model's basin: compose every permutation with the inverse of its.
     back = perms[0].inverse()
     perms = [back.compose(p) for p in perms]
-    merged = average([p.apply(s) for p, s in zip(perms, states)])
+    merged = average([permute(p, s) for p, s in zip(perms, states)]) if states[0] else {}
     logger.debug("merge_many: %d models, %d rounds, converged=%s", n, rounds, converged)
     return MergeResult(perms=perms, merged=merged, iterations=rounds, converged=converged, history=history)

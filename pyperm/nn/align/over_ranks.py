@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,10 +43,11 @@ from pyperm.nn.align._starts import STARTS, _same_seed
 from pyperm.nn._checks import check_spec
 from pyperm.nn.align._pieces import blocks_index
 from pyperm.nn.align._objective import WeightMatchingResult, _check_dtype, _objective, _objective_keys
-from pyperm.nn.permutations import Permutations, as_permutations
+from pyperm.nn.align.merge import MergeResult, align_many
+from pyperm.nn.permutations import Permutations, as_permutations, permute_entry
 from pyperm.nn.spec import PermutationSpec
 
-__all__ = ["DistributedMatchingResult", "weight_matching"]
+__all__ = ["DistributedMatchingResult", "merge_many", "weight_matching"]
 
 
 @dataclass
@@ -216,6 +217,51 @@ class _Run:
             bytes_per_sweep=per_sweep,
             bytes_total=int(total),
         )
+
+
+def merge_many(
+    spec: PermutationSpec,
+    states: Sequence[Mapping[str, torch.Tensor]],
+    *,
+    group: Any = None,
+    max_iter: int = 100,
+    seed: int | torch.Generator = 0,
+    progress: bool = False,
+) -> MergeResult:
+    """Git Re-Basin's MergeMany (:func:`pyperm.nn.merge_many`) with the models' tensors split over ranks.
+
+    Every rank passes its share of every model (the same keys in each, as :func:`weight_matching`
+    takes them). Each matching of a model to the mean of the others is a :func:`weight_matching`
+    over the ranks, warm-started from the model's permutations and drawing its group orders from
+    the same generator, so the rounds, the permutations and the merged model equal one process's
+    ``merge_many`` for the same seed (up to summation order, as :func:`weight_matching`).
+
+    Returns
+    -------
+    MergeResult
+        As :func:`pyperm.nn.merge_many`, every rank the same permutations; ``merged`` is this rank's
+        share of the merged model (its keys).
+    """
+    check_spec(spec)
+    if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
+        raise TypeError(f"states must be a sequence of state dicts (this rank's shares), got {type(states).__name__}")
+    if len(states) < 2:
+        raise ValueError(f"states must hold at least two state dicts, got {len(states)}")
+    max_iter = check_int(max_iter, "max_iter", 1)
+    gen = torch_generator(seed)
+    keys = set(states[0])
+    for i, state in enumerate(states):
+        if not isinstance(state, Mapping) or set(state) != keys:
+            raise ValueError(f"states[{i}] must hold the same keys as states[0] (this rank's share of every model)")
+    shares = [{k: v.detach() for k, v in s.items()} for s in states]
+
+    def match(i: int, others: dict, init: Permutations, g: torch.Generator) -> Permutations:
+        return weight_matching(spec, others, shares[i], group=group, init=init, seed=g).perms
+
+    def permute(perms: Permutations, state: dict) -> dict:
+        return {k: permute_entry(spec, perms, k, t) for k, t in state.items()}
+
+    return align_many(shares, match, permute, Permutations.identity(spec), max_iter, gen, progress)
 
 
 def _waves(matcher: RankMatcher, order: list[str]) -> list[str]:
