@@ -1,4 +1,5 @@
-"""``pyperm align`` over 2 gloo ranks (as under torchrun): the written folder is byte for byte one process's,
+"""``pyperm align`` and ``pyperm merge`` over 2 gloo ranks (as under torchrun): the written folder is byte for
+byte one process's,
 a rank with other checkpoints is refused at the start, and a failing rank ends both with nothing left
 under the output's names."""
 
@@ -150,13 +151,34 @@ def test_a_rank_maps_only_its_shards(tmp_path):
                 assert torch.equal(tensor, whole.state[key])
 
 
-@pytest.mark.parametrize("command", ["merge", "barrier"])
-def test_the_commands_that_do_not_split_their_work_refuse_to_run_over_ranks(tmp_path, monkeypatch, capsys, command):
+def test_barrier_does_not_split_its_work_and_refuses_to_run_over_ranks(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("pyperm.commands._over_ranks.launched", lambda: True)
-    argv = [command, "a", "b", "--model", "hf", "--out", str(tmp_path / "o")]
-    argv += ["--data", "digits"] if command == "barrier" else []
-    assert main(argv) == 1
+    assert main(["barrier", "a", "b", "--model", "hf", "--out", str(tmp_path / "o"), "--data", "digits"]) == 1
     assert "does not run over ranks" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "one-file"])
+def test_merge_over_ranks_writes_what_one_process_writes(tmp_path, sharded):
+    ckpts = [_llama(seed, tmp_path / f"m{seed}", sharded) for seed in range(3)]
+    argv = ["merge", *ckpts, "--model", "hf", "--no-progress"]
+    assert main(argv + ["--out", str(tmp_path / "one")]) == 0
+    (tmp_path / "ranks").mkdir()
+    outcomes = values(run_ranks(_align, 2, tmp_path / "ranks", [argv + ["--out", str(tmp_path / "two")]] * 2))
+    assert [code for code, _ in outcomes] == [0, 0], outcomes
+    one, two = _files(tmp_path / "one"), _files(tmp_path / "two")
+    assert sorted(one) == sorted(two)
+    for name in one:
+        if not name.startswith("report."):
+            assert one[name] == two[name], name
+    report, single = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("two", "one"))
+    assert report["ranks"] == 2 and report["iterations"] == single["iterations"] > 1
+
+
+def test_merge_over_ranks_refuses_data(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("pyperm.commands._over_ranks.launched", lambda: True)
+    assert main(["merge", "a", "b", "--model", "hf", "--out", str(tmp_path / "o"), "--data", "digits"]) == 1
+    assert "--data: over ranks" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 

@@ -147,6 +147,20 @@ def test_merge_many_over_ranks_matches_one_process(tmp_path):
         torch.testing.assert_close(merged[k], v, rtol=1e-6, atol=1e-7)
 
 
+def _keeps_init(rank, world, spec, a, b):
+    from pyperm.testing import random_permutations
+
+    init = random_permutations(spec, 7)
+    before = {g: p.clone() for g, p in init.items()}
+    mine = _share(list(spec.axes), rank, world, "ranges")
+    pd.weight_matching(spec, {k: a[k] for k in mine}, {k: b[k] for k in mine}, init=init)
+    return all(torch.equal(init[g], before[g]) for g in before)
+
+
+def test_the_callers_start_is_not_written_into(tmp_path):
+    assert values(run_ranks(_keeps_init, 2, tmp_path, *_mlp())) == [True, True]
+
+
 def test_groups_on_one_rank_send_nothing(tmp_path):
     problems = {"mlp": _mlp()}
     results = values(run_ranks(_match, 2, tmp_path, problems, "one", False))

@@ -97,6 +97,17 @@ def add_data_arguments(parser: argparse.ArgumentParser, required: bool = False) 
     )
 
 
+def add_rank_timeout(parser: argparse.ArgumentParser) -> None:
+    """``--rank-timeout`` of the commands that run over ranks under torchrun (align, merge)."""
+    from pyperm._argtypes import positive_float
+
+    parser.add_argument(
+        "--rank-timeout", type=positive_float, default=60.0, metavar="SECONDS",
+        help="under torchrun: seconds without a sign of life after which a rank counts as dead and every rank "
+        "ends (default 60)",
+    )  # fmt: skip
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """``--out``, ``--force``, ``--device``, ``--seed``, ``--no-progress``."""
     parser.add_argument("--out", required=True, metavar="DIR", help="folder for the outputs (created if missing)")

@@ -36,7 +36,7 @@ from typing import Any
 
 from pyperm.commands._common import CommandError
 
-__all__ = ["align_over_ranks", "key_owners", "launched", "refuse_ranks"]
+__all__ = ["align_over_ranks", "key_owners", "launched", "process_group", "refuse_ranks", "write_shares"]
 
 _LAUNCHER = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 
@@ -159,7 +159,6 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
     from pyperm._json import write_json
     from pyperm._staging import write_text
     from pyperm.checkpoints import DATA_PARALLEL_PREFIX, LazyState, check_pair
-    from pyperm.checkpoints._write import commit_sharded, stage_file, stage_index, stage_shards
     from pyperm.commands._checkpoint_pair import load_for_model, refuse_inputs
     from pyperm.commands._common import build_model, checkpoint_outputs, on_device, prepare_out
     from pyperm.commands._hf import copy_files, folder_copies, folder_of
@@ -206,29 +205,7 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
     checked = as_permutations(loaded.spec, perms)
     permuted = LazyState(ckpt_b.state, lambda key, tensor: permute_entry(loaded.spec, checked, key, tensor))
 
-    # Each rank stages its share; rank 0 renames every staged file into place once all are staged.
-    path = ckpt_files[0]
-    with _staging.staged_files() as staged:
-        if ckpt_b.format == "sharded":
-            staged += stage_shards(ckpt_b, permuted, path, _my_shards(ckpt_b.weight_map, rank, world))
-        elif rank == 0:
-            staged.append(stage_file(ckpt_b, permuted, path))
-        every = [(Path(t), Path(f)) for part in _gather([(str(s.tmp), str(s.final)) for s in staged])
-                 for t, f in part]  # fmt: skip
-        if rank == 0:
-            theirs = [_staging.Staged(t, f) for t, f in every if t not in {s.tmp for s in staged}]
-            staged += theirs  # discarded by rank 0 too if the index cannot be staged
-            if ckpt_b.format == "sharded":
-                staged.append(stage_index(ckpt_b, permuted, path))
-                written = commit_sharded(ckpt_b, path, [_staging.Staged(t, f) for t, f in every]
-                                         + [staged[-1]])  # fmt: skip
-            else:
-                staged[0].commit()
-                _staging.fsync_folder(path.parent)
-                written = [path]
-        # Past the barrier rank 0 owns every staged file: the others' are no longer theirs to remove.
-        dist.barrier()
-        staged.clear()
+    written = write_shares(ckpt_b, permuted, ckpt_files[0], rank, world)
     peaks = _gather(peak_resident())
     if rank == 0:
         written += copy_files(copies)
@@ -272,6 +249,40 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
         print(f"report: {out / 'report.md'}")
     dist.barrier()
     return 0
+
+
+def write_shares(ckpt: Any, state: Any, path: Path, rank: int, world: int) -> list[Path]:
+    """Write ``state`` (laid out as ``ckpt``) to ``path`` from every rank: each rank stages its own shards
+    (:func:`key_owners`), and rank 0 renames every staged file into place once all are staged, the index
+    last; a one-file checkpoint is written by rank 0, which must then be able to read every tensor of
+    ``state``. Returns the written files on rank 0 (an empty list elsewhere)."""
+    import torch.distributed as dist
+
+    from pyperm import _staging
+    from pyperm.checkpoints._write import commit_sharded, stage_file, stage_index, stage_shards
+
+    written: list[Path] = []
+    with _staging.staged_files() as staged:
+        if ckpt.format == "sharded":
+            staged += stage_shards(ckpt, state, path, _my_shards(ckpt.weight_map, rank, world))
+        elif rank == 0:
+            staged.append(stage_file(ckpt, state, path))
+        every = [(Path(t), Path(f)) for part in _gather([(str(s.tmp), str(s.final)) for s in staged])
+                 for t, f in part]  # fmt: skip
+        if rank == 0:
+            theirs = [_staging.Staged(t, f) for t, f in every if t not in {s.tmp for s in staged}]
+            staged += theirs  # discarded by rank 0 too if the index cannot be staged
+            if ckpt.format == "sharded":
+                staged.append(stage_index(ckpt, state, path))
+                written = commit_sharded(ckpt, path, [_staging.Staged(t, f) for t, f in every] + [staged[-1]])
+            else:
+                staged[0].commit()
+                _staging.fsync_folder(path.parent)
+                written = [path]
+        # Past the barrier rank 0 owns every staged file: the others' are no longer theirs to remove.
+        dist.barrier()
+        staged.clear()
+    return written
 
 
 def _gather(obj: Any) -> list[Any]:

@@ -19,8 +19,14 @@ from typing import Any
 from pyperm._json import write_json
 from pyperm._staging import write_text
 from pyperm._tables import markdown_table
-from pyperm._argtypes import int_at_least, positive_float
-from pyperm.commands._common import add_common_arguments, add_data_arguments, add_model_arguments, cli_errors
+from pyperm._argtypes import int_at_least
+from pyperm.commands._common import (
+    add_common_arguments,
+    add_data_arguments,
+    add_model_arguments,
+    add_rank_timeout,
+    cli_errors,
+)
 from pyperm.commands._matching import METHODS, add_matching_arguments
 
 HELP = "permute checkpoint B into checkpoint A's basin (weight, activation or STE matching)"
@@ -50,11 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-points", type=int_at_least(2), default=11, help="points on each path for the barriers (default 11)"
     )
     add_common_arguments(parser)
-    parser.add_argument(
-        "--rank-timeout", type=positive_float, default=60.0, metavar="SECONDS",
-        help="under torchrun: seconds without a sign of life after which a rank counts as dead and every rank "
-        "ends (default 60)",
-    )
+    add_rank_timeout(parser)
 
 
 def path_barriers(

@@ -15,7 +15,13 @@ from pyperm._json import write_json
 from pyperm._staging import write_text
 from pyperm._tables import markdown_table
 from pyperm._argtypes import positive_int
-from pyperm.commands._common import add_common_arguments, add_data_arguments, add_model_arguments, cli_errors
+from pyperm.commands._common import (
+    add_common_arguments,
+    add_data_arguments,
+    add_model_arguments,
+    add_rank_timeout,
+    cli_errors,
+)
 
 HELP = "align several checkpoints to each other and average them (merge_many, Git Re-Basin Algorithm 3)"
 
@@ -32,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-iter", type=positive_int, default=100, help="most rounds over the models (default 100)"
     )
     add_common_arguments(parser)
+    add_rank_timeout(parser)
 
 
 def _evaluate(loaded: Any, state: dict, data: Any, device: Any) -> dict[str, float]:
@@ -77,10 +84,13 @@ def run(args: argparse.Namespace) -> int:
         resolve_device,
     )
     from pyperm.commands._hf import copy_files, folder_copies
-    from pyperm.commands._over_ranks import refuse_ranks
+    from pyperm.commands._over_ranks import launched
     from pyperm.nn import average, merge_many
 
-    refuse_ranks("merge")
+    if launched():  # under torchrun: the tensors split over the ranks
+        from pyperm.commands._merge_over_ranks import merge_over_ranks
+
+        return merge_over_ranks(args)
 
     if len(args.checkpoints) < 2:
         raise CommandError(f"merge needs at least two checkpoints, got {len(args.checkpoints)}")

@@ -169,7 +169,8 @@ class _Run:
         spec, sa, sb, chan, tol = self.spec, self.sa, self.sb, self.chan, self.tol
         matcher = RankMatcher(spec, sa, sb, self.layout, self.chosen, self.dtype, self.product_dtype, chan)
         device = matcher.device
-        perms: dict[Any, torch.Tensor] = {g: p.to(device) for g, p in start.items()}
+        # Copies: the steps and the final broadcast write into these, never into the caller's start.
+        perms: dict[Any, torch.Tensor] = {g: p.to(device, torch.int64, copy=True) for g, p in start.items()}
         for form in matcher.forms:
             perms[form] = blocks_index(form, perms)
         local = _objective(spec, sa, sb, {g: perms[g] for g in spec.sizes}, matcher.local_keys)
