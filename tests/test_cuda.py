@@ -686,22 +686,59 @@ def test_xcorr_update_matches_numpy(dtype):
 @pytest.mark.cuda
 @requires_cuda
 def test_xcorr_errors_leave_state_unchanged():
+    """Shapes are refused at once; what is wrong with the values is found on the device and raised by the
+    next check, which names the first bad update: that update and every later one are left out."""
     torch = _torch()
     state = xcorr_cuda.new_state(3, 2, "cuda")
     x = torch.randn(10, 3, device="cuda", dtype=torch.float64)
     xcorr_cuda.update(state, x, x[:, :2])
-    before = {k: (v.clone() if hasattr(v, "clone") else v) for k, v in state.items()}
-    bad = x.clone()
-    bad[4, 1] = float("nan")
-    with pytest.raises(ValueError, match="xa contains NaN or infinity"):
-        xcorr_cuda.update(state, bad, x[:, :2])
+    before = {k: state[k].clone() for k in ("moments_a", "moments_b", "comoment")}
     with pytest.raises(ValueError, match="same number of samples"):
         xcorr_cuda.update(state, x, x[:5, :2])
     with pytest.raises(ValueError, match=r"xb must have shape \(samples, 2\)"):
         xcorr_cuda.update(state, x, x)
-    assert state["count"] == before["count"]
-    for k in ("moments_a", "moments_b", "comoment"):
-        assert torch.equal(state[k], before[k])
+    bad = x.clone()
+    bad[4, 1] = float("nan")
+    xcorr_cuda.update(state, bad, x[:, :2], prefix="pair 1 ")  # no error yet: the update does not wait
+    xcorr_cuda.update(state, x, x[:, :2])  # skipped: an earlier update failed
+    with pytest.raises(ValueError, match=r"pair 1 xa contains NaN or infinity \(update 2 of this accumulator.*"
+                                         r"keeps the 10 samples before it\)"):  # fmt: skip
+        xcorr_cuda.check(state)
+    assert state["count"] == 10
+    for k, v in before.items():
+        assert torch.equal(state[k], v), k
+    xcorr_cuda.check(state)  # cleared: the accumulator goes on
+    xcorr_cuda.update(state, x, x[:, :2])
+    xcorr_cuda.check(state)
+    assert state["count"] == 20
+    # Values whose moments overflow float32, and a product that would.
+    small = xcorr_cuda.new_state(2, 2, "cuda", torch.float32)
+    huge = torch.full((4, 2), 3e38, device="cuda")
+    huge[0] = -3e38
+    xcorr_cuda.update(small, huge, huge[:, :2])
+    with pytest.raises(ValueError, match="xa has values too large to accumulate"):
+        xcorr_cuda.check(small)
+    assert small["count"] == 0
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_xcorr_updates_never_copy_to_the_host():
+    """Many updates, then a read: the only device-to-host copy is the read's check."""
+    torch = _torch()
+    from torch.profiler import ProfilerActivity, profile
+
+    acc = pyperm.CrossCorrelation(64, 32)
+    xs = [torch.randn(128, 64, device="cuda") for _ in range(8)]
+    acc.update(xs[0], xs[0][:, :32])  # first use: kernel loads, pools
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for x in xs:
+            acc.update(x, x[:, :32])
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if "DtoH" in e.name or "Device -> Host" in e.name]
+    assert copies == [], copies
+    assert acc.count == 9 * 128
 
 
 @pytest.mark.cuda

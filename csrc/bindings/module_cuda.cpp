@@ -23,7 +23,6 @@ namespace py = pybind11;
 namespace {
 
 using pyperm::Status;
-using pyperm::XcorrError;
 using pyperm::bindings::raise_for;
 namespace pc = pyperm::cuda;
 
@@ -162,64 +161,58 @@ py::tuple bvn_subtract_term(uintptr_t residual, uintptr_t original, double d_max
 }
 
 // ------------------------------------------------------------------- cross-correlation
-double xcorr_batch_moments(uintptr_t x, const std::string& dtype, int64_t rows, int64_t cols, int64_t ld,
-                           uintptr_t centred, uintptr_t moments, uintptr_t resid, int device, uintptr_t stream,
-                           const std::string& name) {
+void xcorr_batch_moments(uintptr_t x, const std::string& dtype, int64_t rows, int64_t cols, int64_t ld,
+                         uintptr_t centred, uintptr_t moments, uintptr_t resid, uintptr_t work, int side, int device,
+                         uintptr_t stream) {
   const bool dbl = is_double(dtype);
   if (rows < 1 || cols < 1 || ld < cols) throw py::value_error("xcorr_batch_moments: bad shape or row stride");
-  double max_sumsq = 0.0;
-  XcorrError err;
-  {
-    py::gil_scoped_release release;
-    auto* mo = static_cast<double*>(as_ptr(moments));
-    auto* re = static_cast<double*>(as_ptr(resid));
-    if (dbl)
-      err = pc::xcorr_batch_moments(static_cast<const double*>(as_ptr(x)), rows, cols, ld,
-                                    static_cast<double*>(as_ptr(centred)), mo, re, &max_sumsq, device, as_ptr(stream));
-    else
-      err = pc::xcorr_batch_moments(static_cast<const float*>(as_ptr(x)), rows, cols, ld,
-                                    static_cast<float*>(as_ptr(centred)), mo, re, &max_sumsq, device, as_ptr(stream));
-  }
-  raise_for(err, name);
-  return max_sumsq;
+  if (side != 0 && side != 1) throw py::value_error("xcorr_batch_moments: side must be 0 or 1");
+  py::gil_scoped_release release;
+  auto* mo = static_cast<double*>(as_ptr(moments));
+  auto* re = static_cast<double*>(as_ptr(resid));
+  auto* wk = static_cast<unsigned long long*>(as_ptr(work));
+  if (dbl)
+    pc::xcorr_batch_moments(static_cast<const double*>(as_ptr(x)), rows, cols, ld,
+                            static_cast<double*>(as_ptr(centred)), mo, re, wk, side, device, as_ptr(stream));
+  else
+    pc::xcorr_batch_moments(static_cast<const float*>(as_ptr(x)), rows, cols, ld,
+                            static_cast<float*>(as_ptr(centred)), mo, re, wk, side, device, as_ptr(stream));
 }
 
 template <typename TC, typename TG>
-XcorrError merge_typed(int64_t dim_a, int64_t dim_b, int64_t n, uintptr_t moments_a, uintptr_t moments_b,
-                uintptr_t comoment, int64_t m, uintptr_t in_moments_a, uintptr_t in_moments_b, uintptr_t in_comoment,
-                uintptr_t resid_a, uintptr_t resid_b, int device, uintptr_t stream) {
-  return pc::xcorr_merge_comoments<TC, TG>(
+void merge_typed(int64_t dim_a, int64_t dim_b, int64_t n, uintptr_t moments_a, uintptr_t moments_b,
+                 uintptr_t comoment, int64_t m, uintptr_t in_moments_a, uintptr_t in_moments_b, uintptr_t in_comoment,
+                 uintptr_t resid_a, uintptr_t resid_b, uintptr_t work, uintptr_t status, int64_t update, int device,
+                 uintptr_t stream) {
+  pc::xcorr_merge_comoments<TC, TG>(
       dim_a, dim_b, n, static_cast<double*>(as_ptr(moments_a)), static_cast<double*>(as_ptr(moments_b)),
       static_cast<TC*>(as_ptr(comoment)), m, static_cast<const double*>(as_ptr(in_moments_a)),
       static_cast<const double*>(as_ptr(in_moments_b)), static_cast<const TG*>(as_ptr(in_comoment)),
       resid_a ? static_cast<const double*>(as_ptr(resid_a)) : nullptr,
-      resid_b ? static_cast<const double*>(as_ptr(resid_b)) : nullptr, device, as_ptr(stream));
+      resid_b ? static_cast<const double*>(as_ptr(resid_b)) : nullptr, static_cast<unsigned long long*>(as_ptr(work)),
+      static_cast<long long*>(as_ptr(status)), update, device, as_ptr(stream));
 }
 
 void xcorr_merge_comoments(int64_t dim_a, int64_t dim_b, int64_t n, uintptr_t moments_a, uintptr_t moments_b,
                            uintptr_t comoment, const std::string& comoment_dtype, int64_t m, uintptr_t in_moments_a,
                            uintptr_t in_moments_b, uintptr_t in_comoment, const std::string& in_dtype,
-                           uintptr_t resid_a, uintptr_t resid_b, int device, uintptr_t stream,
-                           const std::string& name) {
+                           uintptr_t resid_a, uintptr_t resid_b, uintptr_t work, uintptr_t status, int64_t update,
+                           int device, uintptr_t stream) {
   const bool c64 = is_double(comoment_dtype), g64 = is_double(in_dtype);
   if (dim_a < 1 || dim_b < 1 || n < 0 || m < 1) throw py::value_error("xcorr_merge_comoments: bad sizes");
-  XcorrError err;
-  {
-    py::gil_scoped_release release;
-    if (c64 && g64)
-      err = merge_typed<double, double>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a,
-                                        in_moments_b, in_comoment, resid_a, resid_b, device, stream);
-    else if (c64)
-      err = merge_typed<double, float>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a,
-                                       in_moments_b, in_comoment, resid_a, resid_b, device, stream);
-    else if (g64)
-      err = merge_typed<float, double>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a,
-                                       in_moments_b, in_comoment, resid_a, resid_b, device, stream);
-    else
-      err = merge_typed<float, float>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a,
-                                      in_moments_b, in_comoment, resid_a, resid_b, device, stream);
-  }
-  raise_for(err, name);
+  py::gil_scoped_release release;
+  if (c64 && g64)
+    merge_typed<double, double>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a, in_moments_b,
+                                in_comoment, resid_a, resid_b, work, status, update, device, stream);
+  else if (c64)
+    merge_typed<double, float>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a, in_moments_b,
+                               in_comoment, resid_a, resid_b, work, status, update, device, stream);
+  else if (g64)
+    merge_typed<float, double>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a, in_moments_b,
+                               in_comoment, resid_a, resid_b, work, status, update, device, stream);
+  else
+    merge_typed<float, float>(dim_a, dim_b, n, moments_a, moments_b, comoment, m, in_moments_a, in_moments_b,
+                              in_comoment, resid_a, resid_b, work, status, update, device, stream);
 }
 
 // How the CUDA module was compiled; pyperm.show_config() prints it.
@@ -275,15 +268,16 @@ PYBIND11_MODULE(_cuda, m) {
         "subtraction zeroed as on the CPU (original: the decomposed matrix, d_max its largest entry). Returns "
         "(alpha, residual mass). Synchronises the stream.");
   m.def("xcorr_batch_moments", &xcorr_batch_moments, py::arg("x"), py::arg("dtype"), py::arg("rows"), py::arg("cols"),
-        py::arg("ld"), py::arg("centred"), py::arg("moments"), py::arg("resid"), py::arg("device"), py::arg("stream"),
-        py::arg("name"),
-        "Shifted batch and float64 moments (4 x cols) of one side. Returns the max column sum of squares; raises "
-        "ValueError naming `name` for NaN, infinity or overflowing moments. Synchronises the stream.");
+        py::arg("ld"), py::arg("centred"), py::arg("moments"), py::arg("resid"), py::arg("work"), py::arg("side"),
+        py::arg("device"), py::arg("stream"),
+        "Shifted batch and float64 moments (4 x cols) of one side (0 or 1). Never synchronises: the side's failure "
+        "bits and largest column sum of squares go to the update's device work words (see xcorr_cuda.h).");
   m.def("xcorr_merge_comoments", &xcorr_merge_comoments, py::arg("dim_a"), py::arg("dim_b"), py::arg("n"),
         py::arg("moments_a"), py::arg("moments_b"), py::arg("comoment"), py::arg("comoment_dtype"), py::arg("m"),
         py::arg("in_moments_a"), py::arg("in_moments_b"), py::arg("in_comoment"), py::arg("in_dtype"),
-        py::arg("resid_a"), py::arg("resid_b"), py::arg("device"), py::arg("stream"), py::arg("name"),
-        "Chan merge of an incoming part into an accumulator in place (resid pointers 0 when merging two "
-        "accumulators). Raises ValueError naming `name` when the merged moments would overflow (nothing is "
-        "written then). Synchronises the stream.");
+        py::arg("resid_a"), py::arg("resid_b"), py::arg("work"), py::arg("status"), py::arg("update"),
+        py::arg("device"), py::arg("stream"),
+        "Chan's merge of a batch (resid set) or an accumulator (resid 0) into a device accumulator. Never "
+        "synchronises: the checks are decided on the device and the first failure is kept in `status`, after "
+        "which merges write nothing (see xcorr_cuda.h).");
 }

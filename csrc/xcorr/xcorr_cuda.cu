@@ -6,7 +6,6 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "common/cuda_check.h"
 #include "common/cuda_device.cuh"
@@ -18,9 +17,6 @@ namespace {
 constexpr int64_t kShiftRows = 32;   // rows averaged for the provisional centre (as the CPU)
 constexpr int64_t kRowBlock = 256;   // rows per partial sum
 constexpr int kTileRows = 8;         // threadIdx.y extent of the moments tile
-// Bits of the device-side error word, read back into an XcorrError on the host.
-constexpr int kNonFiniteBit = 1;
-constexpr int kOverflowBit = 2;
 
 // K_c = x_0c + mean_i (x_ic - x_0c) over kShiftRows rows spread evenly over the batch:
 // exactly x_0c for a constant column, and well inside the batch's spread otherwise.
@@ -93,8 +89,9 @@ __global__ void finish_kernel(const T* __restrict__ x, int64_t rows, int64_t col
                               const double* __restrict__ shift, const double* __restrict__ psum,
                               const double* __restrict__ psq, const double* __restrict__ pmn,
                               const double* __restrict__ pmx, double* __restrict__ moments,
-                              double* __restrict__ resid, unsigned long long* __restrict__ max_sumsq_bits,
-                              int* __restrict__ error_bits) {
+                              double* __restrict__ resid, unsigned long long* __restrict__ work, int side) {
+  const unsigned long long nonfinite_bit = side == 0 ? kXcorrNonFiniteA : kXcorrNonFiniteB;
+  const unsigned long long overflow_bit = side == 0 ? kXcorrOverflowA : kXcorrOverflowB;
   const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
   const double nrows = static_cast<double>(rows);
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < cols;
@@ -108,17 +105,17 @@ __global__ void finish_kernel(const T* __restrict__ x, int64_t rows, int64_t col
       mx = pmx[at] > mx ? pmx[at] : mx;
     }
     if (!isfinite(mn) || !isfinite(mx)) {
-      atomicOr(error_bits, kNonFiniteBit);
+      atomicOr(&work[0], nonfinite_bit);
       continue;
     }
     if (!isfinite(sum) || !isfinite(sq)) {
       bool nonfinite = false;  // NaN hides from min/max; finite values can still overflow the sums
       for (int64_t r = 0; r < rows && !nonfinite; ++r) nonfinite = !isfinite(static_cast<double>(x[r * ld + c]));
-      atomicOr(error_bits, nonfinite ? kNonFiniteBit : kOverflowBit);
+      atomicOr(&work[0], nonfinite ? nonfinite_bit : overflow_bit);
       continue;
     }
     // sq >= 0, so its bits order like the value: an integer atomicMax finds the maximum.
-    atomicMax(max_sumsq_bits, static_cast<unsigned long long>(__double_as_longlong(sq)));
+    atomicMax(&work[1 + side], static_cast<unsigned long long>(__double_as_longlong(sq)));
     resid[c] = sum;
     moments[0 * cols + c] = shift[c] + sum / nrows;
     const double m2 = sq - sum * sum / nrows;  // the corrected two-pass formula
@@ -165,10 +162,34 @@ __global__ void merge_side_kernel(int64_t dim, double n, double m, const double*
   }
 }
 
+// Decides, on one thread, whether the merge may write: the batch's own failure bits (a fresh
+// batch), its product's bound, and the merged moments' bound. |C_ij| <= sqrt(m2_a_i m2_b_j)
+// (Cauchy-Schwarz), for every partial sum of the GEMM too; a margin of 4 leaves room for the
+// rank-1 terms and rounding (the CPU core's rule). The first failure is kept in status.
+__global__ void decide_kernel(const unsigned long long* __restrict__ work, long long* __restrict__ status,
+                              bool fresh, double product_limit, double merge_limit, long long update,
+                              long long count) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  double w[kXcorrWorkWords];
+  for (int k = 0; k < kXcorrWorkWords; ++k) w[k] = __longlong_as_double(static_cast<long long>(work[k]));
+  long long code = fresh ? static_cast<long long>(work[0]) : 0;
+  // Bounds written so that NaN (an overflowed m2 is stored as +inf bits) fails them.
+  if (code == 0 && fresh && !(sqrt(w[1]) * sqrt(w[2]) <= product_limit)) code |= kXcorrProductOverflow;
+  if (code == 0 && !(sqrt(w[4]) * sqrt(w[6]) <= product_limit && sqrt(w[3]) * sqrt(w[5]) <= merge_limit))
+    code |= kXcorrMergeOverflow;
+  if (code != 0 && status[0] == 0) {
+    status[0] = code;
+    status[1] = update;
+    status[2] = count;
+  }
+}
+
 template <typename TC, typename TG>
 __global__ void merge_matrix_kernel(TC* __restrict__ c, const TG* __restrict__ g, int64_t dim_a, int64_t dim_b,
                                     bool fresh, const double* __restrict__ p, const double* __restrict__ q,
-                                    const double* __restrict__ u, const double* __restrict__ v) {
+                                    const double* __restrict__ u, const double* __restrict__ v,
+                                    const long long* __restrict__ status) {
+  if (status[0] != 0) return;  // this update or an earlier one failed: the accumulator stays as it was
   const int64_t total = dim_a * dim_b;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -176,6 +197,15 @@ __global__ void merge_matrix_kernel(TC* __restrict__ c, const TG* __restrict__ g
     const double add = static_cast<double>(g[k]) + p[i] * q[j] + u[i] * v[j];
     c[k] = static_cast<TC>(fresh ? add : static_cast<double>(c[k]) + add);
   }
+}
+
+// The merged moments into the accumulator's, unless an update failed.
+__global__ void copy_moments_kernel(double* __restrict__ dst, const double* __restrict__ src, int64_t count,
+                                    const long long* __restrict__ status) {
+  if (status[0] != 0) return;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < count;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[k] = src[k];
 }
 
 template <typename T>
@@ -186,22 +216,18 @@ constexpr double real_max() {
 }  // namespace
 
 template <typename T>
-XcorrError xcorr_batch_moments(const T* x, int64_t rows, int64_t cols, int64_t ld, T* centred, double* moments,
-                        double* resid, double* max_sumsq, int device, void* stream_handle) {
-  *max_sumsq = 0.0;
-  if (rows <= 0 || cols <= 0) return XcorrError::None;
+void xcorr_batch_moments(const T* x, int64_t rows, int64_t cols, int64_t ld, T* centred, double* moments,
+                         double* resid, unsigned long long* work, int side, int device, void* stream_handle) {
+  if (rows <= 0 || cols <= 0) return;
   DeviceGuard guard(device);
   cudaStream_t stream = as_stream(stream_handle);
   const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock, col_blocks = (cols + 31) / 32;
   Arena arena(stream);
   const size_t h_shift = arena.reserve<double>(cols);
   const size_t h_part = arena.reserve<double>(4 * row_blocks * cols);
-  const size_t h_flags = arena.reserve<unsigned long long>(2);  // max_sumsq bits, error bits
   arena.allocate();
   double* shift = arena.get<double>(h_shift);
   double* part = arena.get<double>(h_part);
-  unsigned long long* flags = arena.get<unsigned long long>(h_flags);
-  PYPERM_CUDA_CHECK(cudaMemsetAsync(flags, 0, 2 * sizeof(unsigned long long), stream));
   centre_kernel<T><<<grid_for(cols, 256, 4096), 256, 0, stream>>>(x, rows, cols, ld, shift);
   PYPERM_CUDA_CHECK_LAUNCH("the moments centre kernel");
   const int64_t pc = row_blocks * cols;
@@ -209,78 +235,65 @@ XcorrError xcorr_batch_moments(const T* x, int64_t rows, int64_t cols, int64_t l
       x, rows, cols, ld, shift, centred, part, part + pc, part + 2 * pc, part + 3 * pc);
   PYPERM_CUDA_CHECK_LAUNCH("the moments tile kernel");
   finish_kernel<T><<<grid_for(cols, 256, 4096), 256, 0, stream>>>(
-      x, rows, cols, ld, shift, part, part + pc, part + 2 * pc, part + 3 * pc, moments, resid, flags,
-      reinterpret_cast<int*>(flags + 1));
+      x, rows, cols, ld, shift, part, part + pc, part + 2 * pc, part + 3 * pc, moments, resid, work, side);
   PYPERM_CUDA_CHECK_LAUNCH("the moments finish kernel");
-  unsigned long long host[2] = {0, 0};
-  PYPERM_CUDA_CHECK(cudaMemcpyAsync(host, flags, sizeof(host), cudaMemcpyDeviceToHost, stream));
-  PYPERM_CUDA_CHECK(cudaStreamSynchronize(stream));
-  const int err = static_cast<int>(host[1] & 0xffffffffu);
-  if (err & kNonFiniteBit) return XcorrError::NonFinite;
-  if (err & kOverflowBit) return XcorrError::Overflow;
-  double m;
-  static_assert(sizeof(m) == sizeof(host[0]), "double is 64 bits");
-  std::memcpy(&m, &host[0], sizeof(m));
-  *max_sumsq = m;
-  return XcorrError::None;
 }
 
 template <typename TC, typename TG>
-XcorrError xcorr_merge_comoments(int64_t dim_a, int64_t dim_b, int64_t n, double* moments_a, double* moments_b, TC* comoment,
-                          int64_t m, const double* in_moments_a, const double* in_moments_b, const TG* in_comoment,
-                          const double* resid_a, const double* resid_b, int device, void* stream_handle) {
-  if (m <= 0 || dim_a <= 0 || dim_b <= 0) return XcorrError::None;
+void xcorr_merge_comoments(int64_t dim_a, int64_t dim_b, int64_t n, double* moments_a, double* moments_b,
+                           TC* comoment, int64_t m, const double* in_moments_a, const double* in_moments_b,
+                           const TG* in_comoment, const double* resid_a, const double* resid_b,
+                           unsigned long long* work, long long* status, int64_t update, int device,
+                           void* stream_handle) {
+  if (m <= 0 || dim_a <= 0 || dim_b <= 0) return;
   if ((resid_a == nullptr) != (resid_b == nullptr)) resid_a = resid_b = nullptr;
+  const bool fresh = resid_a != nullptr;
   DeviceGuard guard(device);
   cudaStream_t stream = as_stream(stream_handle);
   Arena arena(stream);
   const size_t h_new_a = arena.reserve<double>(4 * dim_a), h_new_b = arena.reserve<double>(4 * dim_b);
   const size_t h_p = arena.reserve<double>(dim_a), h_u = arena.reserve<double>(dim_a);
   const size_t h_q = arena.reserve<double>(dim_b), h_v = arena.reserve<double>(dim_b);
-  const size_t h_max = arena.reserve<unsigned long long>(4);
   arena.allocate();
-  unsigned long long* maxes = arena.get<unsigned long long>(h_max);
-  PYPERM_CUDA_CHECK(cudaMemsetAsync(maxes, 0, 4 * sizeof(unsigned long long), stream));
+  // A merge of two accumulators has no batch words: start them at zero. A fresh batch's words
+  // [0..2] come from batch_moments; the merge maxes [3..6] are zeroed either way.
+  const int first = fresh ? 3 : 0;
+  PYPERM_CUDA_CHECK(cudaMemsetAsync(work + first, 0, (kXcorrWorkWords - first) * sizeof(unsigned long long), stream));
   const double dn = static_cast<double>(n), dm = static_cast<double>(m);
   merge_side_kernel<<<grid_for(dim_a, 256, 4096), 256, 0, stream>>>(dim_a, dn, dm, moments_a, in_moments_a, resid_a,
                                                                     true, arena.get<double>(h_new_a),
                                                                     arena.get<double>(h_p), arena.get<double>(h_u),
-                                                                    maxes);
+                                                                    work + 3);
   PYPERM_CUDA_CHECK_LAUNCH("the merge kernel");
   merge_side_kernel<<<grid_for(dim_b, 256, 4096), 256, 0, stream>>>(dim_b, dn, dm, moments_b, in_moments_b, resid_b,
                                                                     false, arena.get<double>(h_new_b),
                                                                     arena.get<double>(h_q), arena.get<double>(h_v),
-                                                                    maxes + 2);
+                                                                    work + 5);
   PYPERM_CUDA_CHECK_LAUNCH("the merge kernel");
-  unsigned long long host[4];
-  PYPERM_CUDA_CHECK(cudaMemcpyAsync(host, maxes, sizeof(host), cudaMemcpyDeviceToHost, stream));
-  PYPERM_CUDA_CHECK(cudaStreamSynchronize(stream));
-  double mx[4];
-  std::memcpy(mx, host, sizeof(mx));
-  // |C_ij| <= sqrt(m2_a_i m2_b_j) (Cauchy-Schwarz), for every partial sum of the GEMM too; a
-  // margin of 4 leaves room for the rank-1 terms and rounding (the CPU core's rule).
-  const bool in_ok = std::sqrt(mx[1]) * std::sqrt(mx[3]) <= real_max<TG>() / 4;
-  const bool acc_ok = std::sqrt(mx[0]) * std::sqrt(mx[2]) <= real_max<TC>() / 4;
-  if (!in_ok || !acc_ok) return XcorrError::Overflow;
+  decide_kernel<<<1, 1, 0, stream>>>(work, status, fresh, real_max<TG>() / 4, real_max<TC>() / 4,
+                                     static_cast<long long>(update), static_cast<long long>(n));
+  PYPERM_CUDA_CHECK_LAUNCH("the merge decision kernel");
   merge_matrix_kernel<TC, TG><<<grid_for(dim_a * dim_b, 256, 8192), 256, 0, stream>>>(
       comoment, in_comoment, dim_a, dim_b, n == 0, arena.get<double>(h_p), arena.get<double>(h_q),
-      arena.get<double>(h_u), arena.get<double>(h_v));
+      arena.get<double>(h_u), arena.get<double>(h_v), status);
   PYPERM_CUDA_CHECK_LAUNCH("the merge kernel");
-  PYPERM_CUDA_CHECK(cudaMemcpyAsync(moments_a, arena.get<double>(h_new_a), 4 * dim_a * sizeof(double),
-                                    cudaMemcpyDeviceToDevice, stream));
-  PYPERM_CUDA_CHECK(cudaMemcpyAsync(moments_b, arena.get<double>(h_new_b), 4 * dim_b * sizeof(double),
-                                    cudaMemcpyDeviceToDevice, stream));
-  return XcorrError::None;
+  copy_moments_kernel<<<grid_for(4 * dim_a, 256, 4096), 256, 0, stream>>>(moments_a, arena.get<double>(h_new_a),
+                                                                          4 * dim_a, status);
+  PYPERM_CUDA_CHECK_LAUNCH("the merge copy kernel");
+  copy_moments_kernel<<<grid_for(4 * dim_b, 256, 4096), 256, 0, stream>>>(moments_b, arena.get<double>(h_new_b),
+                                                                          4 * dim_b, status);
+  PYPERM_CUDA_CHECK_LAUNCH("the merge copy kernel");
 }
 
-template XcorrError xcorr_batch_moments<float>(const float*, int64_t, int64_t, int64_t, float*, double*, double*, double*,
-                                        int, void*);
-template XcorrError xcorr_batch_moments<double>(const double*, int64_t, int64_t, int64_t, double*, double*, double*,
-                                         double*, int, void*);
-#define PYPERM_XCORR_MERGE(TC, TG)                                                                              \
-  template XcorrError xcorr_merge_comoments<TC, TG>(int64_t, int64_t, int64_t, double*, double*, TC*, int64_t,          \
-                                             const double*, const double*, const TG*, const double*,            \
-                                             const double*, int, void*);
+template void xcorr_batch_moments<float>(const float*, int64_t, int64_t, int64_t, float*, double*, double*,
+                                         unsigned long long*, int, int, void*);
+template void xcorr_batch_moments<double>(const double*, int64_t, int64_t, int64_t, double*, double*, double*,
+                                          unsigned long long*, int, int, void*);
+#define PYPERM_XCORR_MERGE(TC, TG)                                                                             \
+  template void xcorr_merge_comoments<TC, TG>(int64_t, int64_t, int64_t, double*, double*, TC*, int64_t,       \
+                                              const double*, const double*, const TG*, const double*,          \
+                                              const double*, unsigned long long*, long long*, int64_t, int,    \
+                                              void*);
 PYPERM_XCORR_MERGE(double, double)
 PYPERM_XCORR_MERGE(double, float)
 PYPERM_XCORR_MERGE(float, double)

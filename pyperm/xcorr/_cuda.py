@@ -2,8 +2,14 @@
 
 A device accumulator is a dict of torch tensors (float64 moments, a co-moment in the
 accumulator's dtype) that these functions update in place; :mod:`pyperm.xcorr._state`
-wraps it for :class:`pyperm.CrossCorrelation`. Every call synchronises the stream (error
-codes and bounds are read back).
+wraps it for :class:`pyperm.CrossCorrelation`.
+
+An update never waits for the device: NaN or infinity in a batch, moments or a product that
+would overflow, are found by the kernels, which record the first failing update in the
+accumulator's ``status`` words and from then on leave the statistics as they were. The host
+reads those words only in :func:`check`, which the readers of the statistics call (and
+:func:`merge`): the ValueError then names the update, and the accumulator holds the samples
+before it. So a loop of updates on the device runs without a single host synchronisation.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from pyperm._arrays import is_torch_tensor
 from pyperm._cuda_arrays import dtype_name, require_torch, torch_launch
 from pyperm._ext import cuda_module
 
-__all__ = ["merge", "new_state", "update"]
+__all__ = ["check", "merge", "new_state", "update"]
 
 
 def new_state(dim_a: int, dim_b: int, device: Any, dtype: Any = None) -> dict[str, Any]:
@@ -32,7 +38,47 @@ def new_state(dim_a: int, dim_b: int, device: Any, dtype: Any = None) -> dict[st
         "moments_a": torch.zeros((4, dim_a), dtype=torch.float64, device=device),
         "moments_b": torch.zeros((4, dim_b), dtype=torch.float64, device=device),
         "comoment": torch.zeros((dim_a, dim_b), dtype=dtype, device=device),
+        # The device's own checks (csrc/xcorr/xcorr_cuda.h): sticky status, per-update work words.
+        "status": torch.zeros(_STATUS_WORDS, dtype=torch.int64, device=device),
+        "work": torch.zeros(_WORK_WORDS, dtype=torch.int64, device=device),
+        "updates": 0,
+        "prefix": "",
     }
+
+
+_STATUS_WORDS, _WORK_WORDS = 3, 7
+# The failure bits of status[0] (XcorrFailure in csrc/xcorr/xcorr_cuda.h), as the messages say them.
+_FAILURES = [
+    (1, "{p}xa contains NaN or infinity"),
+    (2, "{p}xb contains NaN or infinity"),
+    (4, "{p}xa has values too large to accumulate (its moments overflow); pass float64 data or rescale it"),
+    (8, "{p}xb has values too large to accumulate (its moments overflow); pass float64 data or rescale it"),
+    (16, "{p}xa and {p}xb have values so large that their product overflows"),
+    (32, "{m} has values too large to accumulate (its moments overflow); pass float64 data or rescale it"),
+]
+
+
+def check(state: dict[str, Any]) -> None:
+    """Raise the first failure the device recorded since the last check (one 24-byte read back).
+
+    Raises
+    ------
+    ValueError
+        Naming the failed update and what was wrong with it. The accumulator then holds, and
+        counts, the samples of the updates before that one; the status is cleared, so it can
+        go on accumulating.
+    """
+    status = state["status"]
+    code, update, count = status.tolist()  # the only synchronisation of the device path
+    if code == 0:
+        return
+    status.zero_()
+    state["count"] = int(count)
+    p = state.get("prefix", "")
+    m = "merge" if update < 0 else (p.strip() or "batch")  # what the merge's overflow is named after
+    what = "; ".join(text.format(p=p, m=m) for bit, text in _FAILURES if code & bit)
+    where = "a merge of accumulators" if update < 0 else f"update {update} of this accumulator"
+    raise ValueError(f"{what} ({where}, found on the device; the accumulator keeps the {count} samples before it)")
 
 
 def _xcorr_side(x: Any):
@@ -71,8 +117,9 @@ def update(state: dict[str, Any], xa: Any, xb: Any, prefix: str = "") -> None:
     Raises
     ------
     ValueError
-        Shapes that do not match the accumulator or each other, NaN or infinity in a batch,
-        or moments that would overflow (the accumulator is then unchanged).
+        Shapes that do not match the accumulator or each other. NaN or infinity in a batch, or
+        moments that would overflow, are found on the device and raised by the next
+        :func:`check` (the accumulator then holds the samples before that batch).
     """
     torch = require_torch("xcorr_update")
     if not (is_torch_tensor(xa) and is_torch_tensor(xb)):
@@ -96,33 +143,40 @@ def update(state: dict[str, Any], xa: Any, xb: Any, prefix: str = "") -> None:
     dtype = dtype_name(a)
     mod = cuda_module()
     device, stream = torch_launch(state["comoment"])
+    work = state["work"]
+    work.zero_()
     sides = []
-    for t, name in ((a, f"{prefix}xa"), (b, f"{prefix}xb")):
+    for side, t in enumerate((a, b)):
         centred = torch.empty((rows, t.shape[1]), dtype=t.dtype, device=dev)
         moments = torch.empty((4, t.shape[1]), dtype=torch.float64, device=dev)
         resid = torch.empty(t.shape[1], dtype=torch.float64, device=dev)
-        # Raises ValueError naming the side for NaN, infinity or overflowing moments.
-        max_sumsq = mod.xcorr_batch_moments(t.data_ptr(), dtype, rows, t.shape[1], _row_stride(t), centred.data_ptr(),
-                                            moments.data_ptr(), resid.data_ptr(), device, stream, name)
-        sides.append((centred, moments, resid, max_sumsq))
-    (ca, ma, ra, sa), (cb, mb, rb, sb) = sides
-    # Every entry of the product is bounded by sqrt(sumsq_a sumsq_b) (Cauchy-Schwarz).
-    if (sa ** 0.5) * (sb ** 0.5) > float(torch.finfo(a.dtype).max) / 4:
-        raise ValueError(f"{prefix}xa and {prefix}xb have values so large that their product overflows")
+        mod.xcorr_batch_moments(t.data_ptr(), dtype, rows, t.shape[1], _row_stride(t), centred.data_ptr(),
+                                moments.data_ptr(), resid.data_ptr(), work.data_ptr(), side, device, stream)
+        sides.append((centred, moments, resid))
+    (ca, ma, ra), (cb, mb, rb) = sides
+    # Computed whatever the batch holds: a kernel decides on the device whether it may be merged.
     g = torch.matmul(ca.t(), cb).contiguous()
     c = state["comoment"]
+    state["updates"] = int(state["updates"]) + 1
+    state["prefix"] = prefix
     mod.xcorr_merge_comoments(
         da, db, int(state["count"]), state["moments_a"].data_ptr(), state["moments_b"].data_ptr(), c.data_ptr(),
-        dtype_name(c), rows, ma.data_ptr(), mb.data_ptr(), g.data_ptr(),
-        dtype, ra.data_ptr(), rb.data_ptr(), device, stream, prefix.strip() or "batch")
+        dtype_name(c), rows, ma.data_ptr(), mb.data_ptr(), g.data_ptr(), dtype, ra.data_ptr(), rb.data_ptr(),
+        work.data_ptr(), state["status"].data_ptr(), state["updates"], device, stream)
     state["count"] = int(state["count"]) + rows
 
 
 def merge(state: dict[str, Any], other: dict[str, Any]) -> None:
-    """Add the samples of accumulator ``other`` to ``state`` (in place), on the device."""
+    """Add the samples of accumulator ``other`` to ``state`` (in place), on the device.
+
+    Checks both first (:func:`check`), and ``state`` after (a merge whose moments would overflow
+    is refused at once, the accumulator unchanged): a merge synchronises, an update does not.
+    """
     require_torch("xcorr_merge")
     if state["comoment"].shape != other["comoment"].shape:
         raise ValueError("the accumulators have different dimensions")
+    check(other)
+    check(state)
     m = int(other["count"])
     if m == 0:
         return
@@ -130,7 +184,7 @@ def merge(state: dict[str, Any], other: dict[str, Any]) -> None:
     c, g = state["comoment"], other["comoment"].contiguous()
     cuda_module().xcorr_merge_comoments(
         c.shape[0], c.shape[1], int(state["count"]), state["moments_a"].data_ptr(), state["moments_b"].data_ptr(),
-        c.data_ptr(), dtype_name(c), m, other["moments_a"].data_ptr(),
-        other["moments_b"].data_ptr(), g.data_ptr(), dtype_name(g), 0, 0,
-        device, stream, "merge")
+        c.data_ptr(), dtype_name(c), m, other["moments_a"].data_ptr(), other["moments_b"].data_ptr(), g.data_ptr(),
+        dtype_name(g), 0, 0, state["work"].data_ptr(), state["status"].data_ptr(), -1, device, stream)
     state["count"] = int(state["count"]) + m
+    check(state)

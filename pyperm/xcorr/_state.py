@@ -208,7 +208,9 @@ class HostMoments:
 class CudaMoments:
     """The statistics in torch tensors on one CUDA device, updated by the CUDA kernels.
 
-    Statistics are returned as torch tensors on that device.
+    Statistics are returned as torch tensors on that device. Updates never wait for the device;
+    every reader first checks what the device found (:func:`pyperm.xcorr._cuda.check`: one small
+    read back), so a bad batch is reported at the first read after it.
     """
 
     def __init__(self, dim_a: int, dim_b: int, dtype: np.dtype, device: Any) -> None:
@@ -222,7 +224,13 @@ class CudaMoments:
 
     @property
     def count(self) -> int:
+        self._check()
         return int(self._acc["count"])
+
+    def _check(self) -> None:
+        from pyperm.xcorr import _cuda
+
+        _cuda.check(self._acc)
 
     def empty_like(self) -> CudaMoments:
         return CudaMoments(self._acc["moments_a"].shape[1], self._acc["moments_b"].shape[1], self._dtype,
@@ -234,6 +242,7 @@ class CudaMoments:
     # ----------------------------------------------------------------- reading
 
     def _moments(self, side: str) -> Any:
+        self._check()
         return self._acc["moments_a" if side == "a" else "moments_b"]
 
     def row(self, side: str, which: int) -> Any:
@@ -243,7 +252,7 @@ class CudaMoments:
         return (self._moments(side)[M2] / self.count).sqrt()
 
     def fields(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"count": self.count}
+        out: dict[str, Any] = {"count": self.count}  # checked first
         for side in ("a", "b"):
             mom = self._moments(side).cpu().numpy()
             for name, row in (("mean", MEAN), ("m2", M2), ("min", MIN), ("max", MAX)):
@@ -253,6 +262,7 @@ class CudaMoments:
 
     def load(self, fields: dict[str, Any]) -> None:
         torch = sys.modules["torch"]
+        self._acc["status"].zero_()  # whatever the device found before, these statistics replace it
         self._acc["count"] = int(fields["count"])
         self._acc["comoment"].copy_(torch.as_tensor(fields["comoment"]))
         for side in ("a", "b"):
@@ -262,19 +272,26 @@ class CudaMoments:
     def _out(self, x: Any) -> Any:
         return x.to(self._acc["comoment"].dtype)
 
+    def _stats(self) -> dict[str, Any]:
+        """The device accumulator, checked."""
+        self._check()
+        return self._acc
+
     def covariance(self, ddof: int, threads: int) -> Any:
-        return self._out(self._acc["comoment"].double() / (self.count - ddof))
+        acc = self._stats()
+        return self._out(acc["comoment"].double() / (acc["count"] - ddof))
 
     def correlation(self, threads: int) -> Any:
         torch = sys.modules["torch"]
-        inv = [_inverse_std(m[M2], (m[M2] > 0) & (m[MAX] > m[MIN]), torch)
-               for m in (self._acc["moments_a"], self._acc["moments_b"])]
+        acc = self._stats()
+        inv = [_inverse_std(m[M2], (m[M2] > 0) & (m[MAX] > m[MIN]), torch) for m in (acc["moments_a"], acc["moments_b"])]
         # Rounding can push |r| of (nearly) collinear channels past 1; numpy.corrcoef clips too.
-        return self._out(inv[0][:, None] * self._acc["comoment"].double() * inv[1][None, :]).clamp_(-1, 1)
+        return self._out(inv[0][:, None] * acc["comoment"].double() * inv[1][None, :]).clamp_(-1, 1)
 
     def cross_product(self, threads: int) -> Any:
-        mean_a, mean_b = self._acc["moments_a"][MEAN], self._acc["moments_b"][MEAN]
-        return self._out(self._acc["comoment"].double() + self.count * mean_a[:, None] * mean_b[None, :])
+        acc = self._stats()
+        mean_a, mean_b = acc["moments_a"][MEAN], acc["moments_b"][MEAN]
+        return self._out(acc["comoment"].double() + acc["count"] * mean_a[:, None] * mean_b[None, :])
 
     # ----------------------------------------------------------------- writing
 
