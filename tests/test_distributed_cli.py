@@ -188,21 +188,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_torchrun_runs_the_module_over_two_ranks(tmp_path):
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one-node", "two-nodes"])
+def test_torchrun_runs_the_module_over_two_ranks(tmp_path, nodes):
     """The real launcher: ``torchrun --nproc-per-node 2 -m pyperm align`` (its rendezvous on 127.0.0.1 only)
-    joins the process group itself (``env://``) and writes what one process writes."""
+    joins the process group itself (``env://``) and writes what one process writes; the same with two
+    launchers of one rank each, as two nodes would start it (``--nnodes 2 --node-rank i``)."""
     a, b = _llama(0, tmp_path / "a", True), _llama(1, tmp_path / "b", True)
     argv = ["align", a, b, "--model", "hf", "--no-progress"]  # the default start on both sides
     assert main(argv + ["--out", str(tmp_path / "one")]) == 0
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
+    port = str(_free_port())
+    per_node = ["--nproc-per-node", str(2 // nodes)] + (["--nnodes", "2"] if nodes == 2 else [])
     # From tmp_path: ``-m`` puts the working directory first on the path, and a source checkout there (CI
     # tests the installed wheel) would shadow the installed package.
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-                          "-m", "pyperm", *argv, "--out", str(tmp_path / "two")],
-                         env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "over 2 ranks" in run.stdout
+    launchers = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *per_node,
+                                   *(["--node-rank", str(node)] if nodes == 2 else []),
+                                   "--master-addr", "127.0.0.1", "--master-port", port,
+                                   "-m", "pyperm", *argv, "--out", str(tmp_path / "two")],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                 for node in range(nodes)]  # fmt: skip
+    try:
+        outputs = [p.communicate(timeout=180) for p in launchers]
+    finally:
+        for p in launchers:
+            p.kill()
+    assert [p.returncode for p in launchers] == [0] * nodes, [err[-3000:] for _, err in outputs]
+    assert "over 2 ranks" in outputs[0][0]
     one, two = _files(tmp_path / "one"), _files(tmp_path / "two")
     assert sorted(one) == sorted(two)
     assert all(one[n] == two[n] for n in one if not n.startswith("report.")), [n for n in one if one[n] != two[n]]
