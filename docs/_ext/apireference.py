@@ -36,6 +36,7 @@ MODULES: list[tuple[str, str, list[str] | None]] = [
     ("pyperm.teacher_student", "pyperm.teacher_student: the two-layer teacher-student analysis", None),
     ("pyperm.datasets", "pyperm.datasets: digits, MNIST and CIFAR-10 files", None),
     ("pyperm.checkpoints", "pyperm.checkpoints: reading and writing checkpoints", None),
+    ("pyperm.distributed", "pyperm.distributed: weight matching and merging over ranks", None),
 ]
 
 

@@ -60,7 +60,8 @@ class DistributedMatchingResult(WeightMatchingResult):
         Bytes sent by all ranks together in each sweep (similarity parts, permutations, flags,
         the sweep's sums); the final broadcast of the permutations is not in it.
     bytes_total : int
-        Every byte sent, the layout's exchange excluded.
+        Every byte the searches sent (with ``init="best"``, both searches'); the exchange of the
+        layout and the signature start's cost parts are not counted.
     """
 
     bytes_per_sweep: list[int] = field(default_factory=list)
@@ -151,9 +152,9 @@ def weight_matching(
     if not stalled_over_ranks(spec, sa, sb, first.perms, local, chan):
         return first
     second = run(signature_start_over_ranks(spec, sa, sb, layout.owner, set(chosen), chan), _same_seed(gen))
-    second.bytes_per_sweep = first.bytes_per_sweep + second.bytes_per_sweep
-    second.bytes_total += first.bytes_total
-    return second if second.objective[-1] > first.objective[-1] else first
+    best = second if second.objective[-1] > first.objective[-1] else first
+    best.bytes_total = first.bytes_total + second.bytes_total  # both searches' (bytes_per_sweep: the winner's)
+    return best
 
 
 class _Run:
