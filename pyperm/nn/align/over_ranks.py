@@ -238,11 +238,29 @@ def merge_many(
     the same generator, so the rounds, the permutations and the merged model equal one process's
     ``merge_many`` for the same seed (up to summation order, as :func:`weight_matching`).
 
+    Parameters
+    ----------
+    spec : PermutationSpec
+        The models' permutation groups (the same on every rank).
+    states : sequence of mapping of str to torch.Tensor
+        This rank's share of each of at least two models: the same keys in every one, each key on
+        exactly one rank, every key of the spec on some rank.
+    group : torch.distributed.ProcessGroup, optional
+        The ranks (default: the world).
+    max_iter, seed, progress
+        As :func:`pyperm.nn.merge_many` (the same on every rank).
+
     Returns
     -------
     MergeResult
         As :func:`pyperm.nn.merge_many`, every rank the same permutations; ``merged`` is this rank's
         share of the merged model (its keys).
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``states`` is not a sequence of at least two shares with the same keys, or a matching
+        refuses its shares (see :func:`weight_matching`).
     """
     check_spec(spec)
     if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
