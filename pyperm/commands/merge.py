@@ -111,16 +111,7 @@ def run(args: argparse.Namespace) -> int:
         result = merge_many(loaded.spec, states, max_iter=args.max_iter, seed=args.seed, progress=args.progress)
     # Write in the first input's dtypes, as the inputs were stored: one tensor at a time, when written.
     merged = LazyState(ckpts[0].state, lambda key, stored: result.merged[key].to(stored.dtype))
-    report: dict[str, Any] = {
-        "command": "merge",
-        "inputs": [str(c.path) for c in ckpts],
-        "model": loaded.name,
-        "iterations": result.iterations,
-        "converged": result.converged,
-        "changed_per_round": list(result.history),
-        "seconds": timer.seconds,
-        "outputs": [str(p) for p in ckpt_files],
-    }
+    report = merge_report(ckpts, loaded, result, timer.seconds, ckpt_files)
     if data is not None:
         evaluations = {str(c.path): _evaluate(loaded, s, data, device) for c, s in zip(ckpts, states)}
         evaluations["plain average (no alignment)"] = _evaluate(loaded, average(states), data, device)
@@ -137,6 +128,20 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name}: test loss {e['loss']:.4f}, accuracy {100 * e['accuracy']:.2f}%")
     print(f"report: {out / 'report.md'}")
     return 0
+
+
+def merge_report(ckpts: list, loaded: Any, result: Any, seconds: float, outputs: list[Path]) -> dict[str, Any]:
+    """What report.json says of a merge (one process or over ranks)."""
+    return {
+        "command": "merge",
+        "inputs": [str(c.path) for c in ckpts],
+        "model": loaded.name,
+        "iterations": result.iterations,
+        "converged": result.converged,
+        "changed_per_round": list(result.history),
+        "seconds": seconds,
+        "outputs": [str(p) for p in outputs],
+    }
 
 
 def _markdown(report: dict[str, Any]) -> str:
