@@ -48,7 +48,7 @@ __device__ __forceinline__ bool argmin_less(const ArgMin<T>& a, const ArgMin<T>&
 }
 
 template <typename T>
-__device__ __forceinline__ ArgMin<T> warp_argmin(ArgMin<T> p) {
+__device__ __forceinline__ ArgMin<T> warp_argmin_shuffle(ArgMin<T> p) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
     ArgMin<T> o;
@@ -57,6 +57,41 @@ __device__ __forceinline__ ArgMin<T> warp_argmin(ArgMin<T> p) {
     if (argmin_less(o, p)) p = o;
   }
   return p;  // the same in every lane
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// The same minimum with the warp's integer min-reductions (sm_80 and later): the value as an
+// order key, then the smallest tie-breaking key among the lanes that hold the minimum. Adding
+// +0 makes -0 into +0 first, so that the two zeros tie as argmin_less has them tie. The
+// value returned is the minimum's (a -0 comes back as +0, which compares equal).
+__device__ __forceinline__ ArgMin<float> warp_argmin_reduce(ArgMin<float> p) {
+  const uint32_t k = static_cast<uint32_t>(order_key(p.val + 0.0f));
+  const uint32_t kmin = __reduce_min_sync(kFullMask, k);
+  const uint32_t key = __reduce_min_sync(kFullMask, k == kmin ? p.key : 0xffffffffu);
+  const uint32_t bits = (kmin & 0x80000000u) ? (kmin & 0x7fffffffu) : ~kmin;
+  return ArgMin<float>{__uint_as_float(bits), key};
+}
+
+__device__ __forceinline__ ArgMin<double> warp_argmin_reduce(ArgMin<double> p) {
+  const uint64_t k = order_key(p.val + 0.0);
+  const uint32_t hi = static_cast<uint32_t>(k >> 32), lo = static_cast<uint32_t>(k);
+  const uint32_t hmin = __reduce_min_sync(kFullMask, hi);
+  const uint32_t lmin = __reduce_min_sync(kFullMask, hi == hmin ? lo : 0xffffffffu);
+  const bool holds = hi == hmin && lo == lmin;
+  const uint32_t key = __reduce_min_sync(kFullMask, holds ? p.key : 0xffffffffu);
+  const uint64_t kmin = (static_cast<uint64_t>(hmin) << 32) | lmin;
+  const uint64_t bits = (kmin >> 63) ? (kmin & ~(1ull << 63)) : ~kmin;
+  return ArgMin<double>{__longlong_as_double(static_cast<long long>(bits)), key};
+}
+#endif
+
+template <typename T>
+__device__ __forceinline__ ArgMin<T> warp_argmin(ArgMin<T> p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return warp_argmin_reduce(p);
+#else
+  return warp_argmin_shuffle(p);
+#endif
 }
 
 // Block-wide argmin, returned to every thread. `buf` holds 2 x 32 entries in shared memory
