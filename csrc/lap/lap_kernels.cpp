@@ -219,6 +219,18 @@ template <int kBytes> inline void fetch_lines(uintptr_t at) {
   for (int b = 0; b < kBytes; b += 64) __builtin_prefetch(reinterpret_cast<const void*>(at + b));
 }
 
+// The smallest T above x, for x below +inf (not NaN): std::nextafter(x, +inf) without its
+// library call.
+template <typename T> inline T next_up(T x) {
+  using Bits = std::conditional_t<sizeof(T) == 8, uint64_t, uint32_t>;
+  if (x == T(0)) return std::numeric_limits<T>::denorm_min();
+  Bits b;
+  std::memcpy(&b, &x, sizeof b);
+  b = x > T(0) ? b + 1 : b - 1;  // away from zero above it, towards zero below it
+  std::memcpy(&x, &b, sizeof b);
+  return x;
+}
+
 // Offers every entry of row[j] - v[j] at or below `limit` to `best` (in order of j), in one
 // pass: a vector of entries is compared with the current kCache-th smallest (or the limit),
 // and the rare lanes below it are inserted. Returns whether an entry was NaN or -inf.
@@ -234,7 +246,7 @@ bool offer_row(const T* row, const T* v, int64_t m, T limit, const T* next, Sort
   const uintptr_t there = reinterpret_cast<uintptr_t>(next) - uintptr_t(m) * sizeof(T);  // next, as if at row + m
   auto fetch = [](uintptr_t at) { fetch_lines<2 * W * sizeof(T)>(at); };
   // The value to beat: the smallest one above the limit until kCache entries are in.
-  const T start = limit < kInf<T> ? std::nextafter(limit, kInf<T>) : kInf<T>;
+  const T start = limit < kInf<T> ? next_up(limit) : kInf<T>;
   T worst = std::min(start, best.worst());
   Vec worst_v = splat<Vec>(worst);
   const Vec minus_inf = splat<Vec>(-kInf<T>);
