@@ -132,9 +132,12 @@ constexpr int kCache = 8;
 // Below this many entries (about 181 x 181) a problem sits in L2 and full row scans beat
 // the caches' bookkeeping (measured against lapjvr at n = 32-512).
 constexpr int64_t kCacheFromSize = int64_t(1) << 15;
-// From this many entries (8 MiB of doubles) the passes over the whole matrix are split
-// across threads: they are bound by memory bandwidth, which one core does not saturate.
-constexpr int64_t kParallelFromSize = int64_t(1) << 20;
+// The passes over the whole matrix are split across threads, one per this many entries (8 MiB
+// of doubles) at most: they are bound by memory bandwidth, which one core does not saturate,
+// but each thread is started for its pass, which cost about 46 us of the caller's CPU on the
+// 2-core development VM, while one core's column reduction of 2^20 entries takes about 0.13 ms
+// (a problem of 1024 x 1024 ran 0.06-0.1 ms longer, caller's CPU, with a second thread).
+constexpr int64_t kEntriesPerThread = int64_t(1) << 20;
 
 // Bits k of the lanes k where a < b, and where !(a > b) (NaN lanes included), as one
 // compare instruction and one mask move per ISA: for loops over the few lanes that qualify.
@@ -617,7 +620,8 @@ class Solver {
   Solver(const T* cost, int64_t n, int64_t m, int threads, bool transposed = false)
       : c_(transposed ? nullptr : cost), src_(transposed ? cost : nullptr), n_(n), m_(m),
         cached_(n * m >= kCacheFromSize),
-        threads_(n * m >= kParallelFromSize ? (threads > 0 ? threads : hardware_threads()) : 1), v_(m, T(0)), vscan_(m), d_(m), pred_(m),
+        threads_(int(std::clamp<int64_t>(n * m / kEntriesPerThread, 1, threads > 0 ? threads : hardware_threads()))),
+        v_(m, T(0)), vscan_(m), d_(m), pred_(m),
         free_(m), x_(n, -1), y_(m, -1) {
     if (cached_) {
       cache_cols_.resize(n * kCache);
@@ -696,7 +700,7 @@ class Solver {
     transposed_.reset(new T[static_cast<size_t>(n_ * m_)]);
     T* out = transposed_.get();
     constexpr int64_t B = 64;  // bands of source rows: each output row segment written contiguously
-    parallel_for((m_ + B - 1) / B, n_ * m_ >= kParallelFromSize ? threads_ : 1, [&](int64_t band) {
+    parallel_for((m_ + B - 1) / B, threads_, [&](int64_t band) {
       const int64_t i0 = band * B, i1 = std::min(i0 + B, m_);
       for (int64_t j = 0; j < n_; ++j)
         for (int64_t i = i0; i < i1; ++i) out[j * m_ + i] = src_[i * n_ + j];
