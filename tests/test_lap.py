@@ -176,8 +176,8 @@ def test_row_caches_of_wide_and_square_problems(isa, dtype):
                 cost[diagonal, diagonal] = finite[diagonal, diagonal]  # feasible
             rows, cols = _core.lap_solve(np.ascontiguousarray(cost), False, isa)
             _assert_optimal(cost, rows, cols, rtol=1e-5 if dtype == np.float32 else 1e-9)
-    for shape in [(300, 1201), (700, 3000)]:
-        for where in [(150, 1200), (299, 0), (0, shape[1] - 1)]:
+    for shape in [(300, 1201), (700, 3000), (400, 400)]:
+        for where in [(shape[0] // 2, shape[1] - 1), (shape[0] - 1, 0), (0, shape[1] - 1)]:
             for bad in (np.nan, -np.inf):
                 cost = uniform(rng, *shape).astype(dtype)
                 cost[where] = bad
