@@ -148,6 +148,48 @@ def test_tall_problems_read_in_place(isa, dtype):
         pyperm.linear_sum_assignment(cost)
 
 
+def rows_of_scales(rng, n, m):
+    """Uniform rows scaled by factors from 1e-3 to 1e3: the row scans' guess of a row's smallest entries,
+    carried over from the row before, is often too low (the row is scanned again) or far too high."""
+    return rng.random((n, m)) * 10.0 ** rng.uniform(-3, 3, (n, 1)) - 10.0 ** rng.uniform(-3, 3, (n, 1))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_caches_of_wide_and_square_problems(isa, dtype):
+    """Problems with row caches (from 32768 entries) fill each row's cache in one pass, which guesses from
+    the row before which entries can be among the smallest and scans the row again when it guessed too low;
+    from 2^21 entries the rows are split over threads. Guesses that miss, rows with fewer finite entries
+    than a cache holds, ties, odd widths (vector tails) and invalid entries go through that pass."""
+    rng = np.random.default_rng(9)
+    for shape in [(300, 1200), (61, 997), (7, 5000), (300, 300), (700, 3000)]:
+        for family in (uniform, integers_with_ties, low_rank_planted, offsets, rows_of_scales):
+            cost = family(rng, *shape).astype(dtype)
+            if family is uniform:
+                finite = cost.copy()
+                cost[rng.random(shape) < 0.5] = np.inf
+                cost[::3] = np.inf  # rows with 5 finite entries
+                for i in range(0, shape[0], 3):
+                    keep = rng.choice(shape[1], 4)
+                    cost[i, keep] = finite[i, keep]
+                diagonal = np.arange(shape[0])
+                cost[diagonal, diagonal] = finite[diagonal, diagonal]  # feasible
+            rows, cols = _core.lap_solve(np.ascontiguousarray(cost), False, isa)
+            _assert_optimal(cost, rows, cols, rtol=1e-5 if dtype == np.float32 else 1e-9)
+    for shape in [(300, 1201), (700, 3000), (400, 400)]:
+        for where in [(shape[0] // 2, shape[1] - 1), (shape[0] - 1, 0), (0, shape[1] - 1)]:
+            for bad in (np.nan, -np.inf):
+                cost = uniform(rng, *shape).astype(dtype)
+                cost[where] = bad
+                with pytest.raises(ValueError, match="invalid"):
+                    _core.lap_solve(cost, False, isa)
+        cost = uniform(rng, *shape).astype(dtype)
+        cost[:, : shape[1] - 10] = np.inf
+        cost[:12, -10:] = np.inf  # 12 rows with no finite entry left
+        with pytest.raises(ValueError, match="infeasible"):
+            _core.lap_solve(cost, False, isa)
+
+
 def test_constant_matrix_gives_identity():
     for n in (1, 2, 8, 100):
         rows, cols = pyperm.linear_sum_assignment(np.ones((n, n)))
@@ -385,18 +427,19 @@ def test_concurrent_calls_from_python_threads():
 
 
 def test_large_problems_take_the_parallel_path():
-    """Above 2^20 entries the whole-matrix passes run on several threads: same answers."""
+    """From 2^21 entries (one thread per 2^20 at most) the whole-matrix passes run on several threads:
+    same answers."""
     rng = np.random.default_rng(12)
-    for shape in [(1100, 1100), (1500, 800), (800, 1500)]:
+    for shape in [(1500, 1500), (2200, 1000), (1000, 2200)]:
         for family in (uniform, integers_with_ties, offsets):
             cost = family(rng, *shape)
             _assert_optimal(cost, *pyperm.linear_sum_assignment(cost))
-    for shape in [(1100, 1100), (1500, 800)]:  # negated (and transposed) copies, made in bands
+    for shape in [(1500, 1500), (2200, 1000)]:  # negated (and transposed) copies, made in bands
         cost = rng.random(shape)
         _assert_optimal(cost, *pyperm.linear_sum_assignment(cost, maximize=True), maximize=True)
-    rows, cols = pyperm.linear_sum_assignment(np.ones((1100, 1100)))
-    np.testing.assert_array_equal(cols, np.arange(1100))
-    for shape in [(1100, 1100), (900, 1300)]:
+    rows, cols = pyperm.linear_sum_assignment(np.ones((1500, 1500)))
+    np.testing.assert_array_equal(cols, np.arange(1500))
+    for shape in [(1500, 1500), (1300, 1700)]:
         cost = rng.random(shape)
         cost[shape[0] - 3, 5] = np.nan  # in the last thread's band
         with pytest.raises(ValueError, match="invalid numeric entries"):
