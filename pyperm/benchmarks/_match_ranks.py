@@ -105,7 +105,7 @@ def _peak(device: str) -> int:
     return torch.cuda.max_memory_allocated(device)
 
 
-def _backend(device: str, world: int) -> str:
+def backend_for(device: str, world: int) -> str:
     """NCCL where every rank has a GPU of its own; gloo otherwise (NCCL refuses two ranks on one GPU)."""
     import torch
 
@@ -145,7 +145,7 @@ def _rank(rank: int, world: int, name: str, dtype_name: str, tmp: str, deadline:
 
     torch.set_num_threads(_threads(world))
     try:
-        backend, device = _backend(device, world), _rank_device(device, rank)
+        backend, device = backend_for(device, world), _rank_device(device, rank)
         if backend == "nccl":
             torch.cuda.set_device(device)
         dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world,

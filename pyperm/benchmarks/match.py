@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.ranks is not None:
             from pyperm.benchmarks import _match_ranks
 
-            backend = "gloo" if args.device == "cpu" else _match_ranks._backend(args.device, args.ranks)
+            backend = "gloo" if args.device == "cpu" else _match_ranks.backend_for(args.device, args.ranks)
             print(f"\nweight matching over ranks: from the identity, 1 process and {args.ranks} {backend} processes "
                   "(each a contiguous share of the keys); each row in its own processes", flush=True)  # fmt: skip
             table, failed = _match_ranks.rows(args.scale, args.dtypes, args.ranks, _report, device=args.device)
