@@ -37,3 +37,23 @@ def test_ranks_rows_are_sane_and_a_group_not_found_fails():
     assert table[0][5] == table[0][7] == table[0][10] == "1.00x"
     _, failures = _match_ranks.rows(["gpt2-tiny"], ["float32"], 2, lambda _: None, deadline=120, max_iter=0)
     assert len(failures) == 2 and all("planted groups not found" in f for f in failures)
+
+
+def test_the_command_line_rows_write_a_sharded_pair_once_and_find_every_group(tmp_path):
+    """``--checkpoints DIR``: the pair written as two sharded Hugging Face folders (at least 8 shards), then
+    ``pyperm align`` in one process and under torchrun over 2 ranks, each run's report read."""
+    import json
+
+    from pyperm.benchmarks import _align_ranks
+
+    table, failures = _align_ranks.rows(["gpt2-tiny"], ["float32"], 2, tmp_path, lambda _: None, timeout=300)
+    assert failures == []
+    assert [r[2] for r in table] == [1, 2] and all(r[-1] == "9/9" for r in table)
+    assert table[0][11] == "0" and float(table[1][11]) > 0
+    folder = tmp_path / "gpt2-tiny-float32"
+    index = json.loads((folder / "b" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= _align_ranks.MIN_SHARDS
+    first = folder / "b" / sorted(set(index["weight_map"].values()))[0]
+    written = first.stat().st_mtime_ns
+    _align_ranks.write_pair("gpt2-tiny", "float32", folder)  # the same pair: kept, not written again
+    assert first.stat().st_mtime_ns == written
