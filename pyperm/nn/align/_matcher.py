@@ -22,6 +22,7 @@ is computed exactly from the tensors it touches, so the objective never decrease
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -63,6 +64,11 @@ logger = logging.getLogger(__name__)
 # bytes, or COST_BUDGET_MIN bytes when that is more (small models keep all of theirs).
 COST_BUDGET_FRACTION = 0.4
 COST_BUDGET_MIN = 64 << 20
+# On the CPU the allocator's free pages are returned once the visits since the last return have
+# read this many bytes in their products (after every visit of a large model; as much as the
+# similarities a small model may keep). A return costs 0.1-0.5 ms whatever was freed: after every
+# visit it was 5% of an STE step on the digits MLP 64-512x3-10, whose visits read 1-4 MiB each.
+TRIM_AFTER_BYTES = 64 << 20
 
 
 def _product_dtype(product_dtype: Any, dtype: torch.dtype, tensors: list[torch.Tensor]) -> torch.dtype:
@@ -224,6 +230,12 @@ class WeightMatcher:
         # The products may run in a narrower dtype than the similarity (float16: 65504): its range bounds them.
         largest = min(torch.finfo(dtype).max, torch.finfo(self.product_dtype).max)
         norms_a = {k: frobenius_norm(sa[k]) for k in self._norms_b}
+        # The finiteness check of every entry the similarities read, at no extra pass (a match that
+        # skips the objective has no other): a NaN or infinity makes the norm non-finite.
+        for name, state, norms in (("state_a", sa, norms_a), ("state_b", self.state_b, self._norms_b)):
+            for k, norm in norms.items():
+                if not math.isfinite(norm) and not bool(torch.isfinite(state[k]).all()):
+                    raise ValueError(f"{name}[{k!r}] contains NaN or infinite values")
         for g, group in self._groups.items():
             # By Cauchy-Schwarz no similarity entry (nor partial sum) exceeds this bound: below
             # it, the matrices need no finiteness check (an outer group's sums are float64).
@@ -241,8 +253,16 @@ class WeightMatcher:
         tol: float = 1e-12,
         progress: bool = False,
         callback: Callable[[int, Mapping[str, torch.Tensor], float], bool | None] | None = None,
+        objective: bool = True,
     ) -> WeightMatchingResult:
-        """Permutations of B maximising its match with ``state_a`` (see :func:`~pyperm.nn.weight_matching`)."""
+        """Permutations of B maximising its match with ``state_a`` (see :func:`~pyperm.nn.weight_matching`).
+
+        ``objective=False`` skips computing the objective at the start (a pass over both models,
+        gathers of B included): the result's ``objective`` history (and the value the callback and
+        the progress bar see) then starts at 0 and holds the gains since the start. The
+        permutations are the same; for callers that need only them (the projections of STE
+        matching).
+        """
         spec = self.spec
         max_iter = check_int(max_iter, "max_iter", 0)
         tol = check_nonnegative_real(tol, "tol")
@@ -257,8 +277,15 @@ class WeightMatcher:
         perms: dict[Any, torch.Tensor] = {g: p.to(device) for g, p in start.items()}
         for form in self._forms:  # the whole index of every Blocks axis, as other groups see it
             perms[form] = blocks_index(form, perms)
-        # Validates shapes and finiteness of every matched entry in the same pass.
-        objective = _objective(spec, sa, self.state_b, {g: perms[g] for g in spec.sizes}, self.keys)
+        if objective:  # validates shapes and finiteness of every matched entry in the same pass
+            value = _objective(spec, sa, self.state_b, {g: perms[g] for g in spec.sizes}, self.keys)
+        else:  # shapes here; the finiteness of what the similarities read in _arrange
+            value = 0.0
+            for k in self.keys:
+                if sa[k].shape != self.state_b[k].shape:
+                    raise ValueError(f"state_a[{k!r}] has shape {tuple(sa[k].shape)} but state_b has "
+                                     f"{tuple(self.state_b[k].shape)}")
+        objective = value
         groups = self._arrange(sa)
         cpu_fallback = device.type == "cuda" and not pyperm.cuda_available()
         if cpu_fallback:
@@ -295,8 +322,9 @@ class WeightMatcher:
                         proposal, old_val, new_val = self._blocks_step(step, groups, perms, cpu_fallback)
                     else:
                         proposal, old_val, new_val = self._plain_step(step, groups[g], perms, cpu_fallback)
-                    if device.type == "cpu":  # the visit's temporaries, freed, are not kept resident
-                        release_free_memory()
+                    if device.type == "cpu" and self._products.read >= TRIM_AFTER_BYTES:
+                        release_free_memory()  # the visits' temporaries, freed, are not kept resident
+                        self._products.read = 0
                     if proposal is None:
                         continue
                     if step.quadratic:  # the similarity was a linearisation: the exact change
