@@ -55,8 +55,8 @@ from pyperm.nn._runtime import (
 )
 from pyperm.nn.align._proximal_curve import CurveFunction, Judge, fixed_batches, perms_key
 from pyperm.nn.align.weight import WeightMatcher
-from pyperm.nn.permutations import Permutations, as_permutations
-from pyperm.nn.spec import PermutationSpec
+from pyperm.nn.permutations import Permutations, as_permutations, permute_entry
+from pyperm.nn.spec import PermutationSpec, entry_groups
 
 __all__ = ["STEMatchingResult", "ste_matching"]
 
@@ -259,7 +259,7 @@ def ste_matching(
     candidates.consider(0, perms)
     free = {k: sa[k].clone().requires_grad_(True) for k in trainable}
     optimizer = torch.optim.Adam(list(free.values()), lr=lr)
-    projected: dict[str, torch.Tensor] | None = None  # perms.apply(sb), kept while perms stays
+    midpoints = _Midpoint(spec, sa, sb, free)
     bar = progress_bar(progress, _total_steps(data, max_batches, epochs), "STE matching", "step")
     try:
         with train_mode(model):  # BatchNorm on batch statistics, as in training
@@ -267,9 +267,7 @@ def ste_matching(
                 for index, batch in iterate_batches(data, max_batches):
                     inputs, targets = inputs_and_targets(batch, index)
                     inputs, targets = to_device(inputs, device), targets.to(device)
-                    if projected is None:  # B permuted anew only when the projection moved
-                        projected = perms.apply(sb)
-                    midpoint, leaves = _midpoint(sa, projected, free)
+                    midpoint, leaves = midpoints.at(perms)
                     loss = loss_fn(functional_call(model, midpoint, inputs), targets)
                     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
                     for k, g in zip(leaves, grads):
@@ -280,9 +278,8 @@ def ste_matching(
                     result.iterations += 1
                     # The projection of the updated free weights: the next step's permutations.
                     anchor = {k: free[k].detach() if k in free else sa[k] for k in spec.axes}
-                    projection = matcher.match(anchor, init=perms, seed=gen)
-                    if projection.perms != perms:
-                        perms, projected = projection.perms, None
+                    projection = matcher.match(anchor, init=perms, seed=gen, objective=False)
+                    perms = projection.perms
                     result.projection_iterations.append(projection.iterations)
                     if result.iterations % judge_every == 0:
                         candidates.consider(result.iterations, perms)
@@ -299,23 +296,46 @@ def ste_matching(
     return result
 
 
-def _midpoint(sa: Mapping[str, torch.Tensor], projected: Mapping[str, torch.Tensor],
-              free: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    r""":math:`\frac12(\Theta_A + \pi(\Theta_B))`, and its entries that the free weights stand for, as leaves.
+class _Midpoint:
+    r""":math:`\frac12(\Theta_A + \pi(\Theta_B))` at the current permutations, and its entries that the
+    free weights stand for, as leaves; kept between steps.
 
     The straight-through estimator makes the free weights' gradient the midpoint's gradient
     in :math:`\pi(\Theta_B)`, half its gradient in the midpoint: the caller takes the
     leaves' gradients and halves them, which costs no more graph than the forward pass.
+    Only the entries that a group moved since the last step permutes are computed again
+    (B permuted and added to A): between two steps the projection moves a few groups, or none.
     """
-    midpoint, leaves = {}, {}
-    for k, a in sa.items():
-        if k in free:
-            midpoint[k] = leaves[k] = torch.add(a, projected[k]).mul_(0.5).requires_grad_(True)
-        elif a.is_floating_point():
-            midpoint[k] = torch.add(a, projected[k]).mul_(0.5)
+
+    def __init__(self, spec: PermutationSpec, sa: Mapping[str, torch.Tensor], sb: Mapping[str, torch.Tensor],
+                 free: Mapping[str, torch.Tensor]) -> None:
+        self.spec, self.sa, self.sb = spec, sa, sb
+        self.free = dict.fromkeys(k for k in sa if k in free)  # in the state's order (the leaves' order)
+        self.groups_of = {k: {g for entry in spec.axes.get(k, ()) for g in entry_groups(entry)} for k in sa}
+        self.perms: Mapping[str, torch.Tensor] | None = None
+        self.entries: dict[str, torch.Tensor] = {}  # the floating-point entries at self.perms
+
+    def at(self, perms: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The midpoint's state dict at ``perms`` and its leaves (the same tensors while their entries stay)."""
+        if self.perms is None:
+            moved = set(self.spec.sizes)
         else:
-            midpoint[k] = a.clone()  # BatchNorm counts its batches in place
-    return midpoint, leaves
+            moved = {g for g, p in perms.items() if not torch.equal(p, self.perms[g])}
+        for k, a in self.sa.items():
+            if a.is_floating_point() and (k not in self.entries or self.groups_of[k] & moved):
+                b = permute_entry(self.spec, perms, k, self.sb[k]) if k in self.spec.axes else self.sb[k]
+                self.entries[k] = torch.add(a, b).mul_(0.5)
+                if k in self.free:
+                    self.entries[k].requires_grad_(True)
+        self.perms = perms
+        midpoint = {}
+        for k, a in self.sa.items():
+            if k in self.entries:
+                # Buffers are copies: BatchNorm updates its running statistics in place.
+                midpoint[k] = self.entries[k] if k in self.free else self.entries[k].clone()
+            else:
+                midpoint[k] = a.clone()  # BatchNorm counts its batches in place
+        return midpoint, {k: self.entries[k] for k in self.free}
 
 
 class _Candidates:
