@@ -582,26 +582,23 @@ def test_match_without_the_objective_takes_the_same_steps(name):
             WeightMatcher(spec, bad).match(sa, objective=False)
 
 
-def test_the_allocator_is_trimmed_after_visits_that_read_enough(monkeypatch):
-    """Free pages go back to the system after every visit of a large model, and only now and then after a
-    small model's visits, whose trims cost more than their garbage (see TRIM_AFTER_BYTES)."""
+def test_the_allocator_is_trimmed_after_every_visit_unless_the_caller_says_not(monkeypatch):
+    """Free pages go back to the system after every group visit (a large model's temporaries), except for
+    a matcher made with trim_memory=False (STE matching, whose training frees far more between matches)."""
     from pyperm.nn.align import _matcher
 
-    trims = []
+    trims, visits = [], []
     monkeypatch.setattr(_matcher, "release_free_memory", lambda: trims.append(1))
+    monkeypatch.setattr(_matcher.GroupSimilarity, "assign",
+                        lambda self, f=_matcher.GroupSimilarity.assign: visits.append(1) or f(self))
     b = _make(INDEPENDENT["mlp"], 20)
     spec, sb = b.permutation_spec(), b.state_dict()
     sa = _make(INDEPENDENT["mlp"], 10).state_dict()
-    visits = []
-    monkeypatch.setattr(_matcher.GroupSimilarity, "assign",
-                        lambda self, f=_matcher.GroupSimilarity.assign: visits.append(1) or f(self))
-    weight_matching(spec, sa, sb, init="identity")
-    assert 0 < len(visits) and len(trims) < len(visits)
-    trims.clear()
-    visits.clear()
-    monkeypatch.setattr(_matcher, "TRIM_AFTER_BYTES", 0)  # every visit reads at least that
-    weight_matching(spec, sa, sb, init="identity")
+    _matcher.WeightMatcher(spec, sb).match(sa)
     assert len(trims) == len(visits) > 0
+    trims.clear()
+    _matcher.WeightMatcher(spec, sb, trim_memory=False).match(sa)
+    assert not trims
 
 
 # ------------------------------------------------------------------------------ structured specs

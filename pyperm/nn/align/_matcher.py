@@ -64,11 +64,6 @@ logger = logging.getLogger(__name__)
 # bytes, or COST_BUDGET_MIN bytes when that is more (small models keep all of theirs).
 COST_BUDGET_FRACTION = 0.4
 COST_BUDGET_MIN = 64 << 20
-# On the CPU the allocator's free pages are returned once the visits since the last return have
-# read this many bytes in their products (after every visit of a large model; as much as the
-# similarities a small model may keep). A return costs 0.1-0.5 ms whatever was freed: after every
-# visit it was 5% of an STE step on the digits MLP 64-512x3-10, whose visits read 1-4 MiB each.
-TRIM_AFTER_BYTES = 64 << 20
 
 
 def _product_dtype(product_dtype: Any, dtype: torch.dtype, tensors: list[torch.Tensor]) -> torch.dtype:
@@ -143,6 +138,13 @@ class WeightMatcher:
         Precision of the similarity matrices.
     product_dtype : torch.dtype, optional
         The dtype the similarity products run in (see :func:`~pyperm.nn.weight_matching`).
+    trim_memory : bool, default True
+        On the CPU, return the allocator's free pages to the system after every group
+        visit (glibc ``malloc_trim``), so that the visits' freed temporaries do not stay
+        resident. A caller that frees much memory of its own between matches passes
+        False: a trim would return that too, to be faulted in again (STE matching's
+        training steps on ResNet20x4: a trim took 38 ms and the next forward and backward
+        pass 10% longer).
 
     Notes
     -----
@@ -162,8 +164,10 @@ class WeightMatcher:
         keys: Iterable[str] | None = None,
         dtype: torch.dtype = torch.float32,
         product_dtype: torch.dtype | None = None,
+        trim_memory: bool = True,
     ) -> None:
         self.spec = check_spec(spec)
+        self.trim_memory = bool(trim_memory)
         self.dtype = _check_dtype(dtype)
         self.state_b = _check_state(spec, state_b, "state_b")
         self.keys = _objective_keys(spec, self.state_b, keys)
@@ -322,9 +326,8 @@ class WeightMatcher:
                         proposal, old_val, new_val = self._blocks_step(step, groups, perms, cpu_fallback)
                     else:
                         proposal, old_val, new_val = self._plain_step(step, groups[g], perms, cpu_fallback)
-                    if device.type == "cpu" and self._products.read >= TRIM_AFTER_BYTES:
-                        release_free_memory()  # the visits' temporaries, freed, are not kept resident
-                        self._products.read = 0
+                    if self.trim_memory and device.type == "cpu":
+                        release_free_memory()  # the visit's temporaries, freed, are not kept resident
                     if proposal is None:
                         continue
                     if step.quadratic:  # the similarity was a linearisation: the exact change

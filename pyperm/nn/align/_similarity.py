@@ -79,11 +79,8 @@ class Products:
         # A similarity whose old values are void (being rebuilt): the next product into it
         # overwrites it, which spares zeroing it first (see GroupSimilarity.negated_similarity).
         self.fresh: torch.Tensor | None = None
-        self.read = 0  # bytes the products read (the matcher resets it; see TRIM_AFTER_BYTES)
 
     def subtract(self, out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.read += (x.numel() * x.element_size() + y.numel() * y.element_size()
-                      + out.numel() * out.element_size())  # fmt: skip
         overwrite = self.fresh is out
         if overwrite:
             self.fresh = None

@@ -273,7 +273,8 @@ def ste_matching(
     candidates = _Candidates(judge)
 
     # One matcher for every projection: B's arrangement and the warm solvers are kept.
-    matcher = WeightMatcher(spec, sb)
+    # No trims of the allocator between steps: they would return the training's freed activations.
+    matcher = WeightMatcher(spec, sb, trim_memory=False)
     # The free weights start at A: their projection is weight matching's answer, Algorithm 2's start.
     if init is None:
         perms = matcher.match(sa, seed=gen).perms
