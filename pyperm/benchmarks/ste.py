@@ -22,7 +22,7 @@ on the same batches in one run:
 - ``published``: a plain step plus :func:`pyperm.testing.reference_weight_matching`, a
   plain Algorithm 1 as the published implementation runs it.
 
-Ratios: ``ste / floor`` (target at most 1.5), ``scratch / ste`` and ``published / ste``
+Ratios: ``ste / floor`` (target at most 1.3), ``scratch / ste`` and ``published / ste``
 (target at least 5). ``scratch / ste`` cannot exceed ``scratch / floor``: a projection
 needs every similarity rebuilt (the free weights all move at every step), and a weight
 matching from scratch costs only a few sweeps' products.
@@ -41,7 +41,7 @@ from pyperm.benchmarks._report import time_call, time_calls
 from pyperm._argtypes import choices_list, int_at_least, positive_int
 
 MODELS = ("digits-mlp512", "resnet20x4")
-TARGET_FLOOR_RATIO = 1.5
+TARGET_FLOOR_RATIO = 1.3
 TARGET_SCRATCH_RATIO = 5.0
 
 
