@@ -147,3 +147,65 @@ def test_ste_starts_at_init_and_takes_numpy_ints(pair):
     assert result.judged[result.best_step] == min(result.judged.values())
 
 
+
+
+def test_projections_are_one_sweep_between_judgements_and_converge_where_judged(pair, monkeypatch):
+    """Between judgements a projection is one sweep of weight matching (continued at the next step); the
+    permutations of every judged step (each judge_every-th and every epoch's last) are a converged projection."""
+    from pyperm.nn.align.weight import WeightMatcher
+
+    model, spec, sa, sb, data = pair
+    calls = []
+    match = WeightMatcher.match
+
+    def recording(self, *args, **kwargs):
+        out = match(self, *args, **kwargs)
+        calls.append((kwargs.get("max_iter"), out.converged, out.iterations))
+        return out
+
+    monkeypatch.setattr(WeightMatcher, "match", recording)
+    result = ste_matching(model, spec, sa, sb, data[:7], epochs=2, lr=1e-2, seed=0, judge_every=3, judge_batches=1)
+    steps = calls[1:]  # the first is the start (weight matching from the identity)
+    assert len(steps) == result.iterations == 14
+    judged = {3, 6, 7, 9, 12, 14}
+    for step, (max_iter, converged, sweeps) in enumerate(steps, 1):
+        if step in judged:
+            assert converged, step
+        else:
+            assert max_iter == 1 and sweeps == 1, step
+    assert result.projection_iterations == [sweeps for _, _, sweeps in steps]
+    assert set(result.judged) <= {0} | judged
+
+
+def test_the_kept_midpoint_is_recomputed_where_a_group_moved():
+    """The midpoint kept between steps equals the one computed afresh after any change of the permutations,
+    BatchNorm statistics included, and keeps the tensors of the entries no moved group permutes."""
+    from pyperm.nn.align.ste import _Midpoint
+    from pyperm.nn.models import ResNet20
+
+    torch.manual_seed(0)
+    model = ResNet20(width_multiplier=1)
+    spec = model.permutation_spec()
+    sa, sb = model.state_dict(), ResNet20(width_multiplier=1).state_dict()
+    free = {n: sa[n] for n, _ in model.named_parameters()}
+    kept = _Midpoint(spec, sa, sb, free)
+    perms = Permutations(spec, random_permutations(spec, 1))
+    first, leaves = kept.at(perms)
+    group = next(iter(spec.sizes))
+    moved = dict(perms)
+    moved[group] = torch.roll(perms[group], 1)
+    moved = Permutations(spec, moved)
+    second, second_leaves = kept.at(moved)
+    expected = interpolate(sa, moved.apply(sb), 0.5)
+    for k, v in expected.items():
+        if v.is_floating_point():
+            assert torch.allclose(second[k], v, rtol=0, atol=1e-6), k
+        else:
+            assert torch.equal(second[k], v), k
+    assert list(second_leaves) == [k for k in sa if k in free]
+    touched = {key for key, _ in spec.group_axes[group]}
+    for k in free:
+        assert (second_leaves[k] is leaves[k]) == (k not in touched), k
+        assert second_leaves[k].requires_grad and second[k] is second_leaves[k]
+    buffer = next(k for k in sa if k.endswith("running_mean"))
+    assert second[buffer] is not kept.entries[buffer]  # BatchNorm writes its running statistics in place

@@ -552,6 +552,55 @@ def test_reused_matcher_equals_fresh_matchings(name):
         perms = reused.perms
 
 
+@pytest.mark.parametrize("name", ["mlp", "resnet20-B"])
+def test_match_without_the_objective_takes_the_same_steps(name):
+    """``objective=False`` (STE's projections) skips the start's objective: the same permutations, a
+    history of the gains alone, and a NaN or infinity in A or B is still an error naming the entry."""
+    from pyperm.nn.align.weight import WeightMatcher
+
+    b = _make(INDEPENDENT[name], 20).state_dict()
+    spec = _make(INDEPENDENT[name], 20).permutation_spec()
+    full, lean = WeightMatcher(spec, b), WeightMatcher(spec, b)
+    perms = None
+    for seed in (10, 11):
+        sa = _make(INDEPENDENT[name], seed).state_dict()
+        with_objective = full.match(sa, init=perms, seed=seed)
+        without = lean.match(sa, init=perms, seed=seed, objective=False)
+        assert without.perms == with_objective.perms and without.iterations == with_objective.iterations
+        assert without.objective[0] == 0.0
+        gains = [v - with_objective.objective[0] for v in with_objective.objective]
+        assert without.objective == pytest.approx(gains, rel=1e-6, abs=1e-6 * abs(with_objective.objective[0]))
+        perms = with_objective.perms
+    key = next(k for k, axes in spec.axes.items() if any(axes) and b[k].is_floating_point())
+    for value in (float("nan"), float("inf")):
+        bad = dict(sa)
+        bad[key] = sa[key].clone()
+        bad[key].view(-1)[0] = value
+        with pytest.raises(ValueError, match=rf"state_a\[{key!r}\] contains NaN or infinite values"):
+            lean.match(bad, objective=False)
+        with pytest.raises(ValueError, match=rf"state_b\[{key!r}\] contains NaN or infinite values"):
+            WeightMatcher(spec, bad).match(sa, objective=False)
+
+
+def test_the_allocator_is_trimmed_after_every_visit_unless_the_caller_says_not(monkeypatch):
+    """Free pages go back to the system after every group visit (a large model's temporaries), except for
+    a matcher made with trim_memory=False (STE matching, whose training frees far more between matches)."""
+    from pyperm.nn.align import _matcher
+
+    trims, visits = [], []
+    monkeypatch.setattr(_matcher, "release_free_memory", lambda: trims.append(1))
+    monkeypatch.setattr(_matcher.GroupSimilarity, "assign",
+                        lambda self, f=_matcher.GroupSimilarity.assign: visits.append(1) or f(self))
+    b = _make(INDEPENDENT["mlp"], 20)
+    spec, sb = b.permutation_spec(), b.state_dict()
+    sa = _make(INDEPENDENT["mlp"], 10).state_dict()
+    _matcher.WeightMatcher(spec, sb).match(sa)
+    assert len(trims) == len(visits) > 0
+    trims.clear()
+    _matcher.WeightMatcher(spec, sb, trim_memory=False).match(sa)
+    assert not trims
+
+
 # ------------------------------------------------------------------------------ structured specs
 
 # Every axis form, alone and combined: (axes, sizes, shapes of the unpermuted axes where the spec
