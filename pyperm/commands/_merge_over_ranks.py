@@ -53,7 +53,7 @@ def _merge(args: argparse.Namespace, device: Any) -> int:
     from pyperm.commands._checkpoint_pair import load_for_model, refuse_inputs
     from pyperm.commands._common import Timer, build_model, checkpoint_outputs, float_state, prepare_out
     from pyperm.commands._hf import copy_files, folder_copies, folder_of
-    from pyperm.commands.merge import _markdown, merge_report
+    from pyperm.commands._merge_report import merge_markdown, merge_report
 
     rank, world = dist.get_rank(), dist.get_world_size()
     loaded = build_model(args.model, args.example_input_shape, args.checkpoints[0], meta=True)
@@ -100,7 +100,7 @@ def _merge(args: argparse.Namespace, device: Any) -> int:
         report = merge_report(ckpts, loaded, result, timer.seconds, ckpt_files)
         report.update(ranks=world, peak_rss_bytes=peaks, torch_threads=torch.get_num_threads())
         write_json(out / "report.json", report)
-        write_text(out / "report.md", _markdown(report))
+        write_text(out / "report.md", merge_markdown(report))
         print(f"merged {len(ckpts)} checkpoints over {world} ranks in {result.iterations} rounds "
               f"({timer.seconds:.2f} s): {written[0]}")  # fmt: skip
         print(f"report: {out / 'report.md'}")

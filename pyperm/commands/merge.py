@@ -13,7 +13,6 @@ from typing import Any
 
 from pyperm._json import write_json
 from pyperm._staging import write_text
-from pyperm._tables import markdown_table
 from pyperm._argtypes import positive_int
 from pyperm.commands._common import (
     add_common_arguments,
@@ -72,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     """
     from pyperm.checkpoints import LazyState, save_checkpoint
     from pyperm.commands._checkpoint_pair import load_for_model, refuse_inputs
+    from pyperm.commands._merge_report import merge_markdown, merge_report
     from pyperm.commands._common import (
         CommandError,
         Timer,
@@ -121,43 +121,10 @@ def run(args: argparse.Namespace) -> int:
     written = save_checkpoint(ckpts[0], merged, ckpt_files[0], force=args.force)
     written += copy_files(copies)  # --model hf: the config and tokenizer beside the weights
     write_json(out / "report.json", report)
-    write_text(out / "report.md", _markdown(report))
+    write_text(out / "report.md", merge_markdown(report))
     print(f"merged {len(ckpts)} checkpoints in {result.iterations} rounds ({timer.seconds:.2f} s): {written[0]}")
     if data is not None:
         for name, e in report["evaluation"].items():
             print(f"  {name}: test loss {e['loss']:.4f}, accuracy {100 * e['accuracy']:.2f}%")
     print(f"report: {out / 'report.md'}")
     return 0
-
-
-def merge_report(ckpts: list, loaded: Any, result: Any, seconds: float, outputs: list[Path]) -> dict[str, Any]:
-    """What report.json says of a merge (one process or over ranks)."""
-    return {
-        "command": "merge",
-        "inputs": [str(c.path) for c in ckpts],
-        "model": loaded.name,
-        "iterations": result.iterations,
-        "converged": result.converged,
-        "changed_per_round": list(result.history),
-        "seconds": seconds,
-        "outputs": [str(p) for p in outputs],
-    }
-
-
-def _markdown(report: dict[str, Any]) -> str:
-    lines = [
-        f"# pyperm merge: {len(report['inputs'])} checkpoints of `{report['model']}`",
-        "",
-        f"- inputs: {', '.join(f'`{p}`' for p in report['inputs'])}",
-        (
-            f"- {report['iterations']} rounds of merge_many (converged: {report['converged']}), {report['seconds']:.3f} s;"
-            f" permutations changed per round: {report['changed_per_round']}"
-        ),
-        f"- written: {', '.join(f'`{p}`' for p in report['outputs'])}",
-    ]
-    if "evaluation" in report:
-        d = report["data"]
-        lines += ["", f"## Test split of {d['name']} ({d['test_samples']} samples)", ""]
-        rows = [[name, e["loss"], 100 * e["accuracy"]] for name, e in report["evaluation"].items()]
-        lines.append(markdown_table(["model", "loss", "accuracy (%)"], rows))
-    return "\n".join(lines) + "\n"

@@ -1,0 +1,44 @@
+"""The reports of ``pyperm merge`` (one process or over ranks): report.json's fields and report.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pyperm._tables import markdown_table
+
+__all__ = ["merge_markdown", "merge_report"]
+
+
+def merge_report(ckpts: list, loaded: Any, result: Any, seconds: float, outputs: list[Path]) -> dict[str, Any]:
+    """What report.json says of a merge (one process or over ranks)."""
+    return {
+        "command": "merge",
+        "inputs": [str(c.path) for c in ckpts],
+        "model": loaded.name,
+        "iterations": result.iterations,
+        "converged": result.converged,
+        "changed_per_round": list(result.history),
+        "seconds": seconds,
+        "outputs": [str(p) for p in outputs],
+    }
+
+
+def merge_markdown(report: dict[str, Any]) -> str:
+    """report.md of a merge."""
+    lines = [
+        f"# pyperm merge: {len(report['inputs'])} checkpoints of `{report['model']}`",
+        "",
+        f"- inputs: {', '.join(f'`{p}`' for p in report['inputs'])}",
+        (
+            f"- {report['iterations']} rounds of merge_many (converged: {report['converged']}), {report['seconds']:.3f} s;"
+            f" permutations changed per round: {report['changed_per_round']}"
+        ),
+        f"- written: {', '.join(f'`{p}`' for p in report['outputs'])}",
+    ]
+    if "evaluation" in report:
+        d = report["data"]
+        lines += ["", f"## Test split of {d['name']} ({d['test_samples']} samples)", ""]
+        rows = [[name, e["loss"], 100 * e["accuracy"]] for name, e in report["evaluation"].items()]
+        lines.append(markdown_table(["model", "loss", "accuracy (%)"], rows))
+    return "\n".join(lines) + "\n"
