@@ -141,13 +141,12 @@ def _run(cmd: list[str], timeout: float) -> float:
     return time.perf_counter() - started
 
 
-def wrong_groups_of_run(name: str, folder: Path, out: Path) -> set[str]:
+def wrong_groups_of_run(spec: Any, folder: Path, out: Path) -> set[str]:
     """The planted groups a run got wrong, B read one mapped tensor at a time."""
-    from pyperm.benchmarks._match_scale import _spec_and_shapes, wrong_groups
+    from pyperm.benchmarks._match_scale import wrong_groups
     from pyperm.checkpoints import load_checkpoint
     from pyperm.nn import Permutations
 
-    spec, _, _ = _spec_and_shapes(name)
     planted = Permutations.from_dict(spec, json.loads((folder / "planted.json").read_text()))
     found = Permutations.from_dict(spec, json.loads((out / "permutations.json").read_text()))
     state = load_checkpoint(folder / "b").state
@@ -185,7 +184,8 @@ def measure(name: str, dtype_name: str, world: int, folder: str | Path, timeout:
     from pyperm.benchmarks._match_scale import _spec_and_shapes
 
     folder = write_pair(name, dtype_name, folder)
-    groups = len(_spec_and_shapes(name)[0].sizes)
+    spec = _spec_and_shapes(name)[0]  # traced once, for every run's check
+    groups = len(spec.sizes)
     rows = []
     for ranks in (1, world):
         out = folder / f"out-{ranks}"
@@ -202,7 +202,7 @@ def measure(name: str, dtype_name: str, world: int, folder: str | Path, timeout:
         sent = info.get("bytes_per_sweep") or [0]
         rows.append({"peaks": report["peak_rss_bytes"], "sweeps": max(info["iterations"], 1),
                      "seconds": info["seconds"], "wall": wall, "bytes": sum(sent) / len(sent),
-                     "found": groups - len(wrong_groups_of_run(name, folder, out)), "groups": groups,
+                     "found": groups - len(wrong_groups_of_run(spec, folder, out)), "groups": groups,
                      "threads": report["torch_threads"]})  # fmt: skip
         shutil.rmtree(out, ignore_errors=True)
     return rows

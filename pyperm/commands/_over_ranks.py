@@ -150,7 +150,6 @@ def align_over_ranks(args: argparse.Namespace) -> int:
 
 
 def _align(args: argparse.Namespace, device: Any, init: str) -> int:
-    import torch
     import torch.distributed as dist
 
     import pyperm.distributed as pd
@@ -162,7 +161,7 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
     from pyperm.commands._checkpoint_pair import load_for_model, refuse_inputs
     from pyperm.commands._common import build_model, checkpoint_outputs, on_device, prepare_out
     from pyperm.commands._hf import copy_files, folder_copies, folder_of
-    from pyperm.commands.align import _markdown, _moved
+    from pyperm.commands.align import _markdown, align_report
     from pyperm.nn.permutations import as_permutations, permute_entry
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -220,22 +219,9 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
             "ranks": world,
             "bytes_per_sweep": result.bytes_per_sweep,
         }
-        report: dict[str, Any] = {
-            "command": "align",
-            "a": str(ckpt_a.path),
-            "b": str(ckpt_b.path),
-            "model": loaded.name,
-            "format": ckpt_b.format,
-            "groups": [{"name": g, "size": p.numel(), "units_moved": _moved(p)} for g, p in perms.items()],
-            "matching": info,
-            "ranks": world,
-            "max_output_change_of_b": None,
-            "output_check_dtype": None,
-            "dropped_wrapper_entries": ckpt_b.dropped,
-            "outputs": [str(p) for p in ckpt_files],
-            "peak_rss_bytes": peaks,
-            "torch_threads": torch.get_num_threads(),
-        }
+        # No function check over ranks (it needs the whole model in one process): no output change to report.
+        report = align_report(ckpt_a, ckpt_b, loaded, perms, info, ckpt_files, None, None, peaks)
+        report["ranks"] = world
         write_json(out / "permutations.json", perms.to_dict())
         write_json(out / "report.json", report)
         write_text(out / "report.md", _markdown(report, None))

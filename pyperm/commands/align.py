@@ -96,8 +96,6 @@ def run(args: argparse.Namespace) -> int:
 
     if launched():  # under torchrun: the tensors split over the ranks
         return align_over_ranks(args)
-    import torch
-
     from pyperm._memory import peak_resident
     from pyperm.checkpoints import LazyState, save_checkpoint
     from pyperm.commands._checkpoint_pair import function_gap, load_for_model, refuse_inputs
@@ -170,21 +168,7 @@ def run(args: argparse.Namespace) -> int:
                                       probe)  # fmt: skip
         del ckpt_out
 
-    report: dict[str, Any] = {
-        "command": "align",
-        "a": str(ckpt_a.path),
-        "b": str(ckpt_b.path),
-        "model": loaded.name,
-        "format": ckpt_b.format,
-        "groups": [{"name": g, "size": p.numel(), "units_moved": _moved(p)} for g, p in perms.items()],
-        "matching": info,
-        "max_output_change_of_b": gap,
-        "output_check_dtype": gap_dtype,
-        "dropped_wrapper_entries": ckpt_b.dropped,
-        "outputs": [str(p) for p in ckpt_files],
-        "peak_rss_bytes": [peak_resident()],
-        "torch_threads": torch.get_num_threads(),
-    }
+    report = align_report(ckpt_a, ckpt_b, loaded, perms, info, ckpt_files, gap, gap_dtype, [peak_resident()])
     if barriers is not None:
         report["data"] = {"name": data.name, "train_samples": data.num_train, "test_samples": data.num_test}
         report["barriers"] = {label: r.to_dict() for label, r in barriers.items()}
@@ -204,6 +188,28 @@ def run(args: argparse.Namespace) -> int:
             )
     print(f"report: {out / 'report.md'}")
     return 0
+
+
+def align_report(ckpt_a: Any, ckpt_b: Any, loaded: Any, perms: Any, info: dict[str, Any], outputs: list[Path],
+                 gap: float | None, gap_dtype: str | None, peaks: list[int | None]) -> dict[str, Any]:  # fmt: skip
+    """What report.json says of an alignment (one process, or over ranks with ``peaks`` per rank)."""
+    import torch
+
+    return {
+        "command": "align",
+        "a": str(ckpt_a.path),
+        "b": str(ckpt_b.path),
+        "model": loaded.name,
+        "format": ckpt_b.format,
+        "groups": [{"name": g, "size": p.numel(), "units_moved": _moved(p)} for g, p in perms.items()],
+        "matching": info,
+        "max_output_change_of_b": gap,
+        "output_check_dtype": gap_dtype,
+        "dropped_wrapper_entries": ckpt_b.dropped,
+        "outputs": [str(p) for p in outputs],
+        "peak_rss_bytes": peaks,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def _moved(p: Any) -> int:

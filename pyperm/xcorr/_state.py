@@ -249,7 +249,8 @@ class CudaMoments:
         return self._moments(side)[which].clone()
 
     def std(self, side: str) -> Any:
-        return (self._moments(side)[M2] / self.count).sqrt()
+        acc = self._stats()  # one check for the moments and the count
+        return (acc["moments_a" if side == "a" else "moments_b"][M2] / acc["count"]).sqrt()
 
     def fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {"count": self.count}  # checked first
