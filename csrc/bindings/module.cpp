@@ -49,4 +49,5 @@ PYBIND11_MODULE(_core, m) {
   pyperm::bindings::register_lap(m);
   pyperm::bindings::register_xcorr(m);
   pyperm::bindings::register_bvn(m);
+  pyperm::bindings::register_gather(m);
 }

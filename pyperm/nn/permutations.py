@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pyperm._gather import index_select
 from pyperm.nn._checks import check_spec
 from pyperm.nn.spec import PermutationSpec
 
@@ -126,7 +127,7 @@ def permute_entry(spec: PermutationSpec, perms: Mapping[str, torch.Tensor], key:
     for axis in range(len(spec.axes[key])):
         index = spec.axis_index(key, axis, perms)  # structured axes too (Segments, Tiled, Blocks, Interleaved)
         if index is not None:
-            tensor = tensor.index_select(axis, index.to(tensor.device))
+            tensor = index_select(tensor, axis, index.to(tensor.device))
     return tensor
 
 

@@ -33,6 +33,7 @@ import torch
 
 import pyperm
 from pyperm._checks import callback_stops, check_callable, check_int, check_nonnegative_real, torch_generator
+from pyperm._gather import index_select
 from pyperm._memory import release_free_memory
 from pyperm._progress import progress_bar
 from pyperm.nn._checks import check_spec
@@ -474,7 +475,7 @@ def _piece_dot(piece: Piece, a: torch.Tensor, b: torch.Tensor, perms: Mapping[An
     """``sum(a * pi(b))`` of one piece."""
     for ax, label in enumerate(piece.labels):
         if label is not None:
-            b = b.index_select(ax, perms[label])
+            b = index_select(b, ax, perms[label])
     return accurate_dot(a, b)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pyperm._gather import index_select
 from pyperm.nn._checks import check_state
 from pyperm.nn.align._similarity import accurate_dot
 from pyperm.nn.permutations import Permutations
@@ -100,9 +101,9 @@ def _objective(
         for ax, g in enumerate(spec.axes[key]):
             if spec.structured:  # Segments, Tiled, Blocks: the spec builds the index
                 index = spec.axis_index(key, ax, perms) if set(spec.group_axes) & moved else None
-                b = b if index is None else b.index_select(ax, index.to(b.device))
+                b = b if index is None else index_select(b, ax, index.to(b.device))
             elif g in moved:
-                b = b.index_select(ax, perms[g].to(b.device))
+                b = index_select(b, ax, perms[g].to(b.device))
         term = accurate_dot(a, b.to(a.device))
         if not math.isfinite(term):
             # A NaN or infinity anywhere in either tensor makes its product non-finite.
