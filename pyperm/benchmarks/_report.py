@@ -59,6 +59,16 @@ def cuda_device_name() -> str:
     return torch.cuda.get_device_name()
 
 
+def minor_faults() -> int | None:
+    """The process's minor page faults so far (pages the kernel mapped in on first touch), or None where the
+    system does not count them (``resource`` is Unix-only)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def time_calls(
     fns: Mapping[str, Callable[[], object]], repeat: int, *, clock: str = "wall", warmup: bool = True
 ) -> dict[str, Timing]:
