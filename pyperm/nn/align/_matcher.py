@@ -103,6 +103,8 @@ def _plan_steps(spec: PermutationSpec, pieces: list[Piece]) -> dict[str, _Step |
         if isinstance(outer, str):
             inners_of.setdefault(outer, []).append(inner)
     steps: dict[str, _Step | None] = {}
+    # The groups of each axis of each piece, read once (ResNet50: 37 groups x 320 pieces).
+    axis_groups = [[set(label_groups(label)) for label in p.labels] for p in pieces]
     for g in spec.sizes:
         fixed = g in spec.blocks and not isinstance(spec.blocks[g], str)
         if g in spec.blocks and not fixed:
@@ -110,7 +112,8 @@ def _plan_steps(spec: PermutationSpec, pieces: list[Piece]) -> dict[str, _Step |
             continue
         inners = (g,) if fixed else tuple(inners_of.get(g, ()))
         moves = (g,) if fixed else (g, *inners)
-        per_piece = [sum(1 for label in p.labels if set(label_groups(label)) & set(moves)) for p in pieces]
+        moved = set(moves)
+        per_piece = [sum(1 for groups in axes if groups & moved) for axes in axis_groups]
         touched = tuple(i for i, k in enumerate(per_piece) if k)
         steps[g] = _Step(g, moves, inners, fixed, touched, any(k > 1 for k in per_piece))
     return steps
