@@ -19,7 +19,8 @@ from pyperm._ext import core
 __all__ = ["index_select"]
 
 
-def index_select(tensor: torch.Tensor, axis: int, index: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def index_select(tensor: torch.Tensor, axis: int, index: torch.Tensor, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.index_select(tensor, axis, index, out=out)``: the same result (an index out of range
     raises IndexError here, RuntimeError in torch).
 
@@ -29,7 +30,9 @@ def index_select(tensor: torch.Tensor, axis: int, index: torch.Tensor, *, out: t
     """
     axis = axis % tensor.ndim if tensor.ndim else axis
     if not _in_place(tensor, axis, index, out):
-        return torch.index_select(tensor, axis, index) if out is None else torch.index_select(tensor, axis, index, out=out)
+        if out is None:
+            return torch.index_select(tensor, axis, index)
+        return torch.index_select(tensor, axis, index, out=out)
     shape = (*tensor.shape[:axis], index.numel(), *tensor.shape[axis + 1:])
     if out is None:
         out = torch.empty(shape, dtype=tensor.dtype)
@@ -55,6 +58,8 @@ def _in_place(tensor: torch.Tensor, axis: int, index: torch.Tensor, out: torch.T
         return False
     if out is None:
         return True
+    if out.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+        return False  # writing into the tensor it reads: torch refuses it
     shape = (*tensor.shape[:axis], index.numel(), *tensor.shape[axis + 1:])
     return (out.device.type == "cpu" and out.dtype == tensor.dtype and tuple(out.shape) == shape
             and out.is_contiguous() and not out.requires_grad and out.layout == torch.strided)  # fmt: skip

@@ -8,7 +8,10 @@ from pyperm._ext import core
 from pyperm._gather import index_select
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.uint8, torch.int64])
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.uint8, torch.int64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape, axis", [
     ((7, 5), 1),  # one entry a unit: a linear layer's columns
     ((6, 9, 3, 3), 1),  # a convolution's input channels: 9 entries a unit
@@ -43,13 +46,16 @@ def test_large_tensors_on_several_threads():
 def test_cases_it_leaves_to_torch_give_torch_results():
     t = torch.randn(6, 8, 3)
     index = torch.randperm(8)
-    # not contiguous, the first axis, an int32 index, a non-contiguous out, a tensor in autograd
+    # not contiguous, the first axis, a non-contiguous out, a tensor in autograd (and an int32 index, which
+    # the core takes converted)
     assert torch.equal(index_select(t.transpose(0, 2), 1, index), t.transpose(0, 2).index_select(1, index))
     assert torch.equal(index_select(t, 0, torch.tensor([5, 1])), t[[5, 1]])
     assert torch.equal(index_select(t, 1, index.int()), t[:, index])
     out = torch.empty(3, 8, 6).transpose(0, 2)
     index_select(t, 1, index, out=out)
     assert torch.equal(out, t[:, index])
+    with pytest.raises(RuntimeError):  # out overlapping the input: torch's refusal, not a garbled copy
+        index_select(t, 1, index, out=t)
     w = t.clone().requires_grad_()
     index_select(w, 1, index).sum().backward()
     assert torch.equal(w.grad, torch.ones_like(w))

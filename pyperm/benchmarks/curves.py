@@ -16,10 +16,10 @@ returns the top of its heap to the system when enough of it is free, so the next
 those pages in again. Which of two alternating steps pays for it depends on the order of
 their allocations, not on their work (on the digits CNN, 200-400 faults a step, about 0.3 ms,
 moving from one step to the other between runs of the same code); a ratio whose fault counts
-differ much measures the heap as well as the step. Before timing, the curve's output at ``t = 0`` is checked against the model loaded
-with the first endpoint (train mode, same batch). Models: a small CNN with BatchNorm for
-the 8x8 digits (``digits-cnn``) and ``ResNet20(width_multiplier=4)`` on 32x32 images
-(``resnet20x4``). Also runnable as ``python -m pyperm.benchmarks.curves``.
+differ much measures the heap as well as the step. Before timing, the curve's output at
+``t = 0`` is checked against the model loaded with the first endpoint (train mode, same batch).
+Models: a small CNN with BatchNorm for the 8x8 digits (``digits-cnn``) and
+``ResNet20(width_multiplier=4)`` on 32x32 images (``resnet20x4``). Also runnable as ``python -m pyperm.benchmarks.curves``.
 """
 
 from __future__ import annotations
