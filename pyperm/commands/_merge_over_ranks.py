@@ -17,27 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from pyperm.commands._common import CommandError
-from pyperm.commands._over_ranks import _fingerprint, _gather, _my_shards, key_owners, process_group, write_shares
+from pyperm.commands._over_ranks import _fingerprint, _gather, _my_shards, key_owners, on_ranks, write_shares
 
 __all__ = ["merge_over_ranks"]
 
 
 def merge_over_ranks(args: argparse.Namespace) -> int:
     """``pyperm merge`` with MergeMany over the ranks (see the module notes)."""
-    from pyperm.commands._common import resolve_device
-    from pyperm.distributed import failure_guard
-
     if len(args.checkpoints) < 2:
         raise CommandError(f"merge needs at least two checkpoints, got {len(args.checkpoints)}")
     if args.data:
         raise CommandError("--data: over ranks (torchrun) the models are not evaluated; merge without --data")
-    device = resolve_device(args.device)
-    with process_group(device), failure_guard(timeout=args.rank_timeout):
-        if device.type == "cuda":  # each rank on its own GPU (LOCAL_RANK's, or the caller's current one)
-            import torch
-
-            device = torch.device("cuda", torch.cuda.current_device())
-        return _merge(args, device)
+    return on_ranks(args, lambda device: _merge(args, device))
 
 
 def _merge(args: argparse.Namespace, device: Any) -> int:

@@ -30,13 +30,13 @@ import argparse
 import contextlib
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from pyperm.commands._common import CommandError
 
-__all__ = ["align_over_ranks", "key_owners", "launched", "process_group", "refuse_ranks", "write_shares"]
+__all__ = ["align_over_ranks", "key_owners", "launched", "on_ranks", "process_group", "refuse_ranks", "write_shares"]
 
 _LAUNCHER = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 
@@ -132,21 +132,28 @@ def _fingerprint(ckpt: Any, extra: list[Path]) -> str:
 
 def align_over_ranks(args: argparse.Namespace) -> int:
     """``pyperm align`` with weight matching over the ranks (see the module notes)."""
-    from pyperm.commands._common import resolve_device
-    from pyperm.distributed import failure_guard
-
     if args.method != "weight":
         raise CommandError(f"--method {args.method}: over ranks (torchrun) only weight matching runs")
     if args.data:
         raise CommandError("--data: over ranks (torchrun) the barriers do not run; align without --data")
     init = args.init or "best"
+    return on_ranks(args, lambda device: _align(args, device, init))
+
+
+def on_ranks(args: argparse.Namespace, body: Callable[[Any], int]) -> int:
+    """``body(device)`` of a command over ranks (align, merge): inside the process group and
+    :func:`pyperm.distributed.failure_guard` (``--rank-timeout``), with ``--device cuda`` each rank on
+    its own GPU (LOCAL_RANK's, or the caller's current one)."""
+    from pyperm.commands._common import resolve_device
+    from pyperm.distributed import failure_guard
+
     device = resolve_device(args.device)
     with process_group(device), failure_guard(timeout=args.rank_timeout):
-        if device.type == "cuda":  # each rank on its own GPU (LOCAL_RANK's, or the caller's current one)
+        if device.type == "cuda":
             import torch
 
             device = torch.device("cuda", torch.cuda.current_device())
-        return _align(args, device, init)
+        return body(device)
 
 
 def _align(args: argparse.Namespace, device: Any, init: str) -> int:
