@@ -12,7 +12,40 @@ from typing import Any
 
 import torch
 
-__all__ = ["Channel", "check_group", "check_same", "comm_device"]
+__all__ = ["Channel", "check_group", "check_same", "comm_device", "init_process_group"]
+
+
+def _import_group_defaults() -> None:
+    """Import ``torch.distributed.nn.functional`` while no process group exists.
+
+    Its functions take ``group=group.WORLD`` as default arguments, evaluated when the module is
+    first imported. Imported after ``init_process_group`` (``torch.export`` imports it through
+    ``torch._dynamo``, and pyperm traces models with ``torch.export``), they hold the default group
+    for good: ``destroy_process_group`` cannot free it, gloo's threads live on into the
+    interpreter's shutdown, and the one that releases a finished collective's tensors there
+    aborts the process ("terminate called without an active exception", SIGABRT; torch 2.13).
+    Imported before, the defaults are None. Imported after, it would capture the group itself:
+    then it is left to whoever imports it.
+    """
+    import importlib
+
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        importlib.import_module("torch.distributed.nn.functional")
+
+
+_import_group_defaults()
+
+
+def init_process_group(backend: str, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group`` for pyperm's own ranks (the command line, the
+    benchmarks, the tests), with torch's group defaults imported first (:func:`_import_group_defaults`),
+    so that ``destroy_process_group`` frees the group whatever is imported later."""
+    import torch.distributed as dist
+
+    _import_group_defaults()
+    dist.init_process_group(backend, **kwargs)
 
 
 def check_group(group: Any) -> tuple[Any, int, int]:

@@ -16,12 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pyperm._comm import init_process_group
+
 
 def _entry(rank: int, fn, world: int, tmp: str, args: tuple, backend: str) -> None:
     torch.set_num_threads(1)
     if backend == "nccl":  # one device per rank, round robin
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world)
     try:
         outcome = ("ok", fn(rank, world, *args))
     except BaseException as exc:  # reported to the test, which decides

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from pyperm._comm import init_process_group
 from pyperm.nn.curves import BezierCurve, PolyChain, train_curve
 
 pytestmark = [
@@ -50,7 +51,7 @@ def _train(name: str):
 
 def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         results = {name: _train(name) for name in CURVES}
         torch.save(results, f"{out_file}.{rank}")

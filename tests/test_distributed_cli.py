@@ -217,3 +217,43 @@ def test_torchrun_runs_the_module_over_two_ranks(tmp_path, nodes):
     one, two = _files(tmp_path / "one"), _files(tmp_path / "two")
     assert sorted(one) == sorted(two)
     assert all(one[n] == two[n] for n in one if not n.startswith("report.")), [n for n in one if one[n] != two[n]]
+
+
+_GROUP_AFTER_EXPORT = """
+import os
+import sys
+
+import torch
+
+from pyperm.commands._over_ranks import process_group
+
+
+def gloo_threads():
+    return [n for n in (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+            if "gloo" in n]
+
+
+with process_group(torch.device("cpu")):
+    import torch._dynamo  # what torch.export imports when a model is traced inside the group
+    import torch.distributed as dist
+
+    every = [None]
+    dist.all_gather_object(every, {"rank": 0})
+    dist.barrier()
+    assert gloo_threads(), "no gloo threads while the group is up"
+print(gloo_threads())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the threads' names from /proc")
+def test_the_command_lines_group_is_freed_after_torch_export_is_imported_in_it(tmp_path):
+    """``torch.distributed.nn.functional`` (imported by torch.export) takes ``group.WORLD`` as default arguments:
+    imported inside the group, it would hold it past ``destroy_process_group``, and gloo's threads, living on
+    into the interpreter's shutdown, abort the process there now and then (SIGABRT). The command line's group
+    imports it first: none of gloo's threads is left once the group is destroyed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    proc = subprocess.run([sys.executable, "-c", _GROUP_AFTER_EXPORT], env=env, capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

@@ -524,7 +524,9 @@ def test_recentred_sum_equals_single_stream():
 def _all_reduce_worker(rank, world, init_file, batches, out_file):  # pragma: no cover - runs in a subprocess
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from pyperm._comm import init_process_group
+
+    init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         acc = CrossCorrelation(4, 3)
         for a, b in batches[rank::world]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -132,11 +133,19 @@ def write_pair(name: str, dtype_name: str, folder: str | Path, seed: int = 0) ->
     return folder
 
 
+def _free_port() -> int:
+    """A port no one listens on now, on 127.0.0.1 (for torchrun's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _run(cmd: list[str], timeout: float) -> float:
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), timeout=timeout)
     if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        # torchrun ends with ~25 lines of its own summary: the ranks' own last words come before it.
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-40:])
         raise RuntimeError(f"{' '.join(cmd[:6])} ... exited {proc.returncode}: {tail}")
     return time.perf_counter() - started
 
@@ -195,7 +204,7 @@ def measure(name: str, dtype_name: str, world: int, folder: str | Path, timeout:
             cmd = [sys.executable, "-m", "pyperm", *align]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-                   "127.0.0.1", "--master-port", str(29500 + os.getpid() % 1000), "-m", "pyperm", *align]  # fmt: skip
+                   "127.0.0.1", "--master-port", str(_free_port()), "-m", "pyperm", *align]  # fmt: skip
         wall = _run(cmd, timeout)
         report = json.loads((out / "report.json").read_text())
         info = report["matching"]

@@ -140,6 +140,7 @@ def _rank(rank: int, world: int, name: str, dtype_name: str, tmp: str, deadline:
     import torch
     import torch.distributed as dist
 
+    from pyperm._comm import init_process_group
     from pyperm.benchmarks._match_scale import wrong_groups
     from pyperm.distributed import weight_matching
 
@@ -148,8 +149,8 @@ def _rank(rank: int, world: int, name: str, dtype_name: str, tmp: str, deadline:
         backend, device = backend_for(device, world), _rank_device(device, rank)
         if backend == "nccl":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=deadline))  # fmt: skip
+        init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world,
+                           timeout=datetime.timedelta(seconds=deadline))  # fmt: skip
         spec, sa, sb, planted = _prepare(name, dtype_name, device, lambda s: shares(s, world)[rank])
         dist.barrier()
         started = time.perf_counter()

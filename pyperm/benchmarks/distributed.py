@@ -28,9 +28,10 @@ def _rank(rank: int, world: int, store: str, name: str, concurrent: bool, out: s
     import torch.distributed as dist
 
     import pyperm.distributed as pd
+    from pyperm._comm import init_process_group
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     spec, a, b = _pair(name)
     keys = list(spec.axes)
     mine = [k for i, k in enumerate(keys) if i * world // len(keys) == rank]

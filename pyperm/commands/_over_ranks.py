@@ -73,6 +73,8 @@ def process_group(device: Any) -> Iterator[None]:
     import torch
     import torch.distributed as dist
 
+    from pyperm._comm import init_process_group
+
     if not dist.is_available():
         raise CommandError("this torch has no torch.distributed: the command cannot run over ranks")
     if dist.is_initialized():
@@ -87,7 +89,7 @@ def process_group(device: Any) -> Iterator[None]:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, init_method="env://")
+    init_process_group(backend, init_method="env://")
     try:
         yield
     finally:
