@@ -10,7 +10,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -22,6 +21,7 @@ import torch.distributed as dist  # noqa: E402
 from _ranks import run_ranks, values  # noqa: E402
 from _vision import import_transformers  # noqa: E402
 
+from pyperm.benchmarks._align_ranks import free_port  # noqa: E402
 from pyperm.cli import main  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -182,12 +182,6 @@ def test_merge_over_ranks_refuses_data(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("nodes", [1, 2], ids=["one-node", "two-nodes"])
 def test_torchrun_runs_the_module_over_two_ranks(tmp_path, nodes):
     """The real launcher: ``torchrun --nproc-per-node 2 -m pyperm align`` (its rendezvous on 127.0.0.1 only)
@@ -197,7 +191,7 @@ def test_torchrun_runs_the_module_over_two_ranks(tmp_path, nodes):
     argv = ["align", a, b, "--model", "hf", "--no-progress"]  # the default start on both sides
     assert main(argv + ["--out", str(tmp_path / "one")]) == 0
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
-    port = str(_free_port())
+    port = str(free_port())
     per_node = ["--nproc-per-node", str(2 // nodes)] + (["--nnodes", "2"] if nodes == 2 else [])
     # From tmp_path: ``-m`` puts the working directory first on the path, and a source checkout there (CI
     # tests the installed wheel) would shadow the installed package.
@@ -252,7 +246,7 @@ def test_the_command_lines_group_is_freed_after_torch_export_is_imported_in_it(t
     into the interpreter's shutdown, abort the process there now and then (SIGABRT). The command line's group
     imports it first: none of gloo's threads is left once the group is destroyed."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.run([sys.executable, "-c", _GROUP_AFTER_EXPORT], env=env, capture_output=True, text=True,
                           timeout=180, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -18,7 +18,7 @@ void check_in_place(const py::array& a, const py::dtype& dtype, const char* name
 }
 
 // src (outer, n, unit bytes) and out (outer, k, unit bytes): the bytes of C-contiguous tensors, as
-// pyperm.nn.align._gather passes them; index (k,) int64. Checked here too: a wrong shape or an index
+// pyperm._gather.index_select passes them; index (k,) int64. Checked here too: a wrong shape or an index
 // out of range raises instead of writing out of bounds.
 void gather_units(const py::array& src, const py::array& index, py::array& out, int threads) {
   check_in_place(src, py::dtype::of<uint8_t>(), "src");

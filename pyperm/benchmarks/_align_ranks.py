@@ -133,7 +133,7 @@ def write_pair(name: str, dtype_name: str, folder: str | Path, seed: int = 0) ->
     return folder
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A port no one listens on now, on 127.0.0.1 (for torchrun's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -204,7 +204,7 @@ def measure(name: str, dtype_name: str, world: int, folder: str | Path, timeout:
             cmd = [sys.executable, "-m", "pyperm", *align]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-                   "127.0.0.1", "--master-port", str(_free_port()), "-m", "pyperm", *align]  # fmt: skip
+                   "127.0.0.1", "--master-port", str(free_port()), "-m", "pyperm", *align]  # fmt: skip
         wall = _run(cmd, timeout)
         report = json.loads((out / "report.json").read_text())
         info = report["matching"]
