@@ -52,6 +52,55 @@ py::tuple solve_batch(py::array_t<T, py::array::c_style> costs, bool maximize, i
   return py::make_tuple(rows, cols);
 }
 
+// Problems below this many entries are solved holding the GIL: releasing and taking it back
+// costs about as much as solving them, and other threads wait no longer than a solve.
+constexpr int64_t kReleaseGilFrom = 4096;
+
+// Whether a numpy array's entries can be read in place as T: native byte order, aligned,
+// C-contiguous (a view with other strides, or a swapped or packed dtype, is converted by
+// the Python layer).
+bool readable_in_place(PyObject* obj, int type_num) {
+  const auto* arr = py::detail::array_proxy(obj);
+  const auto* descr = py::detail::array_descriptor_proxy(arr->descr);
+  constexpr int kFlags = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_ALIGNED_;
+  const char order = descr->byteorder;
+  const uint16_t one = 1;
+  const char native = *reinterpret_cast<const char*>(&one) == 1 ? '<' : '>';
+  return descr->type_num == type_num && (arr->flags & kFlags) == kFlags && (order == '=' || order == native);
+}
+
+template <typename T>
+py::tuple solve_in_place(PyObject* obj, bool maximize) {
+  const auto* arr = py::detail::array_proxy(obj);
+  const int64_t n = arr->dimensions[0], m = arr->dimensions[1], k = std::min(n, m);
+  py::array_t<int64_t> rows(k), cols(k);
+  const T* c = reinterpret_cast<const T*>(arr->data);
+  int64_t* r = rows.mutable_data();
+  int64_t* q = cols.mutable_data();
+  Status s;
+  if (n * m >= kReleaseGilFrom) {
+    py::gil_scoped_release release;
+    s = cpu::linear_sum_assignment(c, n, m, maximize, r, q, cpu::best_isa());
+  } else {
+    s = cpu::linear_sum_assignment(c, n, m, maximize, r, q, cpu::best_isa());
+  }
+  raise_for(s, "");
+  return py::make_tuple(std::move(rows), std::move(cols));
+}
+
+// pyperm.linear_sum_assignment's path for the commonest input, a 2-D float64 or float32
+// numpy array readable in place: one call, no conversion, no argument parsing beyond a type
+// check. Returns None for anything else, which the Python layer then classifies, converts
+// and checks. The array is held by the caller for the whole call (the GIL is released only
+// while the caller's reference keeps it alive).
+py::object solve_plain(py::handle cost, bool maximize) {
+  PyObject* obj = cost.ptr();
+  if (!py::detail::npy_api::get().PyArray_Check_(obj) || py::detail::array_proxy(obj)->nd != 2) return py::none();
+  if (readable_in_place(obj, py::detail::npy_api::NPY_DOUBLE_)) return solve_in_place<double>(obj, maximize);
+  if (readable_in_place(obj, py::detail::npy_api::NPY_FLOAT_)) return solve_in_place<float>(obj, maximize);
+  return py::none();
+}
+
 // Square minimisation from the column duals v (updated in place): for sequences of similar
 // problems, such as the steps of weight matching. Arrays arrive validated from pyperm._lap.
 template <typename T>
@@ -128,6 +177,7 @@ void register_incremental(py::module_& m, const char* name) {
 }  // namespace
 
 void register_lap(py::module_& m) {
+  m.def("lap_solve_plain", &solve_plain, py::arg("cost"), py::arg("maximize"));
   m.def("lap_solve", &solve<double>, py::arg("cost"), py::arg("maximize"), py::arg("isa") = "auto");
   m.def("lap_solve", &solve<float>, py::arg("cost"), py::arg("maximize"), py::arg("isa") = "auto");
   m.def("lap_solve_warm", &solve_warm<double>, py::arg("cost"), py::arg("v"), py::arg("isa") = "auto");

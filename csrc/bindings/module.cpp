@@ -41,7 +41,9 @@ py::dict build_info() {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "pyperm's compiled CPU core. Use the functions of the pyperm package, which validate input.";
   m.def("best_isa", [] { return std::string(pyperm::cpu::isa_name(pyperm::cpu::best_isa())); },
-        "The widest SIMD instruction set the kernels use on this machine.");
+        "The SIMD instruction set the kernels use: the widest this machine runs, capped by PYPERM_MAX_SIMD.");
+  m.def("hardware_isa", [] { return std::string(pyperm::cpu::isa_name(pyperm::cpu::hardware_isa())); },
+        "The widest SIMD instruction set this machine runs and this build compiled, whatever the cap.");
   m.def("hardware_threads", &pyperm::cpu::hardware_threads);
   m.def("build_info", &build_info,
         "How this module was compiled: version, compiler and flags, the SIMD levels compiled (name -> flags), "

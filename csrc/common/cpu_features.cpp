@@ -1,10 +1,11 @@
 #include "common/cpu_features.h"
 
+#include <cstdlib>
 #include <stdexcept>
 
 namespace pyperm::cpu {
 
-Isa best_isa() {
+Isa hardware_isa() {
 #if defined(PYPERM_X86) && (defined(__GNUC__) || defined(__clang__))
   // libgcc's checks include the OS's XSAVE support for the wide registers.
   static const Isa detected = [] {
@@ -19,6 +20,24 @@ Isa best_isa() {
 #else
   return Isa::Baseline;
 #endif
+}
+
+Isa isa_cap() {
+  // Read once, at the first solve (the Python layer reads it at import and refuses any
+  // value but these three, so an unknown one here means no cap).
+  static const Isa cap = [] {
+    const char* value = std::getenv(kIsaCapVariable);
+    const std::string name = value == nullptr ? "" : value;
+    if (name == "baseline") return Isa::Baseline;
+    if (name == "avx2") return Isa::Avx2;
+    return Isa::Avx512;
+  }();
+  return cap;
+}
+
+Isa best_isa() {
+  static const Isa chosen = static_cast<int>(isa_cap()) < static_cast<int>(hardware_isa()) ? isa_cap() : hardware_isa();
+  return chosen;
 }
 
 Isa parse_isa(const std::string& name) {

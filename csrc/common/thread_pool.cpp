@@ -10,8 +10,14 @@
 namespace pyperm::cpu {
 
 int hardware_threads() {
-  unsigned n = std::thread::hardware_concurrency();
-  return n == 0 ? 1 : static_cast<int>(n);
+  // Read once: glibc answers hardware_concurrency() by opening and parsing
+  // /sys/devices/system/cpu/online, a few microseconds of system calls that every solve of a
+  // small matrix paid when this was asked per call.
+  static const int count = [] {
+    unsigned n = std::thread::hardware_concurrency();
+    return n == 0 ? 1 : static_cast<int>(n);
+  }();
+  return count;
 }
 
 void parallel_for(int64_t n_tasks, int threads, const std::function<void(int64_t)>& body) {

@@ -8,6 +8,7 @@
 
 #include "common/thread_pool.h"
 #include "lap/lap_kernels.h"
+#include "lap/lap_small.h"
 
 namespace pyperm::cpu {
 namespace {
@@ -74,6 +75,60 @@ Status prepare(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, int
   return Status::Ok;
 }
 
+// Problems up to this many entries go to the small solver (lap_small.h): below it the row
+// caches, heap and threads of the large one cost more than they save.
+constexpr int64_t kSmallEntries = 4096;
+
+template <typename T>
+Status dispatch_small(Isa isa, const T* cost, int64_t n, int64_t m, int64_t* col_of_row, void* scratch) {
+  PYPERM_ISA_DISPATCH(isa, solve_small(cost, n, m, col_of_row, scratch));
+}
+
+// A small problem in one thread-local buffer that grows to the largest seen (a few tens of
+// KiB at most): its (negated, transposed) copy when one is needed, the solver's scratch and
+// the column of each row. Nothing is allocated per call once the buffer has grown.
+template <typename T>
+Status solve_small_problem(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize, int64_t* row_ind,
+                           int64_t* col_ind, Isa isa) {
+  const bool transposed = n_rows > n_cols;
+  const int64_t n = transposed ? n_cols : n_rows, m = transposed ? n_rows : n_cols;
+  const bool copy = transposed || maximize;
+  auto words = [](size_t bytes) { return (bytes + 7) / 8; };
+  const size_t copy_words = copy ? words(sizeof(T) * n * m) : 0, cols_words = transposed ? size_t(n) : 0;
+  const size_t scratch_words = words(small_scratch_bytes(n, m, sizeof(T)));
+  thread_local std::vector<uint64_t> buffer;
+  if (buffer.size() < copy_words + cols_words + scratch_words) buffer.resize(copy_words + cols_words + scratch_words);
+  uint64_t* at = buffer.data();
+  const T* c = cost;
+  if (copy) {
+    T* out = reinterpret_cast<T*>(at);
+    const T sign = maximize ? T(-1) : T(1);
+    if (transposed) {
+      for (int64_t i = 0; i < n_rows; ++i)
+        for (int64_t j = 0; j < n_cols; ++j) out[j * n_rows + i] = sign * cost[i * n_cols + j];
+    } else {
+      for (int64_t k = 0; k < n * m; ++k) out[k] = sign * cost[k];
+    }
+    c = out;  // the solver checks every entry: negated NaN stays NaN, a maximised +inf is -inf
+  }
+  int64_t* col_of_row = transposed ? reinterpret_cast<int64_t*>(at + copy_words) : col_ind;
+  const Status s = dispatch_small(isa, c, n, m, col_of_row, at + copy_words + cols_words);
+  if (s != Status::Ok) return s;
+  if (!transposed) {
+    for (int64_t i = 0; i < n; ++i) row_ind[i] = i;
+    return Status::Ok;
+  }
+  // Solved the transpose: col_of_row maps original columns to original rows; the rows are
+  // listed in increasing order by a pass over the m original rows.
+  int64_t* col_of_orig_row = reinterpret_cast<int64_t*>(at + copy_words + cols_words);  // reuses the scratch
+  for (int64_t i = 0; i < n_rows; ++i) col_of_orig_row[i] = -1;
+  for (int64_t j = 0; j < n; ++j) col_of_orig_row[col_of_row[j]] = j;
+  int64_t k = 0;
+  for (int64_t i = 0; i < n_rows; ++i)
+    if (col_of_orig_row[i] >= 0) { row_ind[k] = i; col_ind[k] = col_of_orig_row[i]; ++k; }
+  return Status::Ok;
+}
+
 template <typename T>
 Status dispatch_warm(Isa isa, const T* cost, int64_t n, T* v, int64_t* col_of_row) {
   PYPERM_ISA_DISPATCH(isa, solve_square_warm(cost, n, v, col_of_row));
@@ -91,6 +146,8 @@ template <typename T>
 Status linear_sum_assignment(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize,
                              int64_t* row_ind, int64_t* col_ind, Isa isa, int threads) {
   if (n_rows == 0 || n_cols == 0) return Status::Ok;
+  if (n_rows * n_cols <= kSmallEntries)
+    return solve_small_problem(cost, n_rows, n_cols, maximize, row_ind, col_ind, isa);
   const bool transposed = n_rows > n_cols;
   const int64_t n = transposed ? n_cols : n_rows, m = transposed ? n_rows : n_cols;
   std::vector<int64_t> col_of_row(n);

@@ -11,6 +11,7 @@ from typing import Any
 
 from pyperm._arrays import is_cuda_input
 from pyperm._checks import check_threads
+from pyperm._ext import core
 from pyperm.lap import _cpu
 
 __all__ = ["batch_linear_sum_assignment", "linear_sum_assignment"]
@@ -69,6 +70,12 @@ def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
     >>> col.tolist(), int(cost[row, col].sum())
     ([1, 0, 2], 5)
     """
+    if maximize.__class__ is bool:
+        # The commonest input, a float64/float32 numpy matrix that can be read in place, in
+        # one call to the core; None for anything else, which is classified below.
+        solved = core.lap_solve_plain(cost, maximize)
+        if solved is not None:
+            return solved
     if is_cuda_input(cost):
         from pyperm.lap import _cuda
 
