@@ -12,6 +12,7 @@ from typing import Any
 from pyperm._arrays import is_cuda_input
 from pyperm._checks import check_threads
 from pyperm.lap import _cpu
+from pyperm.lap._sparse import is_scipy_sparse, linear_sum_assignment_sparse
 
 __all__ = ["batch_linear_sum_assignment", "linear_sum_assignment"]
 
@@ -39,7 +40,11 @@ def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
         current stream, and give int64 arrays on the same device (torch tensors for
         torch input, CuPy arrays for CuPy input, torch tensors otherwise); the call
         then synchronises that stream, because the validity and feasibility flags are
-        read back from the device.
+        read back from the device. A ``scipy.sparse`` matrix or array is solved without
+        densifying it, with the semantics of
+        :func:`scipy.sparse.csgraph.min_weight_full_bipartite_matching`: only stored
+        entries (explicit zeros included) are pairs, and a ValueError says when no
+        complete matching exists.
     maximize : bool, default False
         Maximise the total instead of minimising it.
 
@@ -69,6 +74,8 @@ def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
     >>> col.tolist(), int(cost[row, col].sum())
     ([1, 0, 2], 5)
     """
+    if is_scipy_sparse(cost):
+        return linear_sum_assignment_sparse(cost, bool(maximize))
     if is_cuda_input(cost):
         from pyperm.lap import _cuda
 
