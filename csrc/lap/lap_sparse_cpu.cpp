@@ -67,6 +67,53 @@ Status build_graph(const I* indptr, const I* indices, const T* data, int64_t n_r
   return Status::Ok;
 }
 
+// A 4-ary min-heap of (distance, column): half the depth of a binary heap, and a node's
+// children lie side by side. Stale entries are the caller's to skip (lazy deletion).
+template <typename T>
+class MinHeap {
+ public:
+  struct Item {
+    T dist;
+    int32_t col;
+  };
+  void clear() { items_.clear(); }
+  bool empty() const { return items_.empty(); }
+  const Item& top() const { return items_[0]; }
+  void push(Item x) {
+    size_t i = items_.size();
+    items_.push_back(x);
+    while (i > 0) {
+      const size_t parent = (i - 1) / 4;
+      if (!(x.dist < items_[parent].dist)) break;
+      items_[i] = items_[parent];
+      i = parent;
+    }
+    items_[i] = x;
+  }
+  void pop() {
+    const Item last = items_.back();
+    items_.pop_back();
+    const size_t n = items_.size();
+    if (n == 0) return;
+    size_t i = 0;
+    for (;;) {
+      const size_t first = 4 * i + 1;
+      if (first >= n) break;
+      const size_t end = std::min(first + 4, n);
+      size_t best = first;
+      for (size_t c = first + 1; c < end; ++c)
+        if (items_[c].dist < items_[best].dist) best = c;
+      if (!(items_[best].dist < last.dist)) break;
+      items_[i] = items_[best];
+      i = best;
+    }
+    items_[i] = last;
+  }
+
+ private:
+  std::vector<Item> items_;
+};
+
 // Shortest augmenting paths over the stored edges. The duals are column prices v; a matched
 // row's own dual is implicit: u_r = cost of its matched edge - v[its column]. The invariant
 // every phase keeps: a matched row's edge has the least reduced cost (c - v) of the row's
@@ -78,11 +125,11 @@ class SparseSolver {
  public:
   explicit SparseSolver(const Graph<T>& g)
       : g_(g),
-        v_(static_cast<size_t>(g.m), T(0)),
+        cols_(static_cast<size_t>(g.m), Column{T(0), T(0), 0u}),
         row_cost_(static_cast<size_t>(g.n), T(0)),
         col_of_row_(static_cast<size_t>(g.n), -1),
         row_of_col_(static_cast<size_t>(g.m), -1),
-        labels_(static_cast<size_t>(g.m)) {}
+        pred_(static_cast<size_t>(g.m)) {}
 
   Status solve() {
     for (int32_t i = 0; i < g_.n; ++i)
@@ -108,18 +155,18 @@ class SparseSolver {
   const std::vector<int32_t>& col_of_row() const { return col_of_row_; }
 
  private:
-  // Per-column search state. `mark` tells which search last touched the column:
-  // 2 * search when reached (dist valid), 2 * search + 1 when its distance is final.
-  struct Label {
+  // What a search reads for every edge it looks at, together in one cache line: the
+  // column's price, its distance, and which search last touched it (`mark`: 2 * search
+  // when reached, 2 * search + 1 when its distance is final).
+  struct Column {
+    T price;
     T dist;
-    T pred_cost;
-    int32_t pred_row;
     uint32_t mark;
   };
-  struct HeapItem {
-    T dist;
-    int32_t col;
-    bool operator>(const HeapItem& o) const { return dist > o.dist; }
+  // How a search reached a column, written only when its distance improves.
+  struct Pred {
+    T cost;  // of the edge from pred row
+    int32_t row;
   };
 
   void assign(int32_t i, int32_t j, T cost) {
@@ -139,7 +186,7 @@ class SparseSolver {
     RowMin r{inf, inf, inf, -1, -1};
     for (int64_t k = g_.start[i]; k < g_.start[i + 1]; ++k) {
       const Edge<T> e = g_.edges[k];
-      const T h = e.cost - v_[e.col];
+      const T h = e.cost - cols_[e.col].price;
       if (h < r.u2) {
         if (h < r.u1) {
           r.u2 = r.u1;
@@ -171,12 +218,12 @@ class SparseSolver {
   Status reduce_columns(std::vector<int32_t>& free_rows) {
     const T inf = std::numeric_limits<T>::infinity();
     std::vector<int32_t> best_row(static_cast<size_t>(g_.m), -1);
-    std::fill(v_.begin(), v_.end(), inf);
+    for (Column& c : cols_) c.price = inf;
     for (int32_t i = 0; i < g_.n; ++i) {
       for (int64_t k = g_.start[i]; k < g_.start[i + 1]; ++k) {
         const Edge<T> e = g_.edges[k];
-        if (e.cost < v_[e.col]) {
-          v_[e.col] = e.cost;
+        if (e.cost < cols_[e.col].price) {
+          cols_[e.col].price = e.cost;
           best_row[e.col] = i;
         }
       }
@@ -184,7 +231,7 @@ class SparseSolver {
     for (int32_t j = g_.m - 1; j >= 0; --j) {
       const int32_t i = best_row[j];
       if (i < 0) return Status::Infeasible;  // a column with no edge in a square problem
-      if (col_of_row_[i] < 0) assign(i, j, v_[j]);
+      if (col_of_row_[i] < 0) assign(i, j, cols_[j].price);
     }
     for (int32_t i = 0; i < g_.n; ++i) {
       const int32_t j1 = col_of_row_[i];
@@ -195,9 +242,9 @@ class SparseSolver {
       T mu = inf;
       for (int64_t k = g_.start[i]; k < g_.start[i + 1]; ++k) {
         const Edge<T> e = g_.edges[k];
-        if (e.col != j1) mu = std::min(mu, e.cost - v_[e.col]);
+        if (e.col != j1) mu = std::min(mu, e.cost - cols_[e.col].price);
       }
-      if (mu < inf) v_[j1] -= mu;  // row i's matched edge now costs mu, still its least
+      if (mu < inf) cols_[j1].price -= mu;  // row i's matched edge now costs mu, still its least
     }
     return Status::Ok;
   }
@@ -222,7 +269,7 @@ class SparseSolver {
       int32_t previous = row_of_col_[j];
       bool lowered = false;
       if (r.u2 < inf && r.u1 < r.u2) {
-        v_[j] -= r.u2 - r.u1;
+        cols_[j].price -= r.u2 - r.u1;
         lowered = true;
       } else if (previous >= 0 && r.j2 >= 0) {
         // A tie: take the second column instead, which may be free.
@@ -245,17 +292,22 @@ class SparseSolver {
     return still_free;
   }
 
-  // Touches column k from a scanned row at distance `dist` through an edge of cost `cost`.
-  void relax(int32_t k, T dist, int32_t row, T cost, uint32_t reached) {
-    Label& l = labels_[k];
-    if (l.mark < reached || dist < l.dist) {
-      l.dist = dist;
-      l.pred_row = row;
-      l.pred_cost = cost;
-      l.mark = reached;
-      heap_.push_back({dist, k});
-      std::push_heap(heap_.begin(), heap_.end(), std::greater<HeapItem>());
+  // Reaches column k at `dist` through row `row`'s edge of cost `cost`. Nothing at or past
+  // the nearest free column found so far (`bound_`) can shorten the path, so it is dropped;
+  // a free column becomes that bound instead of entering the heap.
+  void reach(int32_t k, T dist, int32_t row, T cost, uint32_t reached) {
+    if (!(dist < bound_)) return;
+    Column& c = cols_[k];
+    if (c.mark >= reached && !(dist < c.dist)) return;
+    c.dist = dist;
+    c.mark = reached;
+    pred_[k] = Pred{cost, row};
+    if (row_of_col_[k] < 0) {
+      bound_ = dist;
+      sink_ = k;
+      return;
     }
+    heap_.push({dist, k});
   }
 
   // One Dijkstra search from the free row i0 over reduced costs to the nearest free column,
@@ -270,40 +322,37 @@ class SparseSolver {
     const uint32_t reached = 2u * static_cast<uint32_t>(search_), final_mark = reached + 1;
     heap_.clear();
     scanned_.clear();
+    bound_ = std::numeric_limits<T>::infinity();
+    sink_ = -1;
     for (int64_t k = g_.start[i0]; k < g_.start[i0 + 1]; ++k) {
       const Edge<T> e = g_.edges[k];
-      relax(e.col, e.cost - v_[e.col], i0, e.cost, reached);
+      reach(e.col, e.cost - cols_[e.col].price, i0, e.cost, reached);
     }
-    int32_t sink = -1;
-    T total = T(0);
-    while (!heap_.empty()) {
-      const HeapItem top = heap_.front();
-      std::pop_heap(heap_.begin(), heap_.end(), std::greater<HeapItem>());
-      heap_.pop_back();
-      Label& l = labels_[top.col];
-      if (l.mark == final_mark || top.dist > l.dist) continue;  // a stale heap entry
-      l.mark = final_mark;
-      const int32_t r = row_of_col_[top.col];
-      if (r < 0) {
-        sink = top.col;
-        total = top.dist;
-        break;
-      }
+    // Every column popped is matched (free ones never enter the heap) and nearer than the
+    // bound; the search ends when the heap holds nothing nearer.
+    while (!heap_.empty() && heap_.top().dist < bound_) {
+      const typename MinHeap<T>::Item top = heap_.top();
+      heap_.pop();
+      Column& c = cols_[top.col];
+      if (c.mark == final_mark || top.dist > c.dist) continue;  // a stale heap entry
+      c.mark = final_mark;
       scanned_.push_back(top.col);
       // Row r's reduced costs, shifted so that its matched edge (its least) costs top.dist.
-      const T base = top.dist - (row_cost_[r] - v_[top.col]);
+      const int32_t r = row_of_col_[top.col];
+      const T base = top.dist - (row_cost_[r] - cols_[top.col].price);
       for (int64_t k = g_.start[r]; k < g_.start[r + 1]; ++k) {
         const Edge<T> e = g_.edges[k];
-        if (labels_[e.col].mark == final_mark) continue;
-        relax(e.col, base + e.cost - v_[e.col], r, e.cost, reached);
+        if (cols_[e.col].mark == final_mark) continue;
+        reach(e.col, base + e.cost - cols_[e.col].price, r, e.cost, reached);
       }
     }
-    if (sink < 0) return Status::Infeasible;
-    for (int32_t j : scanned_) v_[j] += labels_[j].dist - total;
-    for (int32_t j = sink;;) {
-      const Label& l = labels_[j];
-      const int32_t r = l.pred_row, next = col_of_row_[r];
-      assign(r, j, l.pred_cost);
+    if (sink_ < 0) return Status::Infeasible;
+    const T total = bound_;
+    for (int32_t j : scanned_) cols_[j].price += cols_[j].dist - total;
+    for (int32_t j = sink_;;) {
+      const Pred p = pred_[j];
+      const int32_t r = p.row, next = col_of_row_[r];
+      assign(r, j, p.cost);
       if (r == i0) break;
       j = next;
     }
@@ -311,12 +360,14 @@ class SparseSolver {
   }
 
   const Graph<T>& g_;
-  std::vector<T> v_;              // column prices
+  std::vector<Column> cols_;      // prices and search state
   std::vector<T> row_cost_;       // cost of each matched row's edge
   std::vector<int32_t> col_of_row_, row_of_col_;
-  std::vector<Label> labels_;
-  std::vector<HeapItem> heap_;    // lazy deletion: stale entries are skipped when popped
+  std::vector<Pred> pred_;
+  MinHeap<T> heap_;               // stale entries are skipped when popped
   std::vector<int32_t> scanned_;  // columns whose distance became final before the sink's
+  T bound_ = T(0);      // the distance of the nearest free column reached in this search
+  int32_t sink_ = -1;   // that column
   int64_t search_ = 0;
 };
 
