@@ -247,9 +247,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "single-threaded solvers only)")
     parser.add_argument("--seed", type=int_at_least(0), default=0)
     parser.add_argument("--plot", metavar="PNG", help="also save a bar chart of time / scipy per case")
+    parser.add_argument("--sparse", action="store_true",
+                        help="scipy.sparse input instead: pyperm against scipy's min_weight_full_bipartite_matching "
+                             "and lap's lapmod (pyperm.benchmarks.lap_sparse)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sparse:
+        from pyperm.benchmarks import lap_sparse
+
+        return lap_sparse.run(args)
     if args.device == "cuda" and not pyperm.cuda_available():
         print(f"--device cuda: {pyperm.cuda_unavailable_reason()}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from pyperm._arrays import is_cuda_input
 from pyperm._checks import check_threads
 from pyperm._ext import core
 from pyperm.lap import _cpu
+from pyperm.lap._sparse import is_scipy_sparse, linear_sum_assignment_sparse
 
 __all__ = ["batch_linear_sum_assignment", "linear_sum_assignment"]
 
@@ -40,7 +41,11 @@ def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
         current stream, and give int64 arrays on the same device (torch tensors for
         torch input, CuPy arrays for CuPy input, torch tensors otherwise); the call
         then synchronises that stream, because the validity and feasibility flags are
-        read back from the device.
+        read back from the device. A ``scipy.sparse`` matrix or array is solved without
+        densifying it, with the semantics of
+        :func:`scipy.sparse.csgraph.min_weight_full_bipartite_matching`: only stored
+        entries (explicit zeros included) are pairs, and a ValueError says when no
+        complete matching exists.
     maximize : bool, default False
         Maximise the total instead of minimising it.
 
@@ -76,6 +81,8 @@ def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
         solved = core.lap_solve_plain(cost, maximize)
         if solved is not None:
             return solved
+    if is_scipy_sparse(cost):
+        return linear_sum_assignment_sparse(cost, bool(maximize))
     if is_cuda_input(cost):
         from pyperm.lap import _cuda
 
