@@ -47,6 +47,7 @@ PYBIND11_MODULE(_core, m) {
         "How this module was compiled: version, compiler and flags, the SIMD levels compiled (name -> flags), "
         "whether the build included the CUDA module.");
   pyperm::bindings::register_lap(m);
+  pyperm::bindings::register_lap_many(m);
   pyperm::bindings::register_xcorr(m);
   pyperm::bindings::register_bvn(m);
   pyperm::bindings::register_gather(m);
