@@ -114,6 +114,29 @@ py::tuple solve_padded(py::array_t<T, py::array::c_style> costs,
   return solve_views(views, maximize, to_limit(limit), threads);
 }
 
+// One C-contiguous problem with a cost limit: (row_ind, col_ind) of its matched pairs.
+template <typename T>
+py::tuple solve_one(py::array_t<T, py::array::c_style> cost, bool maximize, double limit) {
+  if (cost.ndim() != 2) throw py::value_error("cost must be 2-D");
+  const int64_t n = cost.shape(0), m = cost.shape(1), k = std::min(n, m);
+  const cpu::MatrixView<T> view{cost.data(), n, m, m};
+  py::array_t<int64_t> rows(k), cols(k);
+  int64_t* r = rows.mutable_data();
+  int64_t* q = cols.mutable_data();
+  int64_t offset = 0, matched = 0, failed = -1;
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = cpu::solve_many(&view, 1, maximize, to_limit(limit), &offset, r, q, &matched, 1, cpu::best_isa(), &failed);
+  }
+  raise_for(s, "");
+  if (matched < k) {
+    rows.resize({matched});
+    cols.resize({matched});
+  }
+  return py::make_tuple(rows, cols);
+}
+
 // lap.lapjv's result (total, x, y): x[i] the column of row i, y[j] the row of column j,
 // -1 where unmatched, int32 as in lap; total summed in double from `cost` itself.
 template <typename T>
@@ -153,6 +176,8 @@ void register_lap_many(py::module_& m) {
         py::arg("limit"), py::arg("threads"));
   m.def("lap_solve_padded", &solve_padded<float>, py::arg("costs"), py::arg("sizes"), py::arg("maximize"),
         py::arg("limit"), py::arg("threads"));
+  m.def("lap_solve_limited", &solve_one<double>, py::arg("cost"), py::arg("maximize"), py::arg("limit"));
+  m.def("lap_solve_limited", &solve_one<float>, py::arg("cost"), py::arg("maximize"), py::arg("limit"));
   m.def("lap_lapjv", &lapjv<double>, py::arg("cost"), py::arg("limit"));
   m.def("lap_lapjv", &lapjv<float>, py::arg("cost"), py::arg("limit"));
 }
