@@ -15,33 +15,25 @@ namespace {
 // Buffers one worker thread reuses from problem to problem.
 template <typename T>
 struct Scratch {
-  std::vector<T> cost;         // a contiguous copy, or the matrix with dummy columns
+  std::vector<T> cost;         // a block's copy, or the matrix with dummy columns
   std::vector<double> wide;    // the +inf limit's fallback, always in double
   std::vector<int64_t> rows, cols, row_of;  // the extended problem's answer, reordered
 };
 
-// The view itself when its rows are adjacent, else a contiguous copy in `buf`.
-template <typename T>
-const T* contiguous(const MatrixView<T>& p, std::vector<T>& buf) {
-  if (p.row_stride == p.n_cols || p.n_rows <= 1) return p.data;
-  buf.resize(static_cast<size_t>(p.n_rows * p.n_cols));
-  for (int64_t i = 0; i < p.n_rows; ++i)
-    std::copy(p.data + i * p.row_stride, p.data + i * p.row_stride + p.n_cols, buf.data() + i * p.n_cols);
-  return buf.data();
-}
-
-// lap's cost limit without its (n + m) x (n + m) matrix: the short side s = min(n, m)
-// becomes the rows of an s x (l + s) minimisation, l = max(n, m), whose first l columns
-// hold sign * scale * cost (transposed when n > m) and whose s dummy columns all cost
-// `dummy`. A row sent to a dummy column is unmatched. That row's partner column, and every
-// other column of the long side left over, then go unmatched too; the leftover count is
-// fixed by the short side's, so the objectives of the two formulations differ by a
-// constant and their optima coincide.
+// Solves the problem with the short side s = min(n, m) as rows, copied (transposed when
+// n > m) into `buf` as sign * scale * cost, the layout the kernel reads fastest.
+//
+// With `dummy`, this is lap's cost limit without its (n + m) x (n + m) matrix: s dummy
+// columns that all cost *dummy follow the l = max(n, m) real ones, and a row sent to one is
+// unmatched. That row's partner column, and every other column of the long side left over,
+// then go unmatched too; the leftover count is fixed by the short side's, so the
+// objectives of the two formulations differ by a constant and their optima coincide.
 template <typename T, typename W>
-Status solve_with_dummies(const MatrixView<T>& p, W sign, W scale, W dummy, Isa isa, std::vector<W>& buf,
-                          Scratch<T>& s, int64_t* row_ind, int64_t* col_ind, int64_t* matched) {
+Status solve_short_side_first(const MatrixView<T>& p, W sign, W scale, const W* dummy, Isa isa, std::vector<W>& buf,
+                              Scratch<T>& s, int64_t* row_ind, int64_t* col_ind, int64_t* matched) {
   const bool transposed = p.n_rows > p.n_cols;
-  const int64_t n = transposed ? p.n_cols : p.n_rows, l = transposed ? p.n_rows : p.n_cols, w = l + n;
+  const int64_t n = transposed ? p.n_cols : p.n_rows, l = transposed ? p.n_rows : p.n_cols;
+  const int64_t w = dummy ? l + n : l;
   const W factor = sign * scale;
   buf.resize(static_cast<size_t>(n * w));
   for (int64_t i = 0; i < n; ++i) {
@@ -52,11 +44,11 @@ Status solve_with_dummies(const MatrixView<T>& p, W sign, W scale, W dummy, Isa 
       const T* in = p.data + i * p.row_stride;
       for (int64_t j = 0; j < l; ++j) out[j] = factor * static_cast<W>(in[j]);
     }
-    std::fill(out + l, out + w, dummy);
+    if (dummy) std::fill(out + l, out + w, *dummy);
   }
   s.rows.resize(static_cast<size_t>(n));
   s.cols.resize(static_cast<size_t>(n));
-  // Every row can always take a dummy column, so the only failure is an invalid entry.
+  // With dummy columns every row can be placed, so the only failure is an invalid entry.
   const Status st = linear_sum_assignment(buf.data(), n, w, false, s.rows.data(), s.cols.data(), isa, 1);
   if (st != Status::Ok) return st;
   int64_t k = 0;
@@ -104,7 +96,7 @@ Status solve_max_cardinality(const MatrixView<T>& p, bool maximize, Isa isa, Scr
   const int64_t n = std::min(p.n_rows, p.n_cols);
   const double margin = (hi - lo) + std::max(std::fabs(lo), std::fabs(hi)) + 1.0;
   const double dummy = hi + static_cast<double>(n + 1) * margin;
-  return solve_with_dummies<T, double>(p, sign, scale, dummy, isa, s.wide, s, row_ind, col_ind, matched);
+  return solve_short_side_first<T, double>(p, sign, scale, &dummy, isa, s.wide, s, row_ind, col_ind, matched);
 }
 
 template <typename T>
@@ -113,12 +105,18 @@ Status solve_one(const MatrixView<T>& p, bool maximize, CostLimit limit, Isa isa
   *matched = 0;
   if (p.n_rows == 0 || p.n_cols == 0) return Status::Ok;
   const T bound = static_cast<T>(limit.limit);  // a huge double limit may be +inf as float
+  const T sign = maximize ? T(-1) : T(1);
   if (limit.has_limit && std::isfinite(bound)) {
-    const T sign = maximize ? T(-1) : T(1);
-    return solve_with_dummies<T, T>(p, sign, T(1), sign * bound, isa, s.cost, s, row_ind, col_ind, matched);
+    const T dummy = sign * bound;
+    return solve_short_side_first<T, T>(p, sign, T(1), &dummy, isa, s.cost, s, row_ind, col_ind, matched);
   }
-  const T* data = contiguous(p, s.cost);
-  const Status st = linear_sum_assignment(data, p.n_rows, p.n_cols, maximize, row_ind, col_ind, isa, 1);
+  Status st;
+  if (p.row_stride == p.n_cols || p.n_rows <= 1) {
+    st = linear_sum_assignment(p.data, p.n_rows, p.n_cols, maximize, row_ind, col_ind, isa, 1);
+  } else {
+    // A block of a padded stack must be copied anyway: copy it in the wide orientation.
+    st = solve_short_side_first<T, T>(p, sign, T(1), nullptr, isa, s.cost, s, row_ind, col_ind, matched);
+  }
   if (st == Status::Ok) {
     *matched = std::min(p.n_rows, p.n_cols);
     return st;

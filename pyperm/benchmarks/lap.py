@@ -247,9 +247,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "single-threaded solvers only)")
     parser.add_argument("--seed", type=int_at_least(0), default=0)
     parser.add_argument("--plot", metavar="PNG", help="also save a bar chart of time / scipy per case")
+    parser.add_argument("--pipelines", action="store_true",
+                        help="only the pipelines' calls: a DETR-shaped padded batch with sizes against scipy's "
+                             "per-image loop, and a tracker's lapjv with cost_limit against lap's")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.pipelines:
+        from pyperm.benchmarks import lap_pipelines
+
+        return lap_pipelines.run(args)
     if args.device == "cuda" and not pyperm.cuda_available():
         print(f"--device cuda: {pyperm.cuda_unavailable_reason()}", file=sys.stderr)
         return 2
