@@ -188,3 +188,18 @@ def test_cuda_forms_are_refused_for_now():
         pyperm.batch_linear_sum_assignment([np.ones((2, 2)), FakeCuda()])
     with pytest.raises(ValueError, match="not supported on CUDA yet"):
         pyperm.batch_linear_sum_assignment(FakeCuda(), sizes=[(2, 2), (1, 1)])
+
+
+def test_threads_give_the_same_answers():
+    """Enough work to spread over threads: each problem's answer does not depend on them."""
+    rng = np.random.default_rng(7)
+    costs = rng.random((48, 120, 40))
+    sizes = np.stack([rng.integers(0, 121, 48), rng.integers(0, 41, 48)], axis=1)
+    one = pyperm.batch_linear_sum_assignment(costs, sizes=sizes, threads=1)
+    for threads in (2, 4, None):
+        for (r1, c1), (r2, c2) in zip(one, pyperm.batch_linear_sum_assignment(costs, sizes=sizes, threads=threads)):
+            np.testing.assert_array_equal(r1, r2)
+            np.testing.assert_array_equal(c1, c2)
+    for b, (rows, cols) in enumerate(one):
+        n, m = sizes[b]
+        _assert_optimal(costs[b, :n, :m], rows, cols)
