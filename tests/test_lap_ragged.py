@@ -203,3 +203,13 @@ def test_threads_give_the_same_answers():
     for b, (rows, cols) in enumerate(one):
         n, m = sizes[b]
         _assert_optimal(costs[b, :n, :m], rows, cols)
+
+
+def test_pipelines_bench_runs(capsys):
+    """``pyperm bench lap --pipelines`` checks every answer before timing, then prints its tables."""
+    pytest.importorskip("lap")
+    from pyperm.cli import main
+
+    assert main(["bench", "lap", "--pipelines", "--repeat", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "pyperm (padded + sizes)" in out and "pyperm.lap.lapjv" in out and "goal" in out

@@ -87,7 +87,7 @@ def _tracker_rows(rng: np.random.Generator, repeat: int) -> list[list] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Prints the pipelines table (medians per call) and each case's ratio against its goal."""
-    repeat = max(args.repeat, 5)
+    repeat = args.repeat
     print(f"pyperm {pyperm.__version__}, kernels: {core.best_isa()}, threads: {args.threads or core.hardware_threads()}, "
           f"medians of {repeat}; tracker: per call, 30 x 40, cost_limit={TRACKER_LIMIT}")
     rng = np.random.default_rng(args.seed)
