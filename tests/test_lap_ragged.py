@@ -119,6 +119,11 @@ def test_padded_non_contiguous_stack():
         _assert_optimal(costs[b, :n, :m], rows, cols)
 
 
+def test_padded_empty_batch():
+    assert pyperm.batch_linear_sum_assignment(np.ones((0, 3, 4)), sizes=[]) == []
+    assert pyperm.batch_linear_sum_assignment(np.ones((0, 3, 4)), cost_limit=1.0) == []
+
+
 def test_stack_without_sizes_keeps_its_arrays():
     costs = np.random.default_rng(6).random((3, 4, 6))
     rows, cols = pyperm.batch_linear_sum_assignment(costs)

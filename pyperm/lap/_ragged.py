@@ -127,6 +127,8 @@ def _check_sizes(sizes: Any, shape: tuple[int, int, int]) -> np.ndarray:
         raise ValueError("sizes must be on the CPU (a list, a numpy array or a CPU tensor)")
     arr = to_numpy(sizes, "sizes")
     batch, n_max, m_max = shape
+    if batch == 0 and arr.size == 0:  # an empty list reads as float64
+        return np.empty((0, 2), dtype=np.int64)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"sizes must hold integers, got dtype {arr.dtype}")
     if arr.shape != (batch, 2):
