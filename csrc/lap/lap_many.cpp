@@ -71,8 +71,9 @@ Status solve_short_side_first(const MatrixView<T>& p, W sign, W scale, const W* 
 // among those. Dummy columns that cost more than any pair could save make one more pair
 // always worth it: with the finite costs x in [lo, hi], a matching with one pair more
 // costs at most hi + (n - 1) (hi - lo) more in pairs and one dummy less, so any dummy
-// above that bound works. The costs are first scaled by a power of two (exact) to
-// magnitude about 1, so the bound stays finite whatever the input's range.
+// above that bound works. The costs are first scaled by a power of two to magnitude about
+// 1 (exact, but for entries some 300 orders of magnitude below the largest), so the bound
+// stays finite whatever the input's range.
 template <typename T>
 Status solve_max_cardinality(const MatrixView<T>& p, bool maximize, Isa isa, Scratch<T>& s, int64_t* row_ind,
                              int64_t* col_ind, int64_t* matched) {

@@ -42,9 +42,8 @@ struct CostLimit {
 //                   without a limit).
 //   failed    [out] on failure, the index of the lowest failing problem.
 // Returns Ok, or the status of the lowest failing problem: Invalid (NaN, the wrong
-// infinity), Infeasible (no full matching avoids the forbidden pairs; only without a
-// limit), NotConverged (limit +inf with finite costs too far apart to weigh one more pair
-// against the others, |entries| near the largest double).
+// infinity) or Infeasible (no full matching avoids the forbidden pairs; only without a
+// limit, since a limit lets rows stay unmatched).
 template <typename T>
 Status solve_many(const MatrixView<T>* problems, int64_t count, bool maximize, CostLimit limit,
                   const int64_t* offsets, int64_t* row_ind, int64_t* col_ind, int64_t* matched, int threads,
