@@ -21,6 +21,9 @@ __all__ = [
     "assert_same_function",
     "dense_doubly_stochastic",
     "import_torchvision",
+    "iou_cost",
+    "limited_objective",
+    "limited_reference",
     "one_thread",
     "permutable_share",
     "permuted_copy",
@@ -35,6 +38,51 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- inputs
+
+
+def iou_cost(n_tracks: int, n_detections: int, rng: np.random.Generator, overlap: float = 0.7) -> np.ndarray:
+    """A tracker's association cost, 1 - IoU of boxes: ``overlap`` of the detections are
+    jittered copies of tracks (those pairs cost little), the others fall anywhere."""
+
+    def boxes(k):
+        corner = rng.random((k, 2)) * 100.0
+        return np.concatenate([corner, corner + 5.0 + 20.0 * rng.random((k, 2))], axis=1)
+
+    tracks = boxes(n_tracks)
+    seen = min(n_tracks, int(round(overlap * n_detections)))
+    dets = np.concatenate([tracks[rng.permutation(n_tracks)[:seen]] + rng.normal(0.0, 2.0, (seen, 4)),
+                           boxes(n_detections - seen)])
+    dets[:, 2:] = np.maximum(dets[:, 2:], dets[:, :2] + 1.0)
+    low = np.maximum(tracks[:, None, :2], dets[None, :, :2])
+    high = np.minimum(tracks[:, None, 2:], dets[None, :, 2:])
+    inter = np.prod(np.clip(high - low, 0.0, None), axis=2)
+    area = lambda b: np.prod(b[:, 2:] - b[:, :2], axis=1)  # noqa: E731
+    return 1.0 - inter / (area(tracks)[:, None] + area(dets)[None, :] - inter)
+
+
+def limited_objective(cost, rows, cols, cost_limit: float, maximize: bool = False) -> float:
+    """lap's thresholded objective: the matched entries plus ``cost_limit / 2`` per unmatched
+    row and column (the quantity :func:`pyperm.linear_sum_assignment` with ``cost_limit``
+    minimises, or maximises)."""
+    cost = np.asarray(cost, dtype=np.float64)
+    rows, cols = np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)
+    unmatched = cost.shape[0] + cost.shape[1] - 2 * len(rows)
+    return float(cost[rows, cols].sum()) + (unmatched * cost_limit / 2 if unmatched else 0.0)
+
+
+def limited_reference(cost, cost_limit: float, maximize: bool = False) -> float:
+    """The optimum of :func:`limited_objective` for a finite ``cost_limit``, from scipy on
+    lap's (n + m) x (n + m) extended matrix: ``cost`` top left, ``cost_limit / 2`` in the
+    blocks that leave a row or a column unmatched, zeros bottom right."""
+    from scipy.optimize import linear_sum_assignment
+
+    cost = np.asarray(cost, dtype=np.float64)
+    n, m = cost.shape
+    extended = np.full((n + m, n + m), cost_limit / 2)
+    extended[:n, :m] = cost
+    extended[n:, m:] = 0.0
+    rows, cols = linear_sum_assignment(extended, maximize=maximize)
+    return float(extended[rows, cols].sum())
 def dense_doubly_stochastic(n: int, seed: int, dtype=np.float64) -> np.ndarray:
     """A dense (n, n) doubly stochastic matrix: Sinkhorn scaling of log-normal entries."""
     from pyperm import sinkhorn

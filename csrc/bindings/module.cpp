@@ -50,6 +50,7 @@ PYBIND11_MODULE(_core, m) {
         "whether the build included the CUDA module.");
   pyperm::bindings::register_lap(m);
   pyperm::bindings::register_lap_sparse(m);
+  pyperm::bindings::register_lap_many(m);
   pyperm::bindings::register_xcorr(m);
   pyperm::bindings::register_bvn(m);
   pyperm::bindings::register_gather(m);

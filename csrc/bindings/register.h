@@ -6,6 +6,7 @@
 namespace pyperm::bindings {
 void register_lap(pybind11::module_& m);
 void register_lap_sparse(pybind11::module_& m);
+void register_lap_many(pybind11::module_& m);
 void register_xcorr(pybind11::module_& m);
 void register_bvn(pybind11::module_& m);
 void register_gather(pybind11::module_& m);

@@ -247,16 +247,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "single-threaded solvers only)")
     parser.add_argument("--seed", type=int_at_least(0), default=0)
     parser.add_argument("--plot", metavar="PNG", help="also save a bar chart of time / scipy per case")
+    parser.add_argument("--small", action="store_true",
+                        help="the per-call table of small problems (1x1 to 100x100, microseconds) against scipy "
+                             "and lapx, and many tiny problems in one batch (pyperm.benchmarks.lap_small)")
     parser.add_argument("--sparse", action="store_true",
-                        help="scipy.sparse input instead: pyperm against scipy's min_weight_full_bipartite_matching "
+                        help="scipy.sparse input: pyperm against scipy's min_weight_full_bipartite_matching "
                              "and lap's lapmod (pyperm.benchmarks.lap_sparse)")
+    parser.add_argument("--pipelines", action="store_true",
+                        help="the pipelines' calls: a DETR-shaped padded batch with sizes against scipy's "
+                             "per-image loop, and a tracker's lapjv with cost_limit against lap's "
+                             "(pyperm.benchmarks.lap_pipelines)")
+
+
+# Tables of their own, run instead of the dense cases when asked for (any combination).
+SECTIONS = ("small", "sparse", "pipelines")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.sparse:
-        from pyperm.benchmarks import lap_sparse
-
-        return lap_sparse.run(args)
+    sections = [name for name in SECTIONS if getattr(args, name, False)]
+    if sections:
+        status = 0
+        for name in sections:
+            status = max(status, importlib.import_module(f"pyperm.benchmarks.lap_{name}").run(args))
+        return status
     if args.device == "cuda" and not pyperm.cuda_available():
         print(f"--device cuda: {pyperm.cuda_unavailable_reason()}", file=sys.stderr)
         return 2

@@ -12,13 +12,14 @@ from typing import Any
 from pyperm._arrays import is_cuda_input
 from pyperm._checks import check_threads
 from pyperm._ext import core
-from pyperm.lap import _cpu
+from pyperm.lap import _cpu, _ragged
+from pyperm.lap._lapjv import lapjv
 from pyperm.lap._sparse import is_scipy_sparse, linear_sum_assignment_sparse
 
-__all__ = ["batch_linear_sum_assignment", "linear_sum_assignment"]
+__all__ = ["batch_linear_sum_assignment", "lapjv", "linear_sum_assignment"]
 
 
-def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
+def linear_sum_assignment(cost: Any, maximize: bool = False, *, cost_limit: float | None = None) -> tuple[Any, Any]:
     r"""Solve the linear sum assignment problem.
 
     Finds the matching of rows to columns that minimises (or maximises) the total cost
@@ -48,19 +49,32 @@ def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
         complete matching exists.
     maximize : bool, default False
         Maximise the total instead of minimising it.
+    cost_limit : float, optional
+        lap's threshold :math:`c \ge 0` (finite or ``inf``): rows and columns may stay
+        unmatched, each costing :math:`c / 2`. Minimising, the matching minimises
+        :math:`\sum_{(i,j) \in M} C_{ij} + \tfrac{c}{2}(n + m - 2|M|)`, so a pair is
+        matched only if it costs less than :math:`c` (at :math:`c` exactly, either way is
+        optimal). Maximising, it maximises :math:`\sum_{(i,j) \in M} C_{ij} +
+        \tfrac{c}{2}(n + m - 2|M|)`: a pair is matched only if its value exceeds :math:`c`.
+        Forbidden pairs stay unmatched instead of making the problem infeasible. ``inf``
+        means no pair is too expensive: the matching has as many pairs as the allowed
+        pairs permit (``min(n, m)`` when none is forbidden), the best among those. Not yet
+        supported for CUDA arrays.
 
     Returns
     -------
     row_ind, col_ind : (min(n, m),) int64 arrays
         ``row_ind`` is increasing; ``cost[row_ind, col_ind]`` is the optimal matching.
-        Torch tensors in give torch tensors out.
+        Torch tensors in give torch tensors out. With ``cost_limit``, the matched pairs
+        only (possibly fewer than ``min(n, m)``), ``row_ind`` increasing.
 
     Raises
     ------
     ValueError
         ``cost`` is not 2-D ("expected a matrix"), contains NaN or the wrong infinity
         ("matrix contains invalid numeric entries"), or no complete matching avoids
-        the forbidden pairs ("cost matrix is infeasible").
+        the forbidden pairs ("cost matrix is infeasible"); ``cost_limit`` is NaN,
+        negative or not a scalar.
     TypeError
         ``cost`` does not hold real numbers (strings, objects, complex: "Cannot cast array
         data", as scipy). The exception is also a ValueError, which pyperm raised before.
@@ -75,14 +89,18 @@ def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
     >>> col.tolist(), int(cost[row, col].sum())
     ([1, 0, 2], 5)
     """
-    if maximize.__class__ is bool:
+    if maximize.__class__ is bool and cost_limit is None:
         # The commonest input, a float64/float32 numpy matrix that can be read in place, in
         # one call to the core; None for anything else, which is classified below.
         solved = core.lap_solve_plain(cost, maximize)
         if solved is not None:
             return solved
     if is_scipy_sparse(cost):
+        if cost_limit is not None:
+            raise ValueError("cost_limit is not supported for scipy.sparse input: pass a dense cost")
         return linear_sum_assignment_sparse(cost, bool(maximize))
+    if cost_limit is not None:
+        return _ragged.linear_sum_assignment_limited(cost, bool(maximize), cost_limit)
     if is_cuda_input(cost):
         from pyperm.lap import _cuda
 
@@ -91,31 +109,57 @@ def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
 
 
 def batch_linear_sum_assignment(
-    costs: Any, maximize: bool = False, threads: int | None = None
-) -> tuple[Any, Any]:
-    """Solve a stack of independent assignment problems in parallel.
+    costs: Any,
+    maximize: bool = False,
+    threads: int | None = None,
+    *,
+    sizes: Any = None,
+    cost_limit: float | None = None,
+) -> tuple[Any, Any] | list[tuple[Any, Any]]:
+    """Solve many independent assignment problems in parallel.
+
+    Three forms of ``costs``:
+
+    - a ``(B, n, m)`` stack: ``B`` problems of one shape;
+    - a list or tuple of 2-D costs of any shapes (empty ones included); all are solved in
+      float32 when all are float32, else in float64;
+    - a padded ``(B, N, M)`` stack with ``sizes``: problem ``b`` is
+      ``costs[b, :n_b, :m_b]`` (a detector's matcher: queries x padded targets).
 
     Parameters
     ----------
-    costs : (B, n, m) array-like or torch.Tensor
-        ``B`` cost matrices of one shape, with the dtype rules of
-        :func:`linear_sum_assignment`.
+    costs : (B, n, m) array-like or torch.Tensor, or a sequence of (n_b, m_b) ones
+        The cost matrices, with the dtype rules of :func:`linear_sum_assignment`.
     maximize : bool, default False
         Maximise every problem instead of minimising.
     threads : int, optional
         Worker threads (default: all cores). The GIL is released while they run.
         Ignored for CUDA input, which is solved on its device (one thread block per
         problem) and synchronises the current stream before returning.
+    sizes : (B, 2) array-like of int, optional
+        ``(n_b, m_b)`` per problem of a padded stack, ``0 <= n_b <= N``, ``0 <= m_b <= M``.
+    cost_limit : float, optional
+        lap's threshold, as in :func:`linear_sum_assignment`, for every problem.
 
     Returns
     -------
     row_ind, col_ind : (B, min(n, m)) int64 arrays
-        Problem ``b``'s answer equals ``linear_sum_assignment(costs[b], maximize)``.
+        For a stack without ``sizes`` and ``cost_limit``: problem ``b``'s answer equals
+        ``linear_sum_assignment(costs[b], maximize)``.
+    list of B (row_ind, col_ind) tuples
+        For a sequence, for ``sizes`` and for ``cost_limit``: tuple ``b`` equals
+        ``linear_sum_assignment(problem_b, maximize, cost_limit=cost_limit)``, as int64
+        numpy arrays, or torch tensors where that problem (or the stack) was a torch
+        tensor. Indices refer to the problem itself (within ``n_b`` and ``m_b``).
+        The sequence forms, ``sizes`` and ``cost_limit`` are not yet supported for CUDA
+        arrays.
 
     Raises
     ------
     ValueError
-        As :func:`linear_sum_assignment`, naming the first failing problem's index.
+        As :func:`linear_sum_assignment`, naming the first failing problem's index; an
+        element of a sequence that is not 2-D; ``sizes`` of the wrong shape or out of
+        range; a bad ``cost_limit``.
     RuntimeError
         ``costs`` is a CUDA array but pyperm was built without CUDA or no GPU is visible.
 
@@ -128,6 +172,8 @@ def batch_linear_sum_assignment(
     ((8, 5), (8, 5))
     """
     nthreads = check_threads(threads)
+    if sizes is not None or cost_limit is not None or isinstance(costs, (list, tuple)):
+        return _ragged.batch_linear_sum_assignment(costs, bool(maximize), nthreads, sizes, cost_limit)
     if is_cuda_input(costs):
         from pyperm.lap import _cuda
 
