@@ -31,10 +31,11 @@ def folder_of(path: str | Path) -> Path:
 
 
 def _transformers() -> Any:
-    try:
-        from pyperm.testing import import_torchvision
+    from pyperm.testing import import_torchvision
 
+    with contextlib.suppress(ModuleNotFoundError):  # not installed: transformers does without it
         import_torchvision()  # transformers imports torchvision when it is installed
+    try:
         import transformers
     except ImportError as exc:
         raise CommandError(f"--model hf needs transformers: pip install 'pyperm[hf]' ({exc})") from exc
