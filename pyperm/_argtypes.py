@@ -21,6 +21,7 @@ __all__ = [
     "nonnegative_float",
     "nonnegative_int",
     "positive_float",
+    "positive_floats",
     "positive_int",
     "shape",
 ]
@@ -48,6 +49,14 @@ positive_float = _converter(float, lambda v: check_positive_real(v, "value"), "a
                             "positive_float")  # fmt: skip
 nonnegative_float = _converter(float, lambda v: check_nonnegative_real(v, "value"), "a finite number >= 0",
                                "nonnegative_float")  # fmt: skip
+
+
+def positive_floats(text: str) -> list[float]:
+    """Comma-separated finite positive numbers (``0.7,0.3``), as a list."""
+    try:
+        return [check_positive_real(float(v), "value") for v in text.split(",")]
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected comma-separated finite positive numbers, got {text!r}") from None
 
 
 def choices_list(choices: Sequence[str]) -> Callable[[str], list[str]]:

@@ -21,6 +21,7 @@ __all__ = [
     "check_finite_real",
     "check_fraction",
     "check_int",
+    "check_merge_weights",
     "check_nonnegative_real",
     "check_positive_real",
     "check_positive_int",
@@ -166,3 +167,19 @@ def torch_generator(seed: Any, name: str = "seed") -> Any:
     if seed < 0:
         raise ValueError(f"{name} must be non-negative, got {seed}")
     return torch.Generator().manual_seed(int(seed))
+
+
+def check_merge_weights(weights: Any, count: int, name: str = "weights") -> list[float] | None:
+    """One positive, finite weight per model, summing to 1 within ``1e-6`` (None stays None: equal weights)."""
+    if weights is None:
+        return None
+    if isinstance(weights, (str, bytes)) or not hasattr(weights, "__len__") or not hasattr(weights, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of real numbers, got {type(weights).__name__}")
+    values = [check_positive_real(w, f"{name}[{i}]") for i, w in enumerate(weights)]
+    if len(values) != count:
+        raise ValueError(f"{name} must hold one weight per model: got {len(values)} weights for {count} models")
+    total = math.fsum(values)
+    if abs(total - 1.0) > 1e-6:
+        raise ValueError(f"{name} must sum to 1 (within 1e-6), got {values} summing to {total!r}")
+    return values
+

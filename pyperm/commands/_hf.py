@@ -1,5 +1,8 @@
 """``--model hf``: Hugging Face ``save_pretrained`` folders in the checkpoint sub-commands.
 
+A diffusers model folder (``config.json`` with ``_class_name``) goes to :mod:`pyperm.commands._diffusers`;
+the rest of this module reads transformers folders.
+
 The architecture comes from the folder's ``config.json`` (its ``architectures`` entry, built by
 ``transformers`` at random initialisation; the weights come from the checkpoints as for any
 model). The model is given a forward that takes one tensor and returns one (the logits, or the
@@ -28,10 +31,11 @@ def folder_of(path: str | Path) -> Path:
 
 
 def _transformers() -> Any:
-    try:
-        from pyperm.testing import import_torchvision
+    from pyperm.testing import import_torchvision
 
+    with contextlib.suppress(ModuleNotFoundError):  # not installed: transformers does without it
         import_torchvision()  # transformers imports torchvision when it is installed
+    try:
         import transformers
     except ImportError as exc:
         raise CommandError(f"--model hf needs transformers: pip install 'pyperm[hf]' ({exc})") from exc
@@ -58,7 +62,12 @@ def hf_model(checkpoint: str | Path, shape: tuple[int, ...] | None, *, meta: boo
     from pyperm.nn import PermutationSpec
     from pyperm.nn.models import single_output
 
+    from pyperm.commands._diffusers import diffusers_class_name, diffusers_model
+
     folder = folder_of(checkpoint)
+    diffusers_class = diffusers_class_name(folder)
+    if diffusers_class is not None:  # a diffusers model folder (a UNet, a VAE)
+        return diffusers_model(folder, diffusers_class, shape, meta=meta)
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise CommandError(f"--model hf: {folder} has no config.json (a save_pretrained folder has one)")

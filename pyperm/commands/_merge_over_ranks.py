@@ -65,7 +65,7 @@ def _merge(args: argparse.Namespace, device: Any) -> int:
     hf = args.model == "hf"
     pd.check_same(None, inputs=[_fingerprint(c, [folder_of(c.path) / "config.json"] if hf else []) for c in ckpts],
                   options=[args.model, str(out.resolve()), args.max_iter, args.seed, args.force, device.type,
-                           args.example_input_shape])  # fmt: skip
+                           args.example_input_shape, args.weights])  # fmt: skip
     refuse_inputs([out / n for n in names], ckpts)
     if rank == 0:
         prepare_out(out, names, args.force)
@@ -75,7 +75,7 @@ def _merge(args: argparse.Namespace, device: Any) -> int:
     mine = [k for k in loaded.spec.axes if owners.get(k) == rank]
     states = [float_state({k: c.state[k] for k in mine}, device) for c in ckpts]
     with Timer() as timer:
-        result = pd.merge_many(loaded.spec, states, max_iter=args.max_iter, seed=args.seed,
+        result = pd.merge_many(loaded.spec, states, weights=args.weights, max_iter=args.max_iter, seed=args.seed,
                                progress=args.progress and rank == 0)  # fmt: skip
     del states
     for c in ckpts[1:]:
@@ -88,7 +88,7 @@ def _merge(args: argparse.Namespace, device: Any) -> int:
     peaks = _gather(peak_resident())
     if rank == 0:
         written += copy_files(copies)
-        report = merge_report(ckpts, loaded, result, timer.seconds, ckpt_files)
+        report = merge_report(ckpts, loaded, result, timer.seconds, ckpt_files, args.weights)
         report.update(ranks=world, peak_rss_bytes=peaks, torch_threads=torch.get_num_threads())
         write_json(out / "report.json", report)
         write_text(out / "report.md", merge_markdown(report))

@@ -10,11 +10,13 @@ from pyperm._tables import markdown_table
 __all__ = ["merge_markdown", "merge_report"]
 
 
-def merge_report(ckpts: list, loaded: Any, result: Any, seconds: float, outputs: list[Path]) -> dict[str, Any]:
-    """What report.json says of a merge (one process or over ranks)."""
+def merge_report(ckpts: list, loaded: Any, result: Any, seconds: float, outputs: list[Path],
+                 weights: list[float] | None = None) -> dict[str, Any]:  # fmt: skip
+    """What report.json says of a merge (one process or over ranks); ``weights`` None: equal ones."""
     return {
         "command": "merge",
         "inputs": [str(c.path) for c in ckpts],
+        "weights": list(weights) if weights is not None else [1 / len(ckpts)] * len(ckpts),
         "model": loaded.name,
         "iterations": result.iterations,
         "converged": result.converged,
@@ -30,6 +32,7 @@ def merge_markdown(report: dict[str, Any]) -> str:
         f"# pyperm merge: {len(report['inputs'])} checkpoints of `{report['model']}`",
         "",
         f"- inputs: {', '.join(f'`{p}`' for p in report['inputs'])}",
+        f"- weights (each aligned model's share of the merge): {', '.join(f'{w:g}' for w in report['weights'])}",
         (
             f"- {report['iterations']} rounds of merge_many (converged: {report['converged']}), {report['seconds']:.3f} s;"
             f" permutations changed per round: {report['changed_per_round']}"

@@ -13,7 +13,7 @@ from typing import Any
 
 from pyperm._json import write_json
 from pyperm._staging import write_text
-from pyperm._argtypes import positive_int
+from pyperm._argtypes import positive_floats, positive_int
 from pyperm.commands._common import (
     add_common_arguments,
     add_data_arguments,
@@ -36,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-iter", type=positive_int, default=100, help="most rounds over the models (default 100)"
     )
+    parser.add_argument(
+        "--weights", type=positive_floats, default=None, metavar="W1,W2,...",
+        help="one positive weight per checkpoint, summing to 1: each aligned model's share of the merge "
+             "(default: equal weights)",
+    )  # fmt: skip
     add_common_arguments(parser)
     add_rank_timeout(parser)
 
@@ -58,6 +63,17 @@ def _evaluate(loaded: Any, state: dict, data: Any, device: Any) -> dict[str, flo
     with torch.no_grad():
         loss, accuracy, _ = mean_loss_and_accuracy(model, data.test, torch.nn.functional.cross_entropy, device)
     return {"loss": loss, "accuracy": accuracy}
+
+
+def check_weights(args: argparse.Namespace) -> None:
+    """``--weights``: one per checkpoint, summing to 1 (a CommandError naming the option otherwise)."""
+    from pyperm._checks import check_merge_weights
+    from pyperm.commands._common import CommandError
+
+    try:
+        check_merge_weights(args.weights, len(args.checkpoints), "--weights")
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
 
 
 @cli_errors("merge")
@@ -87,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from pyperm.commands._over_ranks import launched
     from pyperm.nn import average, merge_many
 
+    check_weights(args)
     if launched():  # under torchrun: the tensors split over the ranks
         from pyperm.commands._merge_over_ranks import merge_over_ranks
 
@@ -108,13 +125,14 @@ def run(args: argparse.Namespace) -> int:
 
     states = [float_state(c.state, device) for c in ckpts]
     with Timer() as timer:
-        result = merge_many(loaded.spec, states, max_iter=args.max_iter, seed=args.seed, progress=args.progress)
+        result = merge_many(loaded.spec, states, weights=args.weights, max_iter=args.max_iter, seed=args.seed,
+                            progress=args.progress)  # fmt: skip
     # Write in the first input's dtypes, as the inputs were stored: one tensor at a time, when written.
     merged = LazyState(ckpts[0].state, lambda key, stored: result.merged[key].to(stored.dtype))
-    report = merge_report(ckpts, loaded, result, timer.seconds, ckpt_files)
+    report = merge_report(ckpts, loaded, result, timer.seconds, ckpt_files, args.weights)
     if data is not None:
         evaluations = {str(c.path): _evaluate(loaded, s, data, device) for c, s in zip(ckpts, states)}
-        evaluations["plain average (no alignment)"] = _evaluate(loaded, average(states), data, device)
+        evaluations["plain average (no alignment)"] = _evaluate(loaded, average(states, args.weights), data, device)
         evaluations["merged"] = _evaluate(loaded, result.merged, data, device)
         report["data"] = {"name": data.name, "test_samples": data.num_test}
         report["evaluation"] = evaluations

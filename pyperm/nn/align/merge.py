@@ -2,9 +2,9 @@ r"""Merging many models: Git Re-Basin's MergeMany (Ainsworth et al. 2023, Algori
 
 Every model in turn is weight-matched to the mean of the others (permuted as they are
 now), until a whole round changes no permutation; the merged model is the mean of the
-permuted models. Each matching is warm-started from the model's current permutations,
-so after the first round a match is a sweep or two of cheap corrections rather than a
-search from scratch.
+permuted models (weighted means when weights are given). Each matching is warm-started
+from the model's current permutations, so after the first round a match is a sweep or two
+of cheap corrections rather than a search from scratch.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pyperm._checks import check_positive_int, torch_generator
+from pyperm._checks import check_merge_weights, check_positive_int, torch_generator
 from pyperm._progress import progress_bar
 from pyperm.nn._checks import check_spec, check_state
 from pyperm.nn.align.weight import WeightMatcher
@@ -59,6 +59,7 @@ def merge_many(
     spec: PermutationSpec,
     states: Sequence[Mapping[str, torch.Tensor]],
     *,
+    weights: Sequence[float] | None = None,
     max_iter: int = 100,
     seed: int | torch.Generator = 0,
     progress: bool = False,
@@ -73,7 +74,9 @@ def merge_many(
         \pi_i \leftarrow \operatorname{WeightMatching}(\Theta', \Theta_i),
 
     until a round leaves every :math:`\pi_i` unchanged, then returns
-    :math:`\frac{1}{N} \sum_j \pi_j(\Theta_j)`. All permutations are finally composed with
+    :math:`\frac{1}{N} \sum_j \pi_j(\Theta_j)`. With ``weights`` :math:`w`, both means are
+    weighted: :math:`\Theta' = \sum_{j \ne i} w_j \pi_j(\Theta_j) / \sum_{j \ne i} w_j` and the result
+    is :math:`\sum_j w_j \pi_j(\Theta_j)`. All permutations are finally composed with
     the inverse of the first model's, which changes no alignment but makes the first
     model's the identity.
 
@@ -86,6 +89,9 @@ def merge_many(
     states : sequence of mapping of str to torch.Tensor
         At least two state dicts of one architecture (the spec's keys, equal shapes),
         on one device.
+    weights : sequence of float, optional
+        One positive weight per state, summing to 1 (within 1e-6): the share of each aligned
+        model in the merge (see Notes). Equal weights when omitted.
     max_iter : int, default 100
         Most rounds over the models.
     seed : int or torch.Generator, default 0
@@ -103,10 +109,19 @@ def merge_many(
     ------
     TypeError, ValueError
         ``spec`` is not a PermutationSpec, ``states`` is not a
-        sequence of at least two matching state dicts, or ``max_iter`` or ``seed`` is invalid.
+        sequence of at least two matching state dicts, ``weights`` are not positive, do not
+        sum to 1 or are not one per state, or ``max_iter`` or ``seed`` is invalid.
 
     Notes
     -----
+    A weight applies to a model *after* alignment: unit ``u`` of the merge is the weighted
+    sum, over the models, of the unit of each that the alignment pairs with ``u``, not of
+    the units that happen to share its index. Merging two fine-tunes at
+    ``weights=[0.7, 0.3]`` thus takes 0.7 of each of the first model's units and 0.3 of the
+    second model's unit matched to it. With two models the permutations do not depend on the weights (each
+    model is matched to the other); with more, each is matched to the weighted mean of the
+    others. The merged model lives in the first model's basin whatever the weights.
+
     A model with BatchNorm needs its statistics recomputed after merging
     (:func:`~pyperm.nn.reset_bn_stats`), as for any point off the endpoints.
 
@@ -129,6 +144,7 @@ def merge_many(
         raise TypeError(f"states must be a sequence of state dicts, got {type(states).__name__}")
     if len(states) < 2:
         raise ValueError(f"states must hold at least two state dicts, got {len(states)}")
+    weights = check_merge_weights(weights, len(states))
     max_iter = check_positive_int(max_iter, "max_iter")
     gen = torch_generator(seed)
     for i, state in enumerate(states):
@@ -145,6 +161,7 @@ def merge_many(
         max_iter,
         gen,
         progress,
+        weights,
     )
 
 
@@ -156,15 +173,19 @@ def align_many(
     max_iter: int,
     gen: torch.Generator,
     progress: bool,
+    weights: list[float] | None = None,
 ) -> MergeResult:
     """MergeMany's rounds on ``states`` (whole state dicts, or one rank's shares of them): ``match(i,
-    others, init, gen)`` weight-matches model ``i`` to the mean of the others, ``permute`` applies
-    permutations to a state dict."""
+    others, init, gen)`` weight-matches model ``i`` to the (weighted) mean of the others, ``permute``
+    applies permutations to a state dict. ``weights``: checked ones, or None for equal weights."""
     n = len(states)
+    w = [1.0] * n if weights is None else weights  # unnormalised ones: the equal-weight sums stay as they were
     perms = [identity for _ in range(n)]
     permuted = [dict(s) for s in states]
-    # A running sum of the permuted models, so each model's "mean of the others" is one subtraction.
-    total = {k: sum(s[k].double() for s in states) if v.is_floating_point() else v for k, v in states[0].items()}
+    # A running weighted sum of the permuted models, so each model's "mean of the others" is one subtraction.
+    total = {k: sum(wj * s[k].double() for wj, s in zip(w, states)) if v.is_floating_point() else v
+             for k, v in states[0].items()}  # fmt: skip
+    rest = [sum(w) - wi for wi in w]  # the weight of the others of each model
 
     bar = progress_bar(progress, max_iter, "merge many", "round")
     rounds, converged, history = 0, False, []
@@ -174,7 +195,8 @@ def align_many(
             changed = 0
             for i in torch.randperm(n, generator=gen).tolist():
                 others = {
-                    k: ((v - permuted[i][k].double()) / (n - 1)).to(states[i][k].dtype) if v.is_floating_point() else v
+                    k: ((v - w[i] * permuted[i][k].double()) / rest[i]).to(states[i][k].dtype)
+                    if v.is_floating_point() else v
                     for k, v in total.items()
                 }
                 new = match(i, others, perms[i], gen)
@@ -185,7 +207,7 @@ def align_many(
                 new_state = permute(new, states[i])
                 for k, v in new_state.items():
                     if v.is_floating_point():
-                        total[k] += v.double() - permuted[i][k].double()
+                        total[k] += w[i] * (v.double() - permuted[i][k].double())
                 permuted[i] = new_state
             history.append(changed)
             if bar is not None:
@@ -200,6 +222,6 @@ def align_many(
     # The first model's basin: compose every permutation with the inverse of its.
     back = perms[0].inverse()
     perms = [back.compose(p) for p in perms]
-    merged = average([permute(p, s) for p, s in zip(perms, states)]) if states[0] else {}
+    merged = average([permute(p, s) for p, s in zip(perms, states)], weights) if states[0] else {}
     logger.debug("merge_many: %d models, %d rounds, converged=%s", n, rounds, converged)
     return MergeResult(perms=perms, merged=merged, iterations=rounds, converged=converged, history=history)

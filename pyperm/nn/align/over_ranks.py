@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from pyperm._checks import check_int, check_nonnegative_real, torch_generator
+from pyperm._checks import check_int, check_merge_weights, check_nonnegative_real, torch_generator
 from pyperm._comm import Channel, check_same
 from pyperm.nn.align._rank_layout import gather_layout
 from pyperm.nn.align._rank_starts import signature_start_over_ranks, stalled_over_ranks
@@ -229,6 +229,7 @@ def merge_many(
     states: Sequence[Mapping[str, torch.Tensor]],
     *,
     group: Any = None,
+    weights: Sequence[float] | None = None,
     max_iter: int = 100,
     seed: int | torch.Generator = 0,
     progress: bool = False,
@@ -250,7 +251,7 @@ def merge_many(
         exactly one rank, every key of the spec on some rank.
     group : torch.distributed.ProcessGroup, optional
         The ranks (default: the world).
-    max_iter, seed, progress
+    weights, max_iter, seed, progress
         As :func:`pyperm.nn.merge_many` (the same on every rank).
 
     Returns
@@ -270,6 +271,7 @@ def merge_many(
         raise TypeError(f"states must be a sequence of state dicts (this rank's shares), got {type(states).__name__}")
     if len(states) < 2:
         raise ValueError(f"states must hold at least two state dicts, got {len(states)}")
+    weights = check_merge_weights(weights, len(states))
     max_iter = check_int(max_iter, "max_iter", 1)
     gen = torch_generator(seed)
     keys = set(states[0])
@@ -284,7 +286,7 @@ def merge_many(
     def permute(perms: Permutations, state: dict) -> dict:
         return {k: permute_entry(spec, perms, k, t) for k, t in state.items()}
 
-    return align_many(shares, match, permute, Permutations.identity(spec), max_iter, gen, progress)
+    return align_many(shares, match, permute, Permutations.identity(spec), max_iter, gen, progress, weights)
 
 
 def _waves(matcher: RankMatcher, order: list[str]) -> list[str]:

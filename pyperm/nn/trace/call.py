@@ -231,6 +231,12 @@ class TraceCall:
         self._labeler.units.activate(Label((atom,)))  # units of the activations inside the operation
         return atom
 
+    def group_channels(self, entry: Any, group_size: int) -> None:
+        """The axis labelled ``entry`` is normalised in consecutive groups of ``group_size`` units
+        (GroupNorm): once the graph has run, whole groups may move and the units within each group
+        too, each group on its own (:mod:`pyperm.nn.trace.channel_groups`)."""
+        self._labeler.channel_groups.add(entry, group_size, self.where(), self.path or self.node.name)
+
     def composite(self, what: str, atoms: Sequence[int | None]) -> None:
         """Units that a spec cannot name: fix them (listed in the composites) or raise, as the policy says.
 

@@ -19,8 +19,9 @@ from torch import fx, nn
 
 from pyperm.nn.trace import registry
 from pyperm.nn.trace.call import TraceCall
+from pyperm.nn.trace.channel_groups import ChannelGroups
 from pyperm.nn.trace.errors import TraceError
-from pyperm.nn.trace.labels import UnitClasses, invariant_label, tensor_leaves, tensors
+from pyperm.nn.trace.labels import Label, UnitClasses, invariant_label, tensor_leaves, tensors
 from pyperm.nn.trace.sites import Role
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class Labeler(fx.Interpreter):
         site is the input projected.
     composites : list of str
         One line per set of units fixed because a spec cannot name them.
+    channel_groups : ChannelGroups
+        The channel partitions of GroupNorms, laid over the classes by :meth:`resolve_channel_groups`.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class Labeler(fx.Interpreter):
         self.producers: list[tuple[fx.Node, int]] = []
         self.openers: dict[int, str] = {}
         self.projected: list[tuple[Any, ...]] = []
+        self.channel_groups = ChannelGroups()
 
     # ---- names
     def module_path(self, node: fx.Node) -> str:
@@ -159,6 +163,21 @@ class Labeler(fx.Interpreter):
             raise TraceError(f"{call.where()} {what}: {why}; pass composite='fix' to leave these units unpermuted")
         self.units.fix(*atoms)
         self.note(f"{call.where()} {what}: units fixed ({short})")
+
+    def resolve_channel_groups(self) -> None:
+        """Binds the classes GroupNorms normalised to their channel groups (once the graph has run);
+        a partition no structure can take fixes its units, listed or raised as the policy says."""
+
+        def new_units(size: int, name: str) -> int:
+            atom = self.units.new_class(size)
+            self.openers.setdefault(atom, name)
+            self.units.activate(Label((atom,)))
+            return atom
+
+        for line in self.channel_groups.resolve(self.units, new_units):
+            if self.composite_policy == "raise":
+                raise TraceError(f"{line}; pass composite='fix' to leave these units unpermuted")
+            self.note(f"{line}: units fixed (channel groups)")
 
     def note(self, line: str) -> None:
         """Lists one cause of units left unpermuted."""

@@ -459,6 +459,7 @@ def trace_model(
         model.eval()
         with torch.no_grad():
             labeler.run(*args)
+        labeler.resolve_channel_groups()
     except TraceError:
         raise
     except Exception as exc:

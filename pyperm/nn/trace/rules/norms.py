@@ -2,7 +2,9 @@
 
 Their per-channel parameters (and BatchNorm's running statistics) join the class of the
 axis they scale; statistics over a set of units are invariant under a permutation of
-those units, so the units pass through.
+those units, so the units pass through. GroupNorm's statistics are per group of channels:
+its channels pass through too, and the tracer keeps every group whole once the graph has
+run (:mod:`pyperm.nn.trace.channel_groups`: blocks of a spec's ``Blocks``).
 """
 
 from __future__ import annotations
@@ -85,23 +87,26 @@ def _group_norm(
     params: Sequence[Label | None],
 ) -> Label:
     ch = 1
-    if groups not in (1, x.shape[ch]):
-        # Its statistics mix the channels of a group, so units may only be permuted within
-        # their group (and groups as a whole), which a spec cannot say yet.
-        if lx[ch] is not None:
-            call.leave_unpermuted(
-                f"normalises {groups} groups of {x.shape[ch] // groups} permuted channels",
-                [lx[ch]],
-                "units may only be permuted within their group, which a PermutationSpec cannot name",
-                "channel groups",
-            )
-            lx = Label(tuple(lx[:ch]) + (None,) + tuple(lx[ch + 1 :]))
-        for p in params:
-            if p is not None:
-                call.fix(*p)
-        call.role = Role.NORM
-        return lx
-    return channel_norm(call, lx, params)
+    if groups in (1, x.shape[ch]) or lx[ch] is None:  # statistics over all channels, or each alone
+        return channel_norm(call, lx, params)
+    if call.structured:
+        # Per-group statistics, per-channel affine: a channel may move only with its group, or
+        # within it. The tracer lays the groups over the channels' classes once the graph has run.
+        label = channel_norm(call, lx, params)
+        call.group_channels(label[ch], x.shape[ch] // groups)
+        return label
+    call.leave_unpermuted(
+        f"normalises {groups} groups of {x.shape[ch] // groups} permuted channels",
+        [lx[ch]],
+        "units may only be permuted within their group, which a flat PermutationSpec cannot name "
+        "(structured=True names it)",
+        "channel groups",
+    )
+    for p in params:
+        if p is not None:
+            call.fix(*p)
+    call.role = Role.NORM
+    return Label(tuple(lx[:ch]) + (None,) + tuple(lx[ch + 1 :]))
 
 
 def group_norm_module(call: TraceCall) -> Label:

@@ -1,0 +1,158 @@
+"""``--model hf`` on diffusers folders: a model's ``save_pretrained`` folder (``config.json`` with ``_class_name``,
+``diffusion_pytorch_model*.safetensors``, sharded or not).
+
+The model is built from its config by ``diffusers`` (an optional dependency: a clear error names it when it is
+missing) and given a forward that takes one tensor, the noisy latents or the image, and returns one, the
+model's ``sample``: the other inputs a UNet needs (a timestep, the text encoder's states, SDXL's added text and
+time conditions) are fixed tensors built from the config's widths, so tracing and the function check see a
+model like any other. ``state_dict`` keys, ``config`` and ``save_pretrained`` are the model's own, so an output
+folder (the weights in the input's layout, ``config.json`` copied beside them) is one ``from_pretrained`` loads.
+
+A pipeline folder (``model_index.json``) is refused with the components to give instead: one model folder at a
+time (``unet/``, ``vae/``; the text encoders are transformers folders).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+from pyperm.commands._common import CommandError, LoadedModel
+
+__all__ = ["SUPPORTED", "conditions", "diffusers_class_name", "diffusers_model"]
+
+#: The diffusers model classes ``--model hf`` reads, and what their forward needs besides the sample.
+SUPPORTED = ("UNet2DConditionModel", "UNet2DModel", "AutoencoderKL")
+
+
+def diffusers_class_name(folder: Path) -> str | None:
+    """The ``_class_name`` of a diffusers model folder's ``config.json``, None for other folders.
+
+    Raises CommandError for a pipeline folder (``model_index.json``) or a config.json that is no JSON object.
+    """
+    if (folder / "model_index.json").is_file() and not (folder / "config.json").is_file():
+        components = _components(folder / "model_index.json")
+        raise CommandError(
+            f"--model hf: {folder} is a diffusers pipeline folder (model_index.json): give one component folder "
+            f"at a time, e.g. {folder / 'unet'} ({', '.join(components) or 'no model components listed'})"
+        )
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        raise CommandError(f"--model hf: {config} is not a readable JSON file ({exc})") from exc
+    if not isinstance(data, dict):
+        raise CommandError(f"--model hf: {config} does not hold a JSON object")
+    name = data.get("_class_name")
+    return name if isinstance(name, str) else None
+
+
+def _components(index: Path) -> list[str]:
+    """The model components a pipeline's model_index.json lists (``unet``, ``vae``, ``text_encoder`` ...)."""
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, ValueError):
+        return []
+    return [k for k, v in data.items() if not k.startswith("_") and isinstance(v, list) and len(v) == 2 and v[0]]
+
+
+def _diffusers(config: Path, name: str) -> Any:
+    try:
+        import diffusers
+    except ImportError as exc:
+        raise CommandError(f"--model hf: {config} is a diffusers model ({name}), which needs diffusers: "
+                           f"pip install diffusers ({exc})") from exc  # fmt: skip
+    return diffusers
+
+
+def _size(value: Any) -> int:
+    return int(value if isinstance(value, int) else value[0])
+
+
+def _single_sample_class(cls: type) -> type:
+    """A subclass of the diffusers class ``cls`` whose ``forward(sample)`` returns the model's ``sample``."""
+
+    class SingleSample(cls):  # type: ignore[misc, valid-type]
+        _pyperm_single_sample = True
+
+        def forward(self, sample):  # noqa: D401 - the model's own forward, its other inputs fixed
+            return cls.forward(self, sample, **conditions(cls.__name__, self.config, sample), return_dict=False)[0]
+
+    SingleSample.__name__ = SingleSample.__qualname__ = cls.__name__
+    SingleSample.__module__ = cls.__module__
+    return SingleSample
+
+
+def conditions(name: str, config: Any, sample: Any) -> dict[str, Any]:
+    """The inputs besides the sample that a model's forward needs: a timestep for a UNet, the text encoder's
+    states (8 tokens) for a conditional one, SDXL's added text embeddings and time ids. Deterministic values
+    (no random generator inside the traced forward), on the sample's device and dtype."""
+    import torch
+
+    if name == "AutoencoderKL":
+        return {}
+    batch, device, dtype = sample.shape[0], sample.device, sample.dtype
+
+    def wave(*shape: int) -> torch.Tensor:
+        count = 1
+        for n in shape:
+            count *= n
+        return torch.cos(torch.arange(count, device=device, dtype=dtype) * 0.37).reshape(shape)
+
+    out: dict[str, Any] = {"timestep": torch.full((batch,), 10, device=device, dtype=torch.int64)}
+    if name == "UNet2DConditionModel":
+        out["encoder_hidden_states"] = wave(batch, 8, int(config.cross_attention_dim))
+        if config.addition_embed_type == "text_time":
+            time_ids = 6  # SDXL: original size, crop corner, target size
+            text = int(config.projection_class_embeddings_input_dim) - time_ids * int(config.addition_time_embed_dim)
+            out["added_cond_kwargs"] = {"text_embeds": wave(batch, text), "time_ids": wave(batch, time_ids)}
+        elif config.addition_embed_type is not None:
+            raise CommandError(f"--model hf: UNet2DConditionModel with addition_embed_type="
+                               f"{config.addition_embed_type!r} is not supported (None and 'text_time' are)")  # fmt: skip
+    return out
+
+
+def _example_shape(config: Any) -> tuple[int, ...]:
+    """A small batch of samples: the spec does not depend on the spatial size, which needs only to halve once
+    per down block (so the config's ``sample_size``, 512 for a VAE, is not used)."""
+    side = 2 ** max(1, len(config.block_out_channels))
+    return (2, int(config.in_channels), side, side)
+
+
+def diffusers_model(folder: Path, name: str, shape: tuple[int, ...] | None, *, meta: bool = False) -> LoadedModel:
+    """The model of the diffusers folder ``folder`` (class ``name``), with a one-tensor forward, and its spec."""
+    import torch
+
+    from pyperm.nn import PermutationSpec
+
+    config_file = folder / "config.json"
+    diffusers = _diffusers(config_file, name)
+    if name not in SUPPORTED:
+        raise CommandError(f"--model hf: {config_file} names diffusers class {name!r}; supported: {', '.join(SUPPORTED)}")
+    cls = getattr(diffusers, name)
+    try:
+        config = cls.load_config(str(folder))
+    except Exception as exc:
+        raise CommandError(f"--model hf: {config_file} cannot be read by diffusers ({exc})") from exc
+    single = _single_sample_class(cls)
+
+    def build() -> Any:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return single.from_config(config).eval()
+
+    try:
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = build()
+    except CommandError:
+        raise
+    except Exception as exc:
+        raise CommandError(f"--model hf: diffusers cannot build {name} from {config_file} ({exc})") from exc
+    shape = shape or _example_shape(model.config)
+    example = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    spec = PermutationSpec.from_model(model, example.to("meta") if meta else example)
+    return LoadedModel(f"hf ({name})", model, spec, tuple(shape), example, build=build)

@@ -1,0 +1,110 @@
+"""Weighted merges: ``merge_many(..., weights=...)`` and ``pyperm merge --weights``.
+
+A weight is each aligned model's share of the merge: the merged state is the weighted sum of the models permuted
+by the permutations MergeMany found (with two models they do not depend on the weights).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from pyperm.checkpoints import load_checkpoint
+from pyperm.cli import main
+from pyperm.nn import average, merge_many
+from pyperm.nn.models import MLP
+
+WIDTHS = [6, 10, 10, 3]
+
+
+def _states(count: int) -> list[dict]:
+    states = []
+    for seed in range(count):
+        torch.manual_seed(seed)
+        states.append(MLP(WIDTHS).state_dict())
+    return states
+
+
+def _spec():
+    return MLP(WIDTHS).permutation_spec()
+
+
+def test_two_models_weighted_are_the_weighted_sum_of_the_aligned_models():
+    spec, states = _spec(), _states(2)
+    plain = merge_many(spec, states)
+    weighted = merge_many(spec, states, weights=[0.7, 0.3])
+    assert weighted.perms == plain.perms  # the weights change the mix, not the alignment of two models
+    aligned = [p.apply(s) for p, s in zip(weighted.perms, states)]
+    for key, value in weighted.merged.items():
+        torch.testing.assert_close(value, 0.7 * aligned[0][key] + 0.3 * aligned[1][key])
+
+
+def test_equal_weights_are_the_default():
+    spec, states = _spec(), _states(3)
+    plain = merge_many(spec, states, seed=4)
+    equal = merge_many(spec, states, weights=[1 / 3] * 3, seed=4)
+    assert equal.perms == plain.perms and equal.history == plain.history
+    for key, value in plain.merged.items():
+        torch.testing.assert_close(equal.merged[key], value)
+
+
+def test_three_models_are_matched_to_the_weighted_mean_of_the_others():
+    """The merge is the weighted sum of the aligned models, and at convergence no model moves when matched to the
+    weighted mean of the others."""
+    from pyperm.nn import weight_matching
+
+    spec, states = _spec(), _states(3)
+    weights = [0.5, 0.3, 0.2]
+    result = merge_many(spec, states, weights=weights, seed=1)
+    assert result.converged
+    aligned = [p.apply(s) for p, s in zip(result.perms, states)]
+    for key, value in average(aligned, weights).items():
+        torch.testing.assert_close(result.merged[key], value)
+    for i in range(3):
+        rest = [j for j in range(3) if j != i]
+        others = average([aligned[j] for j in rest], [weights[j] for j in rest])
+        assert weight_matching(spec, others, aligned[i]).perms.is_identity()
+
+
+@pytest.mark.parametrize(("weights", "error", "match"), [
+    ([0.5, 0.5, 0.0], ValueError, r"weights\[2\] must be a finite positive number"),
+    ([1.2, -0.2], ValueError, r"weights\[1\] must be a finite positive number"),
+    ([0.5, math.nan], ValueError, r"weights\[1\] must be a finite positive number"),
+    ([0.5, 0.4], ValueError, r"weights must sum to 1 \(within 1e-6\)"),
+    ([0.2, 0.3, 0.5], ValueError, "one weight per model: got 3 weights for 2 models"),
+    ("0.5,0.5", TypeError, "weights must be a sequence of real numbers"),
+    ([0.5, "0.5"], TypeError, r"weights\[1\] must be a real number"),
+])  # fmt: skip
+def test_bad_weights_are_refused(weights, error, match):
+    with pytest.raises(error, match=match):
+        merge_many(_spec(), _states(2), weights=weights)
+
+
+def test_merge_command_with_weights(tmp_path, capsys):
+    paths = []
+    for i, state in enumerate(_states(2)):
+        paths.append(tmp_path / f"m{i}.pt")
+        torch.save(state, paths[-1])
+    model = "mlp:" + ",".join(map(str, WIDTHS))
+    out = tmp_path / "out"
+    base = ["merge", *map(str, paths), "--model", model, "--no-progress"]
+    assert main([*base, "--weights", "0.7,0.3", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["weights"] == [0.7, 0.3] and "weights (each aligned model's share" in (out / "report.md").read_text()
+    merged = load_checkpoint(out / "merged.pt").state
+    want = merge_many(_spec(), _states(2), weights=[0.7, 0.3]).merged
+    for key, value in want.items():
+        torch.testing.assert_close(merged[key], value)
+    assert main([*base, "--out", str(tmp_path / "plain")]) == 0
+    assert json.loads((tmp_path / "plain" / "report.json").read_text())["weights"] == [0.5, 0.5]
+    capsys.readouterr()
+    assert main([*base, "--weights", "0.6,0.3", "--out", str(tmp_path / "bad")]) != 0
+    assert "--weights must sum to 1" in capsys.readouterr().err
+    assert main([*base, "--weights", "0.2,0.3,0.5", "--out", str(tmp_path / "bad")]) != 0
+    assert "--weights must hold one weight per model: got 3 weights for 2 models" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--weights", "0.7,-0.3", "--out", str(tmp_path / "bad")])
+    assert "argument --weights: expected comma-separated finite positive numbers" in capsys.readouterr().err
