@@ -61,11 +61,16 @@ def _installation() -> dict[str, Any]:
 
 
 def _simd(core) -> dict[str, Any]:
+    from pyperm._ext import SIMD_CAP_VARIABLE, simd_cap
+
     build = core.build_info()
     compiled = [f"{name} ({flags})" if flags else name for name, flags in build["isas"].items()]
+    cap = simd_cap()
     return {
         "compiled": ", ".join(compiled),
         "chosen_at_run_time": core.best_isa(),
+        "cpu_supports": core.hardware_isa(),
+        "cap": f"{SIMD_CAP_VARIABLE}={cap}" if cap else f"none ({SIMD_CAP_VARIABLE} unset)",
         "hardware_threads": core.hardware_threads(),
     }
 

@@ -8,11 +8,38 @@ it is there.
 from __future__ import annotations
 
 import functools
+import os
 from types import ModuleType
 
-from pyperm import _core as core
+__all__ = [
+    "SIMD_CAP_VARIABLE",
+    "core",
+    "cuda_available",
+    "cuda_built",
+    "cuda_module",
+    "cuda_unavailable_reason",
+    "simd_cap",
+]
 
-__all__ = ["core", "cuda_available", "cuda_built", "cuda_module", "cuda_unavailable_reason"]
+# Caps the SIMD level of the CPU kernels, as numpy's NPY_DISABLE_CPU_FEATURES: read once by
+# the core at its first solve, checked here at import so that a typo fails loudly instead of
+# silently measuring the widest kernels.
+SIMD_CAP_VARIABLE = "PYPERM_MAX_SIMD"
+_SIMD_LEVELS = ("baseline", "avx2", "avx512")
+
+
+def simd_cap() -> str | None:
+    """The SIMD level ``PYPERM_MAX_SIMD`` caps the kernels at, or None when it is unset."""
+    value = os.environ.get(SIMD_CAP_VARIABLE, "")
+    if value == "":
+        return None
+    if value not in _SIMD_LEVELS:
+        raise ValueError(f"{SIMD_CAP_VARIABLE} must be one of {', '.join(_SIMD_LEVELS)} (or unset), got {value!r}")
+    return value
+
+
+simd_cap()
+from pyperm import _core as core  # noqa: E402  (after the check: the core reads the variable)
 
 
 @functools.lru_cache(maxsize=1)

@@ -45,6 +45,17 @@ def run_child(code: str, timeout: float | None = None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def kernels() -> str:
+    """The SIMD level of the CPU kernels for a bench header, with the cap when one is set
+    ("avx2 (PYPERM_MAX_SIMD=avx2; the CPU runs avx512)"): tables taken under a cap say so."""
+    from pyperm._ext import SIMD_CAP_VARIABLE, core, simd_cap
+
+    cap = simd_cap()
+    if cap is None:
+        return core.best_isa()
+    return f"{core.best_isa()} ({SIMD_CAP_VARIABLE}={cap}; the CPU runs {core.hardware_isa()})"
+
+
 def to_host(x: object):
     """A benchmark's answer as a numpy array (CUDA tensors are copied back)."""
     import numpy as np

@@ -32,7 +32,7 @@ import numpy as np
 import pyperm
 from pyperm._ext import core
 from pyperm._tables import text_table
-from pyperm.benchmarks._report import time_call, to_host
+from pyperm.benchmarks._report import kernels, time_call, to_host
 from pyperm._argtypes import int_at_least, nonnegative_int, positive_int
 from pyperm.testing import (
     dense_doubly_stochastic,
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         ratio = t_ref / t_pl
     rows_out.append(("planted1024-k20-bottleneck", 1024, len(coeffs), t_pl, t_ref, ratio, "< 50 ms", note))
 
-    print(f"pyperm {pyperm.__version__}, kernels: {core.best_isa()}, dtype {dtype.name}, "
+    print(f"pyperm {pyperm.__version__}, kernels: {kernels()}, dtype {dtype.name}, "
           f"best of {args.repeat}, device {args.device}")
     rows = [[name, n, terms, _ms(t), _ms(tr), r, target] for name, n, terms, t, tr, r, target, _ in rows_out]
     print(text_table(["case", "n", "terms", "pyperm ms", "scipy ms", "ratio", "target"], rows))

@@ -19,7 +19,7 @@ import numpy as np
 import pyperm
 from pyperm._ext import core
 from pyperm._tables import text_table
-from pyperm.benchmarks._report import cuda_device_name, save_bar_plot, time_call, to_host
+from pyperm.benchmarks._report import cuda_device_name, kernels, save_bar_plot, time_call, to_host
 from pyperm._argtypes import choices_list, int_at_least, positive_int
 
 Solver = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     gpu_default = args.device == "cuda" and args.cases is DEFAULT
     names = QUICK if args.quick else MATCHING if args.matching else GPU if gpu_default else args.cases
-    print(f"pyperm {pyperm.__version__}, kernels: {core.best_isa()}, "
+    print(f"pyperm {pyperm.__version__}, kernels: {kernels()}, "
           f"threads: {args.threads or core.hardware_threads()}, clock: {args.clock}, medians of {args.repeat}")
     rng = np.random.default_rng(args.seed)
     table, plot_series, summary, gpu = [], {}, [], []

@@ -19,7 +19,7 @@ import numpy as np
 import pyperm
 from pyperm._ext import core
 from pyperm._tables import text_table
-from pyperm.benchmarks._report import time_calls
+from pyperm.benchmarks._report import kernels, time_calls
 from pyperm.lap import lapjv
 from pyperm.testing import iou_cost, limited_objective
 
@@ -88,7 +88,7 @@ def _tracker_rows(rng: np.random.Generator, repeat: int) -> list[list] | None:
 def run(args: argparse.Namespace) -> int:
     """Prints the pipelines table (medians per call) and each case's ratio against its goal."""
     repeat = args.repeat
-    print(f"pyperm {pyperm.__version__}, kernels: {core.best_isa()}, threads: {args.threads or core.hardware_threads()}, "
+    print(f"pyperm {pyperm.__version__}, kernels: {kernels()}, threads: {args.threads or core.hardware_threads()}, "
           f"medians of {repeat}; tracker: per call, 30 x 40, cost_limit={TRACKER_LIMIT}")
     rng = np.random.default_rng(args.seed)
     rows = _detr_rows(rng, repeat, args.threads)

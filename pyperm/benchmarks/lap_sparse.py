@@ -18,7 +18,7 @@ import numpy as np
 import pyperm
 from pyperm._ext import core
 from pyperm._tables import text_table
-from pyperm.benchmarks._report import time_calls
+from pyperm.benchmarks._report import kernels, time_calls
 
 # The issue's target on the 20,000 x 20,000 case: pyperm at most this fraction of scipy's time.
 SCIPY_GOAL = 0.3
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     """Prints the per-solver table and the ratios; uses ``args.repeat``, ``args.seed``, ``args.clock``
     and ``args.quick`` (the smallest case only)."""
     names = ["2000x2000/10"] if args.quick else list(CASES)
-    print(f"pyperm {pyperm.__version__}, sparse solver (one thread), kernels: {core.best_isa()}, "
+    print(f"pyperm {pyperm.__version__}, sparse solver (one thread), kernels: {kernels()}, "
           f"clock: {args.clock}, medians of {args.repeat}")  # fmt: skip
     rng = np.random.default_rng(args.seed)
     table, summary = [], []

@@ -45,7 +45,7 @@ from pyperm.benchmarks._match_scale import DEFAULT as SCALE_DEFAULT
 from pyperm.benchmarks._match_scale import MODELS as SCALE_MODELS
 from pyperm.benchmarks._match_starts import MODELS as START_MODELS
 from pyperm.benchmarks._match_structured import CASES as STRUCTURED_CASES
-from pyperm.benchmarks._report import time_calls, write_generated
+from pyperm.benchmarks._report import kernels, time_calls, write_generated
 from pyperm.testing import reference_weight_matching
 
 
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     where = f", device {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
     print(
         f"pyperm {pyperm.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"model seeds {tuple(args.model_seeds)}, order seed {args.seed}, clock {args.clock}{where}"
+        f"kernels: {kernels()}, model seeds {tuple(args.model_seeds)}, order seed {args.seed}, clock {args.clock}{where}"
     )
     failures: list[str] = []
     if not args.no_flat:

@@ -19,7 +19,7 @@ import numpy as np
 
 from pyperm._plotting import save_figure
 from pyperm._tables import text_table
-from pyperm.benchmarks._report import cuda_device_name, time_calls, to_host
+from pyperm.benchmarks._report import cuda_device_name, kernels, time_calls, to_host
 from pyperm._argtypes import int_at_least, positive_int
 
 DEFAULT_DIMS = (512, 1024, 2048, 4096)
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"--device cuda: {pyperm.cuda_unavailable_reason()}", file=sys.stderr)
         return 2
     where = "GPU " + cuda_device_name() if args.device == "cuda" else f"hardware threads {core.hardware_threads()}"
-    print(f"pyperm {pyperm.__version__}  numpy {np.__version__}  {where}  "
+    print(f"pyperm {pyperm.__version__}  numpy {np.__version__}  kernels {kernels()}  {where}  "
           f"kernel threads {args.threads or 'all'}  dtype {dtype}  repeat {repeat}")
     if args.device == "cuda":
         print("on the GPU: blas = torch.matmul(xa.T, xb) of the same CUDA tensors; goal: ratio at most 1.3")
