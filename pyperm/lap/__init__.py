@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pyperm._arrays import is_cuda_input
+from pyperm._arrays import is_cuda_input, is_torch_tensor
 from pyperm._checks import check_threads
 from pyperm._ext import core
 from pyperm.lap import _cpu, _ragged
@@ -95,6 +95,10 @@ def linear_sum_assignment(cost: Any, maximize: bool = False, *, cost_limit: floa
         solved = core.lap_solve_plain(cost, maximize)
         if solved is not None:
             return solved
+        if is_torch_tensor(cost):
+            solved = _cpu.solve_plain_tensor(cost, maximize)
+            if solved is not None:
+                return solved
     if is_scipy_sparse(cost):
         if cost_limit is not None:
             raise ValueError("cost_limit is not supported for scipy.sparse input: pass a dense cost")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import sys
+
 import numpy as np
 
 from pyperm._arrays import check_finite, like, real_float_array
@@ -17,6 +19,22 @@ def linear_sum_assignment(cost: Any, maximize: bool) -> tuple[Any, Any]:
     arr = real_float_array(cost, "cost", 2)
     rows, cols = core.lap_solve(arr, maximize)
     return like(cost, rows, cols)
+
+
+def solve_plain_tensor(cost: Any, maximize: bool) -> tuple[Any, Any] | None:
+    """A CPU tensor that numpy can view as it is (no autograd, no lazy conjugate or negation)
+    and the core can read in place, solved through that view with torch tensors out; None for
+    any other tensor, which the general path converts. torch's own per-tensor costs (the view,
+    two result tensors) are what this path adds to the numpy one."""
+    try:
+        view = cost.numpy()
+    except (RuntimeError, TypeError):  # needs grad, lazy bits set, another device
+        return None
+    solved = core.lap_solve_plain(view, maximize)
+    if solved is None:
+        return None
+    from_numpy = sys.modules["torch"].from_numpy
+    return from_numpy(solved[0]), from_numpy(solved[1])
 
 
 def batch_linear_sum_assignment(costs: Any, maximize: bool, threads: int) -> tuple[Any, Any]:
