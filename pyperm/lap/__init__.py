@@ -11,9 +11,11 @@ from typing import Any
 
 from pyperm._arrays import is_cuda_input
 from pyperm._checks import check_threads
-from pyperm.lap import _cpu
+from pyperm.lap import _cpu, _torch_route
 
 __all__ = ["batch_linear_sum_assignment", "linear_sum_assignment"]
+
+_torch_route.register_if_torch_imported()
 
 
 def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
@@ -69,6 +71,8 @@ def linear_sum_assignment(cost: Any, maximize: bool = False) -> tuple[Any, Any]:
     >>> col.tolist(), int(cost[row, col].sum())
     ([1, 0, 2], 5)
     """
+    if _torch_route.traced(cost):  # torch.compile / torch.export: one custom operator in the graph
+        return _torch_route.operators().linear_sum_assignment(cost, bool(maximize))
     if is_cuda_input(cost):
         from pyperm.lap import _cuda
 
@@ -114,6 +118,8 @@ def batch_linear_sum_assignment(
     ((8, 5), (8, 5))
     """
     nthreads = check_threads(threads)
+    if _torch_route.traced(costs):
+        return _torch_route.operators().batch_linear_sum_assignment(costs, bool(maximize), nthreads)
     if is_cuda_input(costs):
         from pyperm.lap import _cuda
 
