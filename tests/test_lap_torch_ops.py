@@ -9,7 +9,6 @@ keeps only some pairs, a padded stack whose sizes are a tensor) with stand-in op
 defined here, not in the package, to record what torch captures and what still breaks.
 """
 
-import io
 import subprocess
 import sys
 import textwrap
@@ -21,7 +20,8 @@ from scipy.optimize import linear_sum_assignment as scipy_lsa
 torch = pytest.importorskip("torch")
 
 import pyperm  # noqa: E402
-from pyperm.lap import _torch_ops  # noqa: E402, F401  (registers the operators even if torch came second)
+
+pyperm.lap.register_torch_ops()  # pyperm may have been imported before torch
 
 LSA = torch.ops.pyperm.linear_sum_assignment.default
 BATCH_LSA = torch.ops.pyperm.batch_linear_sum_assignment.default
@@ -81,6 +81,12 @@ def test_opcheck_batch(device, shape, dtype, maximize):
     torch.library.opcheck(BATCH_LSA, (costs, maximize, 1))
 
 
+def test_operators_stay_out_of_cuda_graphs():
+    # Their CUDA kernels synchronise the stream, which a CUDA graph cannot capture.
+    for op in (LSA, BATCH_LSA):
+        assert torch.Tag.cudagraph_unsafe in op.tags
+
+
 def test_opcheck_with_a_cost_that_requires_grad():
     # Integer outputs carry no gradient; the operator must still accept such a cost.
     torch.library.opcheck(LSA, (torch.rand(4, 5, requires_grad=True), False))
@@ -123,6 +129,8 @@ def test_fake_implementations_give_shapes_and_check_rank():
 
 def test_eager_calls_do_not_go_through_the_operators(monkeypatch):
     # The dispatcher's cost is paid only while compiling: eager calls reach the backend directly.
+    from pyperm.lap import _torch_ops
+
     def fail(*args):
         raise AssertionError("eager call went through the custom operator")
 
@@ -212,15 +220,21 @@ def test_compile_raises_the_solvers_errors():
         compiled(torch.tensor([[float("nan"), 1.0], [1.0, 0.0]]))
 
 
+def _run_python(code):
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_first_call_inside_a_compiled_function_with_pyperm_imported_before_torch():
     # pyperm imported first registers nothing (it must not import torch); the first compile
     # registers the operators from inside Dynamo's trace, and the graph still has no break.
-    code = textwrap.dedent(
+    _run_python(
         """
         import sys
         import pyperm
         assert "torch" not in sys.modules, "importing pyperm imported torch"
         import torch
+        assert not hasattr(torch.ops.pyperm, "linear_sum_assignment")
 
         def f(a, b):
             cost = torch.cdist(a, b)
@@ -233,8 +247,6 @@ def test_first_call_inside_a_compiled_function_with_pyperm_imported_before_torch
         assert hasattr(torch.ops.pyperm, "batch_linear_sum_assignment")
         """
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
 
 
 # --- torch.export --------------------------------------------------------------------------
@@ -263,13 +275,24 @@ def test_export_captures_the_operator(device, strict, module, op, shapes):
     torch.testing.assert_close(program.module()(*fresh), module(*fresh))
 
 
-def test_exported_program_saves_and_loads():
+def test_exported_program_saves_and_loads(tmp_path):
     example = (_points("cpu", 6, 2, seed=1), _points("cpu", 8, 2, seed=2))
-    buffer = io.BytesIO()
-    torch.export.save(torch.export.export(Matcher(), example), buffer)
-    buffer.seek(0)
-    loaded = torch.export.load(buffer)
-    torch.testing.assert_close(loaded.module()(*example), Matcher()(*example))
+    path = tmp_path / "matcher.pt2"
+    torch.export.save(torch.export.export(Matcher(), example), path)
+    torch.testing.assert_close(torch.export.load(path).module()(*example), Matcher()(*example))
+    # In a process that imported pyperm before torch, register_torch_ops() makes it loadable.
+    _run_python(
+        f"""
+        import pyperm
+        import torch
+        pyperm.lap.register_torch_ops()
+        program = torch.export.load({str(path)!r})
+        a, b = torch.rand(6, 2, dtype=torch.float64), torch.rand(8, 2, dtype=torch.float64)
+        cost = torch.cdist(a, b)
+        rows, cols = pyperm.linear_sum_assignment(cost)
+        assert torch.isclose(program.module()(a, b), cost[rows, cols].sum())
+        """
+    )
 
 
 class CostMatcher(torch.nn.Module):

@@ -12,8 +12,9 @@ from typing import Any
 from pyperm._arrays import is_cuda_input
 from pyperm._checks import check_threads
 from pyperm.lap import _cpu, _torch_route
+from pyperm.lap._torch_route import register_torch_ops
 
-__all__ = ["batch_linear_sum_assignment", "linear_sum_assignment"]
+__all__ = ["batch_linear_sum_assignment", "linear_sum_assignment", "register_torch_ops"]
 
 _torch_route.register_if_torch_imported()
 

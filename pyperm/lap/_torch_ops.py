@@ -28,6 +28,10 @@ __all__ = ["batch_linear_sum_assignment", "linear_sum_assignment"]
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
+# The CUDA kernels read a status flag back from the device, synchronising the stream, which
+# a CUDA graph cannot capture: the tag makes inductor keep the operator out of its CUDA graphs.
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
 
 def _cuda_backend():
     # Imported on first use, as pyperm.lap does: the CUDA module loads lazily.
@@ -36,7 +40,7 @@ def _cuda_backend():
     return _cuda
 
 
-@torch.library.custom_op("pyperm::linear_sum_assignment", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("pyperm::linear_sum_assignment", mutates_args=(), device_types="cpu", tags=_TAGS)
 def linear_sum_assignment(cost: torch.Tensor, maximize: bool = False) -> Pair:
     """One problem; see :func:`pyperm.linear_sum_assignment`."""
     return _cpu.linear_sum_assignment(cost, maximize)
@@ -55,7 +59,7 @@ def _linear_sum_assignment_fake(cost: torch.Tensor, maximize: bool = False) -> P
     return cost.new_empty((k,), dtype=torch.int64), cost.new_empty((k,), dtype=torch.int64)
 
 
-@torch.library.custom_op("pyperm::batch_linear_sum_assignment", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("pyperm::batch_linear_sum_assignment", mutates_args=(), device_types="cpu", tags=_TAGS)
 def batch_linear_sum_assignment(costs: torch.Tensor, maximize: bool = False, threads: int = 0) -> Pair:
     """A (B, n, m) stack on ``threads`` threads (0: all cores); see :func:`pyperm.batch_linear_sum_assignment`."""
     return _cpu.batch_linear_sum_assignment(costs, maximize, threads)
