@@ -468,10 +468,19 @@ def test_data_dependent_forms_export(strict, fn, op, inputs):
         torch.testing.assert_close(program.module()(*far), fn(*far))
 
 
-def test_python_branch_on_a_data_dependent_count_breaks_fullgraph():
+def pairs_as_list(a, b):
+    cost = torch.cdist(a, b)
+    rows, cols = pairs_below(cost, LIMIT)
+    return [cost[i, j] for i, j in zip(rows.tolist(), cols.tolist())]
+
+
+@pytest.mark.parametrize("fn", [branch_on_count, pairs_as_list])
+def test_python_control_flow_on_a_data_dependent_count_breaks_fullgraph(fn):
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
     a, b = _threshold_inputs()[0]
-    with pytest.raises(torch._dynamo.exc.UserError, match="data-dependent expression"):
-        torch.compile(branch_on_count, fullgraph=True, backend="eager")(a, b)
+    with pytest.raises((torch._dynamo.exc.UserError, GuardOnDataDependentSymNode), match="data-dependent expression"):
+        torch.compile(fn, fullgraph=True, backend="eager")(a, b)
 
 
 def test_torch_cond_on_a_data_dependent_count_compiles_fullgraph():
