@@ -206,8 +206,6 @@ def test_compile_gradients_flow_through_the_gathered_entries():
     torch.testing.assert_close(grad_compiled, grad_eager)
 
 
-# torch's own notice, raised inside inductor's code generation (torch 2.13).
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compile_inductor(device):
     compiled = torch.compile(matched_cost, fullgraph=True)
     a, b = _points(device, 6, 2, seed=7, dtype=torch.float32), _points(device, 8, 2, seed=8, dtype=torch.float32)
