@@ -81,6 +81,20 @@ def test_opcheck_batch(device, shape, dtype, maximize):
     torch.library.opcheck(BATCH_LSA, (costs, maximize, 1))
 
 
+@pytest.mark.parametrize("kind", ["int64", "bool", "transposed"])
+def test_opcheck_other_real_inputs(kind):
+    # Integers and bools are solved in float64, strided views read through a copy, as in eager mode.
+    gen = torch.Generator().manual_seed(1)
+    cost = {
+        "int64": torch.randint(0, 9, (4, 6), generator=gen),
+        "bool": torch.rand(5, 5, generator=gen) > 0.5,
+        "transposed": torch.rand(6, 4, generator=gen).t(),
+    }[kind]
+    torch.library.opcheck(LSA, (cost, False))
+    rows, cols = LSA(cost, False)
+    assert _objective(cost, rows, cols) == pytest.approx(_scipy_objective(cost))
+
+
 def test_operators_stay_out_of_cuda_graphs():
     # Their CUDA kernels synchronise the stream, which a CUDA graph cannot capture.
     for op in (LSA, BATCH_LSA):
