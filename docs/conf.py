@@ -40,7 +40,8 @@ extensions = [
     "clihelp",
 ]
 
-exclude_patterns = ["_build", "_templates", "examples/README.rst", "**/GALLERY_HEADER.rst"]
+# guide/_*.rst: sections included into a page (.. include::), not pages of their own.
+exclude_patterns = ["_build", "_templates", "examples/README.rst", "**/GALLERY_HEADER.rst", "guide/_*.rst"]
 templates_path = ["_templates"]
 root_doc = "index"
 default_role = "code"

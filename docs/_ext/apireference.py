@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 # (module, title, names): names None means the module's __all__.
 MODULES: list[tuple[str, str, list[str] | None]] = [
     ("pyperm", "pyperm: assignment, Birkhoff-von Neumann, cross-correlation", None),
+    ("pyperm.lap", "pyperm.lap: assignment in pipelines (lap's lapjv, torch operators)", None),
     ("pyperm.nn", "pyperm.nn: specs, alignment, barriers, curves", None),
     ("pyperm.nn.models", "pyperm.nn.models: the bundled models", None),
     ("pyperm.nn.spec", "pyperm.nn.spec: structured axes", ["Segments", "Tiled", "Blocks", "Interleaved"]),

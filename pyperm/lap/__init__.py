@@ -11,12 +11,17 @@ from typing import Any
 
 from pyperm._arrays import is_cuda_input, is_torch_tensor
 from pyperm._checks import check_threads
+import numpy as np
+
 from pyperm._ext import core
-from pyperm.lap import _cpu, _ragged
+from pyperm.lap import _cpu, _ragged, _torch_route
 from pyperm.lap._lapjv import lapjv
 from pyperm.lap._sparse import is_scipy_sparse, linear_sum_assignment_sparse
+from pyperm.lap._torch_route import register_torch_ops
 
-__all__ = ["batch_linear_sum_assignment", "lapjv", "linear_sum_assignment"]
+__all__ = ["batch_linear_sum_assignment", "lapjv", "linear_sum_assignment", "register_torch_ops"]
+
+_torch_route.register_if_torch_imported()
 
 
 def linear_sum_assignment(cost: Any, maximize: bool = False, *, cost_limit: float | None = None) -> tuple[Any, Any]:
@@ -89,6 +94,13 @@ def linear_sum_assignment(cost: Any, maximize: bool = False, *, cost_limit: floa
     >>> col.tolist(), int(cost[row, col].sum())
     ([1, 0, 2], 5)
     """
+    if cost.__class__ is not np.ndarray and _torch_route.traced(cost):
+        # torch.compile / torch.export: one custom operator in the graph (before any call
+        # into the core, which Dynamo cannot trace).
+        if cost_limit is None:
+            return _torch_route.operators().linear_sum_assignment(cost, bool(maximize))
+        limit = _ragged.check_cost_limit(cost_limit)
+        return _torch_route.operators().linear_sum_assignment_limited(cost, bool(maximize), limit)
     if maximize.__class__ is bool and cost_limit is None:
         # The commonest input, a float64/float32 numpy matrix that can be read in place, in
         # one call to the core; None for anything else, which is classified below.
@@ -178,6 +190,8 @@ def batch_linear_sum_assignment(
     nthreads = check_threads(threads)
     if sizes is not None or cost_limit is not None or isinstance(costs, (list, tuple)):
         return _ragged.batch_linear_sum_assignment(costs, bool(maximize), nthreads, sizes, cost_limit)
+    if _torch_route.traced(costs):  # torch.compile / torch.export: one custom operator in the graph
+        return _torch_route.operators().batch_linear_sum_assignment(costs, bool(maximize), nthreads)
     if is_cuda_input(costs):
         from pyperm.lap import _cuda
 
