@@ -6,6 +6,7 @@ import os
 
 ORDER = [
     "plot_solvers.py",
+    "plot_pipelines.py",
     "plot_weight_matching.py",
     "plot_activation_repair.py",
     "plot_curve.py",
