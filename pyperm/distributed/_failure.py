@@ -51,17 +51,6 @@ def _store() -> Any:
     return distributed_c10d._get_default_store()
 
 
-def _communication_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is a failed collective or message (then another rank may be the cause)."""
-    import torch.distributed as dist
-
-    if isinstance(exc, dist.DistError):
-        return True
-    # gloo and NCCL raise plain RuntimeErrors that name their sources ("gloo/transport/tcp/pair.cc").
-    text = str(exc).lower()
-    return type(exc) is RuntimeError and ("gloo" in text or "nccl" in text)
-
-
 class _Watch:
     """The heartbeat and the watchdog of one guarded block."""
 
@@ -167,7 +156,7 @@ def failure_guard(group: Any = None, *, timeout: float = 60.0, grace: float = 5.
     """
     import torch.distributed as dist
 
-    from pyperm._comm import check_group
+    from pyperm._comm import check_group, communication_error
 
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -187,7 +176,7 @@ def failure_guard(group: Any = None, *, timeout: float = 60.0, grace: float = 5.
         watch.left()  # the cause is recorded by the rank that failed
         raise
     except BaseException as exc:
-        reason = watch.wait_for_cause() if _communication_error(exc) else None
+        reason = watch.wait_for_cause() if communication_error(exc) else None
         if reason is not None:
             watch.left()
             raise RankFailedError(f"rank {rank}: {reason}") from exc
