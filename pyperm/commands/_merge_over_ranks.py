@@ -43,7 +43,7 @@ def _merge(args: argparse.Namespace, device: Any) -> int:
     from pyperm.checkpoints import DATA_PARALLEL_PREFIX, LazyState, check_pair
     from pyperm.commands._checkpoint_pair import load_for_model, refuse_inputs
     from pyperm.commands._common import Timer, build_model, checkpoint_outputs, float_state, prepare_out
-    from pyperm.commands._hf import copy_files, folder_copies, folder_of
+    from pyperm.commands._hf import folder_copies, folder_of
     from pyperm.commands._merge_report import merge_markdown, merge_report
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -84,10 +84,9 @@ def _merge(args: argparse.Namespace, device: Any) -> int:
     if first.format != "sharded":  # rank 0 writes the one file: it needs every merged tensor
         merged_here = {k: v for part in _gather({k: v.cpu() for k, v in merged_here.items()}) for k, v in part.items()}
     merged = LazyState(first.state, lambda key, stored: merged_here[key].to(stored.dtype))
-    written = write_shares(first, merged, ckpt_files[0], rank, world)
+    written = write_shares(first, merged, ckpt_files[0], rank, world, copies)
     peaks = _gather(peak_resident())
     if rank == 0:
-        written += copy_files(copies)
         report = merge_report(ckpts, loaded, result, timer.seconds, ckpt_files)
         report.update(ranks=world, peak_rss_bytes=peaks, torch_threads=torch.get_num_threads())
         write_json(out / "report.json", report)

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         prepare_out,
         resolve_device,
     )
-    from pyperm.commands._hf import copy_files, folder_copies, folder_of
+    from pyperm.commands._hf import folder_copies, folder_of
     from pyperm.commands._matching import match
     from pyperm.nn import apply_permutation, plot_paths
     from pyperm.nn.permutations import as_permutations, permute_entry
@@ -158,8 +158,7 @@ def run(args: argparse.Namespace) -> int:
     # holds no reference cycle: its similarities and views went when it returned).
     ckpt_a.state.clear()
 
-    written = save_checkpoint(ckpt_b, permuted, ckpt_files[0], force=args.force)
-    written += copy_files(copies)  # --model hf: the config and tokenizer beside the weights
+    written = save_checkpoint(ckpt_b, permuted, ckpt_files[0], force=args.force, copies=copies)  # --model hf: the config and tokenizer beside the weights
     probe = loaded.example_input(device)
     if data is None and probe is not None:
         # Check that the written file (mapped again, not kept in memory) computes B's function.
