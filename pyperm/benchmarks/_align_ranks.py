@@ -33,6 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pyperm._staging import write_text
+
 # Shards of at most 1 GiB, and at least MIN_SHARDS of them: "shard i of n goes to rank i * N // n", so
 # fewer shards than ranks would leave ranks without work.
 SHARD_BYTES = 1 << 30
@@ -79,7 +81,7 @@ def _write_folder(folder: Path, config: Any, tensors: Callable[[], Any], shard_b
         os.replace(folder / f"part-{i:05d}.safetensors", folder / final)
         weight_map.update(dict.fromkeys(keys, final))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    write_text(folder / "model.safetensors.index.json", json.dumps(index, indent=2))
 
 
 def write_pair(name: str, dtype_name: str, folder: str | Path, seed: int = 0) -> Path:
@@ -128,8 +130,8 @@ def write_pair(name: str, dtype_name: str, folder: str | Path, seed: int = 0) ->
 
     _write_folder(folder / "a", config, lambda: ((k, a_tensor(k)) for k in keys), shard_bytes)
     _write_folder(folder / "b", config, b_tensors, shard_bytes)
-    (folder / "planted.json").write_text(json.dumps(planted.to_dict()))
-    done.write_text(json.dumps(marker))
+    write_text(folder / "planted.json", json.dumps(planted.to_dict()))
+    write_text(done, json.dumps(marker))
     return folder
 
 

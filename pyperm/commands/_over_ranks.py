@@ -200,8 +200,8 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
     refuse_inputs([out / n for n in names], [ckpt_a, ckpt_b])
     if rank == 0:
         prepare_out(out, names, args.force)
-        # Leftovers of killed writers, by rank 0 before any rank stages: a process id of another node
-        # would look dead here (pyperm._staging judges the owners by their process ids).
+        # Leftovers of killed writers, by rank 0 before any rank stages (pyperm._staging removes only those
+        # of its own machine and PID namespace: another node's live staging files are never touched).
         _staging.remove_leftovers(ckpt_files[0].parent)
     dist.barrier()
 
