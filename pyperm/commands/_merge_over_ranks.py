@@ -6,7 +6,7 @@ ranges of its keys), and each rank maps, of every checkpoint, only the shards th
 others' headers only). :func:`pyperm.distributed.merge_many` aligns the models on those shares; each
 rank stages its shards of the merged model, and rank 0 renames them into place, the index last, then
 copies the folder's other files and writes the reports. The merged checkpoint is one process's, byte
-for byte. A one-file checkpoint is written by rank 0, which first gathers the merged tensors. ``--data``
+for byte, except where a step is within rounding of a tie (see :mod:`pyperm.nn.align.over_ranks`). A one-file checkpoint is written by rank 0, which first gathers the merged tensors. ``--data``
 (evaluating every model and the merge) needs whole models in one process: it is refused over ranks.
 """
 

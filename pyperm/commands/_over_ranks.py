@@ -61,10 +61,10 @@ def launched() -> bool:
 
 def refuse_ranks(command: str) -> None:
     """Refuse to run ``command`` as one of several ranks: each would do the whole work and write the same
-    files (only ``align`` splits its work over ranks)."""
+    files (only ``align`` and ``merge`` split their work over ranks)."""
     if launched():
         raise CommandError(f"{command} does not run over ranks (torchrun, WORLD_SIZE above 1) yet: run it as one "
-                           "process (pyperm align does run over ranks)")  # fmt: skip
+                           "process (pyperm align and pyperm merge do run over ranks)")  # fmt: skip
 
 
 @contextlib.contextmanager

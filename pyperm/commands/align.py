@@ -7,7 +7,8 @@ the barriers before and after), and with ``--data`` ``barrier.png``.
 
 Under ``torchrun`` (``WORLD_SIZE`` above 1) weight matching runs with the checkpoints' tensors split
 over the ranks and each rank writes its share of B permuted (:mod:`pyperm.commands._over_ranks`);
-the files written are byte for byte those of one process with ``--init identity`` (the reports aside).
+the files written are byte for byte those of one process with the same ``--init`` (the reports aside), except
+where a step is within rounding of a tie (see :mod:`pyperm.nn.align.over_ranks`).
 """
 
 from __future__ import annotations

@@ -14,8 +14,11 @@ Every rank walks the same seeded visiting order as :func:`pyperm.nn.weight_match
 part in the steps that read its tensors; steps with disjoint sets of ranks run at the same time
 by themselves. Each step sees the permutations it would see in one process, so the
 permutations equal one process's for the same seed and start, and the objective equals it up to
-the order of summation (the parts are summed in another order; a step within rounding of a tie
-could then go the other way, as between two machines).
+the order of summation, except where a step is within rounding of a tie (dead or duplicate units):
+the parts are summed in another order and the solvers start from other warm states, so such a step
+can go the other way, as between two machines (tied units trade places; the objective and the
+permuted model's function stay the same). ``init="best"`` does not look for an exact permuted copy
+first, as one process does; the searches find it.
 
 ``concurrent=True`` visits each sweep's groups in *waves*: a group joins the first wave after
 every earlier group (in the seeded order) that shares a tensor with it, so the groups of a wave
@@ -256,7 +259,8 @@ def merge_many(
     takes them). Each matching of a model to the mean of the others is a :func:`weight_matching`
     over the ranks, warm-started from the model's permutations and drawing its group orders from
     the same generator, so the rounds, the permutations and the merged model equal one process's
-    ``merge_many`` for the same seed (up to summation order, as :func:`weight_matching`).
+    ``merge_many`` for the same seed (up to summation order, and except where a step is within
+    rounding of a tie, as :func:`weight_matching`; each matching starts a fresh matcher).
 
     Parameters
     ----------
