@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pyperm import testing
 from pyperm._staging import write_text
 
 # Shards of at most 1 GiB, and at least MIN_SHARDS of them: "shard i of n goes to rank i * N // n", so
@@ -135,13 +135,6 @@ def write_pair(name: str, dtype_name: str, folder: str | Path, seed: int = 0) ->
     return folder
 
 
-def free_port() -> int:
-    """A port no one listens on now, on 127.0.0.1 (for torchrun's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cmd: list[str], timeout: float) -> float:
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), timeout=timeout)
@@ -206,7 +199,7 @@ def measure(name: str, dtype_name: str, world: int, folder: str | Path, timeout:
             cmd = [sys.executable, "-m", "pyperm", *align]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-                   "127.0.0.1", "--master-port", str(free_port()), "-m", "pyperm", *align]  # fmt: skip
+                   "127.0.0.1", "--master-port", str(testing.free_port()), "-m", "pyperm", *align]  # fmt: skip
         wall = _run(cmd, timeout)
         report = json.loads((out / "report.json").read_text())
         info = report["matching"]
