@@ -8,11 +8,15 @@ are not), so that a caller can report the bytes communicated per sweep.
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["Channel", "check_group", "check_same", "comm_device", "init_process_group"]
+__all__ = ["Channel", "check_group", "check_same", "comm_device", "communication_error", "init_process_group",
+           "shared_errors"]
 
 
 def _import_group_defaults() -> None:
@@ -147,3 +151,60 @@ def check_same(chan: Channel | Any = None, **facts: Any) -> None:
             if theirs.get(what) != every[0].get(what):
                 raise ValueError(f"rank {rank} differs from rank 0 in its {what}: {theirs.get(what)} against "
                                  f"{every[0].get(what)}; every rank must run the same pyperm on the same inputs")
+
+
+def communication_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed collective or message (then another rank may be the cause)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    # gloo and NCCL raise plain RuntimeErrors that name their sources ("gloo/transport/tcp/pair.cc").
+    text = str(exc).lower()
+    return type(exc) is RuntimeError and ("gloo" in text or "nccl" in text)
+
+
+_ERRORS = "pyperm/errors"
+
+
+@contextlib.contextmanager
+def shared_errors(chan: Channel, what: str) -> Iterator[None]:
+    """Make one rank's error every rank's clear error: the ``RankFailedError`` of the others names it and its cause.
+
+    A collective: enter it on every rank of ``chan``'s group before its first collective. A rank
+    whose code raises (anything but a failed communication) records its error in the default
+    group's key-value store before re-raising it unchanged; a rank whose communication then fails
+    (the failed process ended, so its connections closed) reads that record and raises
+    :class:`~pyperm.distributed.RankFailedError` naming the rank and the cause, instead of gloo's
+    or NCCL's bare "Connection closed by peer". A rank that catches its error and lives on leaves
+    the others waiting until the process group's own timeout (as any collective it skips would).
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    pg = dist.group.WORLD if chan.group is None else chan.group
+    ranks = dist.get_process_group_ranks(pg)
+    me = dist.get_rank()
+    key = f"{_ERRORS}/{pg.group_name}/{{}}"
+    store.set(key.format(me), "")  # no record of an earlier call: the collectives below start after every rank's
+    try:
+        yield
+    except BaseException as exc:
+        from pyperm.distributed import RankFailedError
+
+        if isinstance(exc, RankFailedError):
+            raise
+        if not communication_error(exc):
+            with contextlib.suppress(Exception):  # the store gone: the others see their own errors
+                store.set(key.format(me), f"{type(exc).__name__}: {exc}"[:2000])
+            raise
+        deadline = time.monotonic() + 1.0  # a record is written before its rank's connections close
+        while True:
+            for r in ranks:
+                if r != me and store.check([key.format(r)]) and (text := store.get(key.format(r))):
+                    raise RankFailedError(f"rank {chan.rank}: {what} failed on rank {ranks.index(r)}: "
+                                          f"{text.decode(errors='replace')}") from exc
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)

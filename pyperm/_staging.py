@@ -12,16 +12,23 @@ curve files, plots) goes through here:
    replaced itself, its target left alone), and the folder is fsynced so that the rename survives
    a power cut.
 
-A process killed in between leaves at most a hidden ``.<name>.<pid>-<random>.pyperm-partial`` file;
-the next write into that folder removes those of processes that no longer run. No torch here:
-the reports of the solver benchmarks use it too.
+A process killed in between leaves at most a hidden ``.<name>.<pid>-<host>-<random>.pyperm-partial``
+file; the next write into that folder removes those of processes that no longer run. A process id
+means something only on its machine and in its PID namespace (``<host>`` names both: a hash of the
+host name, the boot id and the namespace), so files of other machines (a shared filesystem, as
+ranks on several nodes write to) or other containers are left alone, whatever their process ids
+look like here: the next write from there removes them. No torch here: the reports of the solver
+benchmarks use it too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
 import secrets
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +39,20 @@ __all__ = ["Staged", "fsync_folder", "remove", "remove_leftovers", "stage", "sta
 SUFFIX = ".pyperm-partial"
 
 
+@functools.lru_cache(maxsize=1)
+def _host() -> str:
+    """Where this process's id means something: its machine (name, boot) and PID namespace, hashed."""
+    parts = [socket.gethostname()]
+    with contextlib.suppress(OSError):
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    with contextlib.suppress(OSError):
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
+
+
 def _staging_name(final: Path) -> Path:
-    return final.with_name(f".{final.name}.{os.getpid()}-{secrets.token_hex(6)}{SUFFIX}")
+    return final.with_name(f".{final.name}.{os.getpid()}-{_host()}-{secrets.token_hex(6)}{SUFFIX}")
 
 
 def _alive(pid: int) -> bool:
@@ -47,8 +66,9 @@ def _alive(pid: int) -> bool:
 
 
 def remove_leftovers(folder: Path) -> None:
-    """Remove the staging files a killed pyperm process left in ``folder`` (never those of a running one:
-    another process may be writing there now)."""
+    """Remove the staging files a killed pyperm process of this machine and PID namespace left in ``folder``
+    (never those of a running one, which may be writing there now, nor those of another machine or
+    namespace, whose process ids cannot be checked from here)."""
     try:
         entries = list(os.scandir(folder))
     except OSError:  # no such folder yet: nothing left over
@@ -57,8 +77,10 @@ def remove_leftovers(folder: Path) -> None:
         name = entry.name
         if not (name.startswith(".") and name.endswith(SUFFIX)):
             continue
-        owner = name[: -len(SUFFIX)].rsplit(".", 1)[-1].split("-", 1)[0]
-        if owner.isdigit() and int(owner) != os.getpid() and not _alive(int(owner)):
+        owner = name[: -len(SUFFIX)].rsplit(".", 1)[-1].split("-")
+        if len(owner) != 3 or owner[1] != _host() or not owner[0].isdigit():
+            continue  # another machine's or namespace's (or an older pyperm's, which did not say where)
+        if int(owner[0]) != os.getpid() and not _alive(int(owner[0])):
             with contextlib.suppress(OSError):  # a symlink is removed itself, not its target
                 os.unlink(entry.path)
 

@@ -20,6 +20,7 @@ import numpy as np
 __all__ = [
     "assert_same_function",
     "dense_doubly_stochastic",
+    "free_port",
     "import_torchvision",
     "iou_cost",
     "limited_objective",
@@ -324,6 +325,15 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def free_port() -> int:
+    """A port no one listens on now, on 127.0.0.1 (for a launcher's rendezvous in tests and benchmarks)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def import_torchvision():

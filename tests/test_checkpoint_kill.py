@@ -35,6 +35,7 @@ import pyperm._staging as staging
 from pyperm.checkpoints import LazyState, load_checkpoint, save_checkpoint
 
 source, target, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+copies = list(zip(sys.argv[4::2], sys.argv[5::2]))  # files copied beside the weights (an HF folder's config)
 STEPS = {"open", "fsync", "replace", "unlink"}
 count = 0
 
@@ -58,7 +59,7 @@ class Counting:
 
 staging.os = Counting()
 like = load_checkpoint(source)
-save_checkpoint(like, LazyState(like.state, lambda key, t: -2 * t), target, force=True)
+save_checkpoint(like, LazyState(like.state, lambda key, t: -2 * t), target, force=True, copies=copies)
 print(count)
 """
 
@@ -96,10 +97,11 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
-def _run_child(source, target, kill_at: int) -> subprocess.CompletedProcess:
+def _run_child(source, target, kill_at: int, copies=()) -> subprocess.CompletedProcess:
     # From a neutral folder: ``python -c`` puts the working directory first on the path, and a source
     # checkout there (CI tests the installed wheel) would shadow the installed package.
-    return subprocess.run([sys.executable, "-c", CHILD, str(source), str(target), str(kill_at)],
+    pairs = [str(p) for pair in copies for p in pair]
+    return subprocess.run([sys.executable, "-c", CHILD, str(source), str(target), str(kill_at), *pairs],
                           capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir())  # fmt: skip
 
 
@@ -140,3 +142,44 @@ def test_a_write_killed_after_any_step_leaves_the_old_or_the_new_result(tmp_path
         assert not any(f.endswith(SUFFIX) for f in files)
         assert _equal(ckpt.state, new)
     assert seen == {"old", "new"}, "some kill points fall before the switch, some after"
+
+
+HF_FILES = ["config.json", "generation_config.json", "tokenizer.json"]
+
+
+@pytest.mark.parametrize("layout", ["sharded", "safetensors"])  # the switch: an index, or the one file
+def test_a_folder_killed_after_any_step_never_holds_new_weights_beside_old_files(tmp_path, layout):
+    """An HF output folder: the config and tokenizer are staged with the weights and in place before the switch,
+    so a kill never leaves the new weights beside an old (or missing, or partial) config."""
+    source = _source(tmp_path / "in", layout)
+    for name in HF_FILES:
+        (source.parent / name).write_text(f"new {name}\n")
+    like = load_checkpoint(source)
+    old = {k: v + 1 for k, v in like.state.items()}
+    new = {k: -2 * v for k, v in like.state.items()}
+    name = {"sharded": "out.safetensors.index.json", "safetensors": "out.safetensors", "torch": "out.pt"}[layout]
+
+    def folder(out):
+        save_checkpoint(like, old, out / name)
+        for file in HF_FILES:
+            (out / file).write_text(f"old {file}\n")
+        return [(source.parent / file, out / file) for file in HF_FILES]
+
+    (tmp_path / "free").mkdir()
+    done = _run_child(source, tmp_path / "free" / name, 0, folder(tmp_path / "free"))
+    assert done.returncode == 0, done.stderr
+    steps = int(done.stdout)
+    seen = set()
+    for kill_at in range(1, steps + 1):
+        out = tmp_path / f"killed_{kill_at}"
+        out.mkdir()
+        killed = _run_child(source, out / name, kill_at, folder(out))
+        assert killed.returncode == -signal.SIGKILL, (kill_at, killed.stdout, killed.stderr)
+        weights = "old" if _equal(load_checkpoint(out / name).state, old) else "new"
+        assert _equal(load_checkpoint(out / name).state, old if weights == "old" else new), kill_at
+        files = {file: (out / file).read_text() for file in HF_FILES}
+        assert all(text in (f"old {f}\n", f"new {f}\n") for f, text in files.items()), (kill_at, files)
+        if weights == "new":
+            assert all(text == f"new {f}\n" for f, text in files.items()), (kill_at, files)
+        seen.add(weights)
+    assert seen == {"old", "new"}

@@ -2,8 +2,9 @@
 or refused (without), and the link's target is unchanged afterwards (issue 34, item 2).
 
 The names: a checkpoint file, the shards and the index of a sharded one (both generations: the input's shard
-names, and those a forced write over an earlier result takes), the reports, the plots, a curve file, and the old
-predictable staging name ``.<name>.partial`` (pyperm's staging names are random and created exclusively).
+names, and those a forced write over an earlier result takes), the reports, the plots, a curve file, and every
+file each command writes (found by running it once). pyperm's staging names are random and created exclusively,
+so no link can be planted at them in advance.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def test_a_link_at_every_checkpoint_name_is_replaced_not_followed(tmp_path, layo
     out.mkdir()
     target = out / {"sharded": "o.safetensors.index.json", "safetensors": "o.safetensors", "torch": "o.pt"}[layout]
     names = output_paths(like, target)
-    planted = _plant(names + [n.with_name(f".{n.name}.partial") for n in names], tmp_path / "victims")
+    planted = _plant(names, tmp_path / "victims")
     with pytest.raises(CheckpointError, match="exists; pass --force"):
         save_checkpoint(like, like.state, target)
     _untouched(planted)
@@ -118,7 +119,7 @@ def test_the_command_line_replaces_links_with_force_and_refuses_without(tmp_path
     out = tmp_path / "out"
     out.mkdir()
     names = [out / n for n in ("merged.safetensors", "report.json", "report.md")]
-    planted = _plant(names + [out / ".merged.safetensors.partial"], tmp_path / "victims")
+    planted = _plant(names, tmp_path / "victims")
     argv = ["merge", *map(str, inputs), "--model", "mlp:2,3,2", "--out", str(out), "--no-progress"]
     assert main(argv) == 1
     assert "exists; pass --force" in capsys.readouterr().err
@@ -143,3 +144,97 @@ def test_a_generated_table_names_its_command_and_date_and_replaces_a_link(tmp_pa
     text = Path(path).read_text()
     assert text.startswith(f"Measured {datetime.date.today().isoformat()} by `pyperm bench match --write {tmp_path}`")
     assert text.endswith("| a |\n|---|\n| 1 |\n")
+
+
+def _digits_checkpoints(folder) -> list[str]:
+    from pyperm.nn.models import MLP
+
+    paths = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        paths.append(str(folder / f"m{seed}.safetensors"))
+        safetensors_torch.save_file(MLP([64, 16, 10]).state_dict(), paths[-1])
+    return paths
+
+
+DIGITS = ["--model", "mlp:64,16,10", "--data", "digits", "--max-samples", "200", "--batch-size", "100", "--no-progress"]
+COMMANDS = {
+    "align": lambda a, b: ["align", a, b, "--model", "mlp:64,16,10", "--no-progress"],
+    "align --data": lambda a, b: ["align", a, b, *DIGITS, "--num-points", "3"],
+    "merge": lambda a, b: ["merge", a, b, *DIGITS],
+    "barrier": lambda a, b: ["barrier", a, b, *DIGITS, "--num-points", "3"],
+    "curve train": lambda a, b: ["curve", "train", a, b, *DIGITS, "--epochs", "1", "--num-points", "3", "--linear"],
+}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_link_at_every_name_a_command_writes_is_replaced_not_followed(tmp_path, command):
+    from pyperm.cli import main
+
+    a, b = _digits_checkpoints(tmp_path)
+    out = tmp_path / "out"
+    argv = COMMANDS[command](a, b) + ["--out", str(out)]
+    assert main(argv) == 0
+    names = sorted(p for p in out.rglob("*") if p.is_file())
+    assert len(names) >= 3, names  # the result and the two reports at least
+    planted = _plant(names, tmp_path / "victims")
+    assert main(argv + ["--force"]) == 0
+    _untouched(planted)
+    assert all(n.is_file() and not n.is_symlink() for n in names)
+
+
+def test_a_reproduce_report_replaces_a_link(tmp_path):
+    """``pyperm reproduce NAME --force`` writes its reports through :func:`pyperm.reproduce._report.write_report`
+    (its plots through :func:`pyperm.nn.plot_paths`' staging, checked above)."""
+    from pyperm.reproduce._report import write_report
+
+    names = [tmp_path / "report.md", tmp_path / "report.json"]
+    planted = _plant(names, tmp_path / "victims")
+    write_report(tmp_path, "rebasin", ["# report"], [], scale="smoke", seed=0, seconds=1.0, settings={})
+    _untouched(planted)
+    assert names[0].read_text() == "# report\n" and not any(n.is_symlink() for n in names)
+
+
+def test_leftovers_are_judged_only_where_their_process_id_means_something(tmp_path):
+    import subprocess
+    import sys
+
+    from pyperm import _staging
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)  # a process id that ran here and ended
+    here = _staging._host()
+    left = {
+        f".a.{dead}-{here}-0123456789ab{_staging.SUFFIX}": False,  # killed here: removed
+        f".b.{dead}-0123456789ab-0123456789ab{_staging.SUFFIX}": True,  # another node's (shared filesystem)
+        f".c.{os.getppid()}-{here}-0123456789ab{_staging.SUFFIX}": True,  # a live process here
+        f".d.{dead}-0123456789ab{_staging.SUFFIX}": True,  # an older pyperm's: it did not say where it ran
+    }
+    for name in left:
+        (tmp_path / name).write_bytes(b"partial")
+    _staging.remove_leftovers(tmp_path)
+    assert {name: (tmp_path / name).exists() for name in left} == left
+    staged = _staging.stage(tmp_path / "x", lambda f: f.write(b"x"))  # its own name says where it runs
+    assert staged.tmp.name.split(".")[-2].split("-")[1] == here
+    staged.discard()
+
+
+def test_every_write_of_the_package_goes_through_staging():
+    """No ``write_text``/``write_bytes``, ``open`` for writing, ``savefig`` or ``torch.save`` to a path outside
+    pyperm._staging (they follow a link planted at the name, and leave a partial file when killed)."""
+    import re
+
+    import pyperm
+
+    root = Path(pyperm.__file__).parent
+    direct = re.compile(r"\.write_(text|bytes)\(|\bopen\([^)]*['\"][wax]b?\+?['\"]|\.savefig\((?!f\b)|torch\.save\((?!.*, f\))")
+    allowed = {("_memory.py", '"/proc/self/clear_refs"')}  # a kernel control file, not an output
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "_staging.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if direct.search(code) and not any(path.name == f and text in code for f, text in allowed):
+                found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 from _ranks import run_ranks, values  # noqa: E402
 from _vision import import_transformers  # noqa: E402
 
-from pyperm.benchmarks._align_ranks import free_port  # noqa: E402
+from pyperm.testing import free_port  # noqa: E402
 from pyperm.cli import main  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

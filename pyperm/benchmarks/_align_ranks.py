@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,9 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from pyperm import testing
+from pyperm._staging import write_text
 
 # Shards of at most 1 GiB, and at least MIN_SHARDS of them: "shard i of n goes to rank i * N // n", so
 # fewer shards than ranks would leave ranks without work.
@@ -79,7 +81,7 @@ def _write_folder(folder: Path, config: Any, tensors: Callable[[], Any], shard_b
         os.replace(folder / f"part-{i:05d}.safetensors", folder / final)
         weight_map.update(dict.fromkeys(keys, final))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    write_text(folder / "model.safetensors.index.json", json.dumps(index, indent=2))
 
 
 def write_pair(name: str, dtype_name: str, folder: str | Path, seed: int = 0) -> Path:
@@ -128,16 +130,9 @@ def write_pair(name: str, dtype_name: str, folder: str | Path, seed: int = 0) ->
 
     _write_folder(folder / "a", config, lambda: ((k, a_tensor(k)) for k in keys), shard_bytes)
     _write_folder(folder / "b", config, b_tensors, shard_bytes)
-    (folder / "planted.json").write_text(json.dumps(planted.to_dict()))
-    done.write_text(json.dumps(marker))
+    write_text(folder / "planted.json", json.dumps(planted.to_dict()))
+    write_text(done, json.dumps(marker))
     return folder
-
-
-def free_port() -> int:
-    """A port no one listens on now, on 127.0.0.1 (for torchrun's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: list[str], timeout: float) -> float:
@@ -204,7 +199,7 @@ def measure(name: str, dtype_name: str, world: int, folder: str | Path, timeout:
             cmd = [sys.executable, "-m", "pyperm", *align]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-                   "127.0.0.1", "--master-port", str(free_port()), "-m", "pyperm", *align]  # fmt: skip
+                   "127.0.0.1", "--master-port", str(testing.free_port()), "-m", "pyperm", *align]  # fmt: skip
         wall = _run(cmd, timeout)
         report = json.loads((out / "report.json").read_text())
         info = report["matching"]

@@ -31,8 +31,10 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from pyperm._staging import write_file
 from pyperm.benchmarks._report import run_child
 
 HEADERS = ["model", "dtype", "processes", "threads each", "peak RSS GB (largest)", "vs 1 process",
@@ -164,8 +166,7 @@ def _rank(rank: int, world: int, name: str, dtype_name: str, tmp: str, deadline:
                           "groups": len(spec.sizes), "threads": torch.get_num_threads(), "keys": len(sa)})  # fmt: skip
     except BaseException as exc:  # reported by the parent, which fails the row
         outcome = ("error", f"{type(exc).__name__}: {exc}")
-    with open(f"{tmp}/rank{rank}.pkl", "wb") as f:
-        pickle.dump(outcome, f)
+    write_file(Path(f"{tmp}/rank{rank}.pkl"), lambda f: pickle.dump(outcome, f))
     if outcome[0] == "ok":
         dist.destroy_process_group()
     else:

@@ -13,8 +13,11 @@ import argparse
 import os
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+from pyperm._staging import write_file
 
 
 def _pair(name: str):
@@ -41,8 +44,9 @@ def _rank(rank: int, world: int, store: str, name: str, concurrent: bool, out: s
                                 concurrent=concurrent)  # fmt: skip
     seconds = time.perf_counter() - started
     if rank == 0:
-        torch.save({"perms": dict(result.perms.items()), "seconds": seconds, "sweeps": result.iterations,
-                    "bytes": result.bytes_per_sweep}, out)  # fmt: skip
+        found = {"perms": dict(result.perms.items()), "seconds": seconds, "sweeps": result.iterations,
+                 "bytes": result.bytes_per_sweep}  # fmt: skip
+        write_file(Path(out), lambda f: torch.save(found, f))
     dist.destroy_process_group()
 
 

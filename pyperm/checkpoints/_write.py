@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -83,7 +84,12 @@ def output_paths(like_: Checkpoint, path: str | Path) -> list[Path]:
 
 
 def save_checkpoint(
-    like: Checkpoint, state: Mapping[str, torch.Tensor], path: str | Path, *, force: bool = False
+    like: Checkpoint,
+    state: Mapping[str, torch.Tensor],
+    path: str | Path,
+    *,
+    force: bool = False,
+    copies: Sequence[tuple[str | Path, str | Path]] = (),
 ) -> list[Path]:
     """Write ``state`` at ``path`` in the layout of ``like`` (wrapper key, prefix, metadata, shards).
 
@@ -104,11 +110,16 @@ def save_checkpoint(
     force : bool, default False
         Replace existing files (a symlink at an output name is replaced itself, never
         written through); without it an existing name is an error and nothing is written.
+    copies : sequence of (source, destination) pairs, optional
+        Files to copy beside the checkpoint (a Hugging Face folder's config and tokenizer):
+        staged with the weights and renamed into place just before the switch to the new
+        weights, so that no write is left to do once the new weights are in place.
 
     Returns
     -------
     list of pathlib.Path
-        The files written (the index json first for a sharded checkpoint).
+        The files written (the index json first for a sharded checkpoint), then the copies'
+        destinations.
 
     Raises
     ------
@@ -137,11 +148,26 @@ def save_checkpoint(
         raise CheckpointError(f"{path}: key {missing[0]!r} missing from the state to write")
     keys = [k for k in like.state if k not in like.tied]
     _staging.remove_leftovers(path.parent)
-    if like.format == "sharded":
-        return _save_sharded(like, state, keys, path)
-    stage_file(like, state, path).commit()
-    _staging.fsync_folder(path.parent)
-    return [path]
+    with _staging.staged_files() as staged:
+        staged += stage_copies(copies)
+        if like.format == "sharded":
+            staged[:0] = stage_shards(like, state, path)  # the shards (free names), the copies, the index: the switch
+            staged.append(stage_index(like, state, path))
+            return commit_sharded(like, path, staged) + [Path(dst) for _, dst in copies]
+        staged.append(stage_file(like, state, path))
+        for file in staged:  # the copies, then the checkpoint's one file: the switch
+            file.commit()
+        _staging.fsync_folder(path.parent)
+    return [path] + [Path(dst) for _, dst in copies]
+
+
+def stage_copies(copies: Sequence[tuple[str | Path, str | Path]]) -> list[_staging.Staged]:
+    """Stage a copy of every (source, destination) pair beside its destination (not renamed into place)."""
+    with _staging.staged_files() as staged:
+        for src, dst in copies:
+            with open(src, "rb") as source:
+                staged.append(_staging.stage(Path(dst), lambda f, s=source: shutil.copyfileobj(s, f)))
+    return staged
 
 
 def stage_file(like_: Checkpoint, state: Mapping[str, torch.Tensor], path: Path) -> _staging.Staged:
@@ -154,14 +180,6 @@ def stage_file(like_: Checkpoint, state: Mapping[str, torch.Tensor], path: Path)
     metadata = {str(k): str(v) for k, v in like_.metadata.items()}
     names = {like_.prefix + k: k for k in keys}
     return _staging.stage(path, lambda f: write_safetensors(f, names, state, metadata, path))
-
-
-def _save_sharded(like_: Checkpoint, state: Mapping[str, torch.Tensor], keys: list[str], path: Path) -> list[Path]:
-    staged = stage_shards(like_, state, path)
-    with _staging.staged_files() as guard:
-        guard.extend(staged)
-        guard.append(stage_index(like_, state, path))
-        return commit_sharded(like_, path, guard)
 
 
 def _keys(like_: Checkpoint) -> list[str]:
@@ -198,8 +216,9 @@ def stage_index(like_: Checkpoint, state: Mapping[str, torch.Tensor], path: Path
 
 
 def commit_sharded(like_: Checkpoint, path: Path, staged: list[_staging.Staged]) -> list[Path]:
-    """Rename the staged shards into place, then the staged index (the switch from the old checkpoint to the
-    new one), then remove the old shards no index names; ``staged`` ends with the index."""
+    """Rename the staged files into place in their order (the shards under free names, any copies beside the
+    checkpoint), the index last (the switch from the old checkpoint to the new one), then remove the old
+    shards no index names; ``staged`` ends with the index."""
     folder = path.parent
     old = _old_shards(path)
     names = _shard_names(like_, path)

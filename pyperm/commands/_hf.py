@@ -16,13 +16,12 @@ copied beside them.
 from __future__ import annotations
 
 import contextlib
-import shutil
 from pathlib import Path
 from typing import Any
 
 from pyperm.commands._common import CommandError, LoadedModel
 
-__all__ = ["copy_files", "folder_copies", "folder_of", "hf_model"]
+__all__ = ["folder_copies", "folder_of", "hf_model"]
 
 def folder_of(path: str | Path) -> Path:
     """The ``save_pretrained`` folder a checkpoint argument names (the folder itself, or a file in it)."""
@@ -116,14 +115,3 @@ def folder_copies(source: Any, written: list[Path]) -> list[tuple[Path, Path]]:
     return [(p, written[0].parent / p.name) for p in sorted(folder.iterdir())
             if p.is_file() and not _is_weights(p) and p.name not in taken
             and not p.name.endswith(SUFFIX)]  # fmt: skip
-
-
-def copy_files(copies: list[tuple[Path, Path]]) -> list[Path]:
-    """Copy every (source, destination) pair of :func:`folder_copies`, each staged beside its destination and
-    renamed into place (:mod:`pyperm._staging`); returns the destinations."""
-    from pyperm._staging import write_file
-
-    for src, dst in copies:
-        with open(src, "rb") as source:
-            write_file(dst, lambda f, s=source: shutil.copyfileobj(s, f))
-    return [dst for _, dst in copies]

@@ -26,8 +26,8 @@ def add_matching_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("best", "identity", "signatures"),
         default=None,
         help="weight matching: where the search starts; 'best' runs from the identity and from the units' "
-        "signatures and keeps the better (default in one process), 'identity' is Algorithm 1 as published (half "
-        "the time; the default and the only start over ranks under torchrun)",
+        "signatures and keeps the better (the default, in one process and over ranks under torchrun), 'identity' is "
+        "Algorithm 1 as published (half the time)",
     )
     parser.add_argument(
         "--max-batches",

@@ -6,7 +6,7 @@ ranges of its keys), and each rank maps, of every checkpoint, only the shards th
 others' headers only). :func:`pyperm.distributed.merge_many` aligns the models on those shares; each
 rank stages its shards of the merged model, and rank 0 renames them into place, the index last, then
 copies the folder's other files and writes the reports. The merged checkpoint is one process's, byte
-for byte. A one-file checkpoint is written by rank 0, which first gathers the merged tensors. ``--data``
+for byte, except where a step is within rounding of a tie (see :mod:`pyperm.nn.align.over_ranks`). A one-file checkpoint is written by rank 0, which first gathers the merged tensors. ``--data``
 (evaluating every model and the merge) needs whole models in one process: it is refused over ranks.
 """
 
@@ -43,7 +43,7 @@ def _merge(args: argparse.Namespace, device: Any) -> int:
     from pyperm.checkpoints import DATA_PARALLEL_PREFIX, LazyState, check_pair
     from pyperm.commands._checkpoint_pair import load_for_model, refuse_inputs
     from pyperm.commands._common import Timer, build_model, checkpoint_outputs, float_state, prepare_out
-    from pyperm.commands._hf import copy_files, folder_copies, folder_of
+    from pyperm.commands._hf import folder_copies, folder_of
     from pyperm.commands._merge_report import merge_markdown, merge_report
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -84,10 +84,9 @@ def _merge(args: argparse.Namespace, device: Any) -> int:
     if first.format != "sharded":  # rank 0 writes the one file: it needs every merged tensor
         merged_here = {k: v for part in _gather({k: v.cpu() for k, v in merged_here.items()}) for k, v in part.items()}
     merged = LazyState(first.state, lambda key, stored: merged_here[key].to(stored.dtype))
-    written = write_shares(first, merged, ckpt_files[0], rank, world)
+    written = write_shares(first, merged, ckpt_files[0], rank, world, copies)
     peaks = _gather(peak_resident())
     if rank == 0:
-        written += copy_files(copies)
         report = merge_report(ckpts, loaded, result, timer.seconds, ckpt_files, args.weights)
         report.update(ranks=world, peak_rss_bytes=peaks, torch_threads=torch.get_num_threads())
         write_json(out / "report.json", report)

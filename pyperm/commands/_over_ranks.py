@@ -14,8 +14,9 @@
    as one process's with the same ``--init``). A one-file checkpoint is mapped by every rank, each
    reading its own keys; rank 0 writes the one output file;
 4. each rank stages its shards of B permuted (hidden names, fsynced: :mod:`pyperm._staging`);
-   once every rank has, rank 0 renames them into place, then the index (the switch), then copies
-   the folder's other files and writes ``permutations.json`` and the reports.
+   once every rank has, rank 0 stages copies of the folder's other files (config, tokenizer),
+   renames the shards and the copies into place, then the index (the switch), and writes
+   ``permutations.json`` and the reports.
 
 The whole runs inside :func:`pyperm.distributed.failure_guard`: a rank that fails ends every rank
 with an error naming it, and the staged files are removed, so nothing partial is left under the
@@ -60,10 +61,10 @@ def launched() -> bool:
 
 def refuse_ranks(command: str) -> None:
     """Refuse to run ``command`` as one of several ranks: each would do the whole work and write the same
-    files (only ``align`` splits its work over ranks)."""
+    files (only ``align`` and ``merge`` split their work over ranks)."""
     if launched():
         raise CommandError(f"{command} does not run over ranks (torchrun, WORLD_SIZE above 1) yet: run it as one "
-                           "process (pyperm align does run over ranks)")  # fmt: skip
+                           "process (pyperm align and pyperm merge do run over ranks)")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -169,7 +170,7 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
     from pyperm.checkpoints import DATA_PARALLEL_PREFIX, LazyState, check_pair
     from pyperm.commands._checkpoint_pair import load_for_model, refuse_inputs
     from pyperm.commands._common import build_model, checkpoint_outputs, on_device, prepare_out
-    from pyperm.commands._hf import copy_files, folder_copies, folder_of
+    from pyperm.commands._hf import folder_copies, folder_of
     from pyperm.commands.align import _markdown, align_report
     from pyperm.nn.permutations import as_permutations, permute_entry
 
@@ -199,8 +200,8 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
     refuse_inputs([out / n for n in names], [ckpt_a, ckpt_b])
     if rank == 0:
         prepare_out(out, names, args.force)
-        # Leftovers of killed writers, by rank 0 before any rank stages: a process id of another node
-        # would look dead here (pyperm._staging judges the owners by their process ids).
+        # Leftovers of killed writers, by rank 0 before any rank stages (pyperm._staging removes only those
+        # of its own machine and PID namespace: another node's live staging files are never touched).
         _staging.remove_leftovers(ckpt_files[0].parent)
     dist.barrier()
 
@@ -213,10 +214,9 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
     checked = as_permutations(loaded.spec, perms)
     permuted = LazyState(ckpt_b.state, lambda key, tensor: permute_entry(loaded.spec, checked, key, tensor))
 
-    written = write_shares(ckpt_b, permuted, ckpt_files[0], rank, world)
+    written = write_shares(ckpt_b, permuted, ckpt_files[0], rank, world, copies)
     peaks = _gather(peak_resident())
     if rank == 0:
-        written += copy_files(copies)
         info = {
             "method": "weight",
             "objective_per_sweep": list(result.objective),
@@ -246,15 +246,17 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
     return 0
 
 
-def write_shares(ckpt: Any, state: Any, path: Path, rank: int, world: int) -> list[Path]:
+def write_shares(ckpt: Any, state: Any, path: Path, rank: int, world: int,
+                 copies: list[tuple[Path, Path]] = ()) -> list[Path]:  # fmt: skip
     """Write ``state`` (laid out as ``ckpt``) to ``path`` from every rank: each rank stages its own shards
-    (:func:`key_owners`), and rank 0 renames every staged file into place once all are staged, the index
-    last; a one-file checkpoint is written by rank 0, which must then be able to read every tensor of
-    ``state``. Returns the written files on rank 0 (an empty list elsewhere)."""
+    (:func:`key_owners`), and rank 0 stages the ``copies`` (config, tokenizer) and renames every staged file
+    into place once all are staged, the copies just before the index (or the one file): no write is left
+    once the new weights are in place. A one-file checkpoint is written by rank 0, which must then be able
+    to read every tensor of ``state``. Returns the written files on rank 0 (an empty list elsewhere)."""
     import torch.distributed as dist
 
     from pyperm import _staging
-    from pyperm.checkpoints._write import commit_sharded, stage_file, stage_index, stage_shards
+    from pyperm.checkpoints._write import commit_sharded, stage_copies, stage_file, stage_index, stage_shards
 
     written: list[Path] = []
     with _staging.staged_files() as staged:
@@ -267,13 +269,17 @@ def write_shares(ckpt: Any, state: Any, path: Path, rank: int, world: int) -> li
         if rank == 0:
             theirs = [_staging.Staged(t, f) for t, f in every if t not in {s.tmp for s in staged}]
             staged += theirs  # discarded by rank 0 too if the index cannot be staged
+            copied = stage_copies(copies)
+            staged += copied
             if ckpt.format == "sharded":
                 staged.append(stage_index(ckpt, state, path))
-                written = commit_sharded(ckpt, path, [_staging.Staged(t, f) for t, f in every] + [staged[-1]])
+                written = commit_sharded(ckpt, path, [_staging.Staged(t, f) for t, f in every] + copied + [staged[-1]])
             else:
-                staged[0].commit()
+                for file in [*copied, staged[0]]:  # the copies, then the one file: the switch
+                    file.commit()
                 _staging.fsync_folder(path.parent)
                 written = [path]
+            written += [Path(dst) for _, dst in copies]
         # Past the barrier rank 0 owns every staged file: the others' are no longer theirs to remove.
         dist.barrier()
         staged.clear()

@@ -7,7 +7,8 @@ the barriers before and after), and with ``--data`` ``barrier.png``.
 
 Under ``torchrun`` (``WORLD_SIZE`` above 1) weight matching runs with the checkpoints' tensors split
 over the ranks and each rank writes its share of B permuted (:mod:`pyperm.commands._over_ranks`);
-the files written are byte for byte those of one process with ``--init identity`` (the reports aside).
+the files written are byte for byte those of one process with the same ``--init`` (the reports aside), except
+where a step is within rounding of a tie (see :mod:`pyperm.nn.align.over_ranks`).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         prepare_out,
         resolve_device,
     )
-    from pyperm.commands._hf import copy_files, folder_copies, folder_of
+    from pyperm.commands._hf import folder_copies, folder_of
     from pyperm.commands._matching import match
     from pyperm.nn import apply_permutation, plot_paths
     from pyperm.nn.permutations import as_permutations, permute_entry
@@ -158,8 +159,7 @@ def run(args: argparse.Namespace) -> int:
     # holds no reference cycle: its similarities and views went when it returned).
     ckpt_a.state.clear()
 
-    written = save_checkpoint(ckpt_b, permuted, ckpt_files[0], force=args.force)
-    written += copy_files(copies)  # --model hf: the config and tokenizer beside the weights
+    written = save_checkpoint(ckpt_b, permuted, ckpt_files[0], force=args.force, copies=copies)  # --model hf: the config and tokenizer beside the weights
     probe = loaded.example_input(device)
     if data is None and probe is not None:
         # Check that the written file (mapped again, not kept in memory) computes B's function.

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         prepare_out,
         resolve_device,
     )
-    from pyperm.commands._hf import copy_files, folder_copies
+    from pyperm.commands._hf import folder_copies
     from pyperm.commands._over_ranks import launched
     from pyperm.nn import average, merge_many
 
@@ -136,8 +136,7 @@ def run(args: argparse.Namespace) -> int:
         evaluations["merged"] = _evaluate(loaded, result.merged, data, device)
         report["data"] = {"name": data.name, "test_samples": data.num_test}
         report["evaluation"] = evaluations
-    written = save_checkpoint(ckpts[0], merged, ckpt_files[0], force=args.force)
-    written += copy_files(copies)  # --model hf: the config and tokenizer beside the weights
+    written = save_checkpoint(ckpts[0], merged, ckpt_files[0], force=args.force, copies=copies)  # --model hf: the config and tokenizer beside the weights
     write_json(out / "report.json", report)
     write_text(out / "report.md", merge_markdown(report))
     print(f"merged {len(ckpts)} checkpoints in {result.iterations} rounds ({timer.seconds:.2f} s): {written[0]}")

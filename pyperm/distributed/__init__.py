@@ -11,9 +11,10 @@ the data methods of :mod:`pyperm.nn`: ``activation_matching``, ``repair``, ``res
 ``barrier``, ``evaluate_curve``; they all-reduce their statistics and sums.
 
 Nothing here starts processes: ``torchrun`` (or any launcher) does, and the caller initialises
-the process group. The command line does both for ``align``:
+the process group. Under ``torchrun`` the command line initialises it for ``align`` and ``merge``:
 ``torchrun --nproc-per-node N -m pyperm align A B --model hf --out OUT`` splits the checkpoints'
-shards over the ranks and writes the same files as one process (:mod:`pyperm.commands._over_ranks`).
+shards over the ranks and writes the files one process writes, except where a step is within
+rounding of a tie (:mod:`pyperm.commands._over_ranks`, :mod:`pyperm.commands._merge_over_ranks`).
 See the guide page "Across processes and machines".
 """
 

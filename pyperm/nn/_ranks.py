@@ -53,6 +53,11 @@ class Ranks:
     def same(self, values: Sequence[float], what: str) -> None:
         """Raise ValueError on every rank unless every rank gives the same ``values`` (small ints)."""
         t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        # The lengths first: all-reduced tensors of other lengths would fail (or hang) in the backend.
+        n = self.max(torch.tensor([len(t), -len(t)], dtype=torch.float64))
+        if n[0] != -n[1]:
+            raise ValueError(f"group: the ranks differ in {what} (from {int(-n[1])} to {int(n[0])} values); "
+                             "every rank must run the same models and method on its share of the data")
         both = self.max(torch.cat([t, -t]))
         high, low = both[: len(t)], -both[len(t):]
         if not torch.equal(high, low):

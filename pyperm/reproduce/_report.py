@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pyperm._json import write_json
+from pyperm._staging import write_text
 from pyperm._tables import markdown_table
 
 __all__ = ["Finding", "findings_section", "settings_section", "write_report"]
@@ -87,7 +88,7 @@ def write_report(
 ) -> Path:
     """Write ``report.md`` (``lines``) and ``report.json`` (the run's settings, ``results`` and
     findings) into ``out``; returns the markdown report's path."""
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    write_text(out / "report.md", "\n".join(lines) + "\n")
     write_json(
         out / "report.json",
         {"report": name, "scale": scale, "seed": seed, "seconds": seconds, "settings": settings, **results,

@@ -7,9 +7,10 @@ wraps it for :class:`pyperm.CrossCorrelation`.
 An update never waits for the device: NaN or infinity in a batch, moments or a product that
 would overflow, are found by the kernels, which record the first failing update in the
 accumulator's ``status`` words and from then on leave the statistics as they were. The host
-reads those words only in :func:`check`, which the readers of the statistics call (and
-:func:`merge`): the ValueError then names the update, and the accumulator holds the samples
-before it. So a loop of updates on the device runs without a single host synchronisation.
+reads those words only in :func:`check`, which ``CrossCorrelation.check``, the readers of the
+statistics and :func:`merge` call: the ValueError then names the update, and the accumulator
+holds the samples before it. So a loop of updates on the device runs without a single host
+synchronisation. Work on one accumulator from several streams is serialised (:func:`serialise`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pyperm._arrays import is_torch_tensor
 from pyperm._cuda_arrays import dtype_name, require_torch, torch_launch
 from pyperm._ext import cuda_module
 
-__all__ = ["check", "merge", "new_state", "update"]
+__all__ = ["check", "merge", "new_state", "serialise", "update"]
 
 
 def new_state(dim_a: int, dim_b: int, device: Any, dtype: Any = None) -> dict[str, Any]:
@@ -43,7 +44,22 @@ def new_state(dim_a: int, dim_b: int, device: Any, dtype: Any = None) -> dict[st
         "work": torch.zeros(_WORK_WORDS, dtype=torch.int64, device=device),
         "updates": 0,
         "prefix": "",
+        "stream": None,  # the stream of the last update, merge or check (see serialise)
     }
+
+
+def serialise(state: dict[str, Any]) -> None:
+    """Order the work on ``state`` issued on the current stream after the work issued on the stream before.
+
+    The kernels read and write the accumulator in place, and the host reads the status words:
+    two streams doing that at once would race, so a stream other than the last one waits for it.
+    """
+    torch = require_torch("the cross-correlation accumulator")
+    current = torch.cuda.current_stream(state["comoment"].device)
+    last = state.get("stream")
+    if last is not None and last != current:
+        current.wait_stream(last)
+    state["stream"] = current
 
 
 _STATUS_WORDS, _WORK_WORDS = 3, 7
@@ -68,6 +84,7 @@ def check(state: dict[str, Any]) -> None:
         counts, the samples of the updates before that one; the status is cleared, so it can
         go on accumulating.
     """
+    serialise(state)
     status = state["status"]
     code, update, count = status.tolist()  # the only synchronisation of the device path
     if code == 0:
@@ -137,6 +154,7 @@ def update(state: dict[str, Any], xa: Any, xb: Any, prefix: str = "") -> None:
     rows = xa.shape[0]
     if rows == 0:
         return
+    serialise(state)
     a, b = _xcorr_side(xa), _xcorr_side(xb)
     if a.dtype != b.dtype:  # a float32/float64 mix runs in float64
         a, b = a.double(), b.double()

@@ -86,6 +86,9 @@ class HostMoments:
     def release_workspace(self) -> None:
         self._ws = _Workspace()
 
+    def check(self) -> None:
+        """Nothing pending: a host update raises its own errors."""
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         del state["_ws"]  # scratch, not statistics
@@ -227,10 +230,17 @@ class CudaMoments:
         self._check()
         return int(self._acc["count"])
 
-    def _check(self) -> None:
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_acc"] = {**self._acc, "stream": None}  # a stream belongs to this process
+        return state
+
+    def check(self) -> None:
         from pyperm.xcorr import _cuda
 
         _cuda.check(self._acc)
+
+    _check = check
 
     def empty_like(self) -> CudaMoments:
         return CudaMoments(self._acc["moments_a"].shape[1], self._acc["moments_b"].shape[1], self._dtype,

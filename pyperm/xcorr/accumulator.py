@@ -98,9 +98,19 @@ class CrossCorrelation:
     batches must be on the same device. :meth:`merge` brings the other accumulator's
     statistics to this one's device; :meth:`state` always gives host arrays.
 
-    *Threads.* An accumulator may be read from several threads but must be updated from one
-    at a time. Pairs of accumulators are updated together, in parallel, by
-    :meth:`update_many` or :class:`CrossCorrelationSet`.
+    *Errors in the data.* A batch with NaN or infinity, or values whose moments or product
+    would overflow, is never accumulated, on any device, and its ValueError (naming the
+    failing update) is raised no later than the next :meth:`check`, which every read of the
+    statistics (and :meth:`merge`) calls first; the accumulator then holds the samples of the
+    updates before it, and accumulates again after the error is raised. On the CPU the update
+    itself raises. On CUDA an update does not wait for the device: the kernels record the
+    first failing update and skip the later ones until the error is raised, so call
+    :meth:`check` after an update to learn of it there (one small read back).
+
+    *Threads and streams.* An accumulator may be read from several threads but must be updated
+    from one at a time. On CUDA, updates, merges and reads issued on different streams are
+    serialised (each waits for the stream of the one before). Pairs of accumulators are
+    updated together, in parallel, by :meth:`update_many` or :class:`CrossCorrelationSet`.
 
     *Memory.* Besides the accumulator, scratch buffers for the centred batch and its product
     (``dim_a x dim_b`` in the input precision) are kept between updates; pickling and
@@ -161,6 +171,24 @@ class CrossCorrelation:
     def release_workspace(self) -> None:
         """Free the scratch buffers kept between updates (they are re-created on demand)."""
         self._state.release_workspace()
+
+    def check(self) -> CrossCorrelation:
+        """Raise the error of a bad batch accumulated since the last check, if any (see the class notes).
+
+        Returns
+        -------
+        CrossCorrelation
+            ``self``, when every update so far was accumulated.
+
+        Raises
+        ------
+        ValueError
+            An update's batch held NaN or infinity, or values whose moments or product would
+            overflow (found on the device); the message names the update. The accumulator holds
+            the samples of the updates before it and accepts updates again.
+        """
+        self._state.check()
+        return self
 
     def __repr__(self) -> str:
         where = "" if self._state.device is None else f", device={self._state.device}"

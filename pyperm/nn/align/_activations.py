@@ -185,6 +185,8 @@ def _update(accs: Any, readings: Sequence[Reading], held: tuple[Mapping, Mapping
         if on_device:
             for i, (za, zb) in pairs.items():
                 accs[i].update(za, zb)
+            for i in pairs:  # the device's errors, raised here while the batch can still name its site
+                accs[i].check()
         else:
             accs.update(pairs)  # one call: the set runs every reading's kernel on the thread pool at once
     except ValueError:

@@ -14,8 +14,11 @@ Every rank walks the same seeded visiting order as :func:`pyperm.nn.weight_match
 part in the steps that read its tensors; steps with disjoint sets of ranks run at the same time
 by themselves. Each step sees the permutations it would see in one process, so the
 permutations equal one process's for the same seed and start, and the objective equals it up to
-the order of summation (the parts are summed in another order; a step within rounding of a tie
-could then go the other way, as between two machines).
+the order of summation, except where a step is within rounding of a tie (dead or duplicate units):
+the parts are summed in another order and the solvers start from other warm states, so such a step
+can go the other way, as between two machines (tied units trade places; the objective and the
+permuted model's function stay the same). ``init="best"`` does not look for an exact permuted copy
+first, as one process does; the searches find it.
 
 ``concurrent=True`` visits each sweep's groups in *waves*: a group joins the first wave after
 every earlier group (in the seeded order) that shares a tensor with it, so the groups of a wave
@@ -35,7 +38,7 @@ from typing import Any
 import torch
 
 from pyperm._checks import check_int, check_merge_weights, check_nonnegative_real, torch_generator
-from pyperm._comm import Channel, check_same
+from pyperm._comm import Channel, check_same, shared_errors
 from pyperm.nn.align._rank_layout import gather_layout
 from pyperm.nn.align._rank_starts import signature_start_over_ranks, stalled_over_ranks
 from pyperm.nn.align._ranks import RankMatcher
@@ -134,11 +137,29 @@ def weight_matching(
     if isinstance(init, str) and init not in STARTS:
         raise ValueError(f"init must be one of {', '.join(map(repr, STARTS))}, permutations or None, got {init!r}")
     start = init if init is None or isinstance(init, str) else as_permutations(spec, init, "init")
+    keys = keys if keys is None or isinstance(keys, str) else list(keys)  # read twice below
     chan = Channel(group)
-    check_same(chan, spec=sorted(spec.sizes.items()),
-               start=start if start is None or isinstance(start, str) else {g: p.tolist() for g, p in start.items()},
-               max_iter=max_iter, tol=tol, dtype=dtype, concurrent=concurrent,
-               seed=hashlib.sha256(gen.get_state().numpy().tobytes()).hexdigest())  # fmt: skip
+    with shared_errors(chan, "weight matching"):
+        check_same(chan, spec=_spec_facts(spec),
+                   start=start if start is None or isinstance(start, str) else {g: p.tolist() for g, p in start.items()},
+                   keys=keys if keys is None or isinstance(keys, str) else sorted(map(repr, keys)),
+                   max_iter=max_iter, tol=tol, dtype=dtype, product_dtype=product_dtype, concurrent=concurrent,
+                   seed=hashlib.sha256(gen.get_state().numpy().tobytes()).hexdigest())  # fmt: skip
+        result = _search(spec, state_a, state_b, start, keys, dtype, product_dtype, chan, max_iter, tol, concurrent,
+                         gen)  # fmt: skip
+    result.seconds["total"] = time.perf_counter() - started  # the whole call, every start, as in one process
+    return result
+
+
+def _spec_facts(spec: PermutationSpec) -> list:
+    """What must agree between the ranks' specs: every key's axes (their groups and forms) and every size."""
+    return [sorted((k, repr(v)) for k, v in spec.axes.items()), sorted(spec.sizes.items())]
+
+
+def _search(spec: PermutationSpec, state_a: Mapping[str, torch.Tensor], state_b: Mapping[str, torch.Tensor], start: Any,
+            keys: Any, dtype: torch.dtype, product_dtype: Any, chan: Channel, max_iter: int, tol: float,
+            concurrent: bool, gen: torch.Generator) -> DistributedMatchingResult:  # fmt: skip
+    """The search from ``start`` (or the best of the identity and signatures starts) over the ranks."""
     sa, sb, layout = gather_layout(spec, state_a, state_b, chan)
     chosen = _objective_keys(spec, layout.meta, keys)
     run = _Run(spec, sa, sb, layout, chosen, dtype, product_dtype, chan, max_iter, tol, concurrent)
@@ -156,7 +177,6 @@ def weight_matching(
             total = result.bytes_total + second.bytes_total  # both searches' (bytes_per_sweep: the winner's)
             result = second if second.objective[-1] > result.objective[-1] else result
             result.bytes_total = total
-    result.seconds["total"] = time.perf_counter() - started  # the whole call, every start, as in one process
     return result
 
 
@@ -240,7 +260,8 @@ def merge_many(
     takes them). Each matching of a model to the mean of the others is a :func:`weight_matching`
     over the ranks, warm-started from the model's permutations and drawing its group orders from
     the same generator, so the rounds, the permutations and the merged model equal one process's
-    ``merge_many`` for the same seed (up to summation order, as :func:`weight_matching`).
+    ``merge_many`` for the same seed (up to summation order, and except where a step is within
+    rounding of a tie, as :func:`weight_matching`; each matching starts a fresh matcher).
 
     Parameters
     ----------
@@ -279,6 +300,16 @@ def merge_many(
         if not isinstance(state, Mapping) or set(state) != keys:
             raise ValueError(f"states[{i}] must hold the same keys as states[0] (this rank's share of every model)")
     shares = [{k: v.detach() for k, v in s.items()} for s in states]
+    chan = Channel(group)
+    with shared_errors(chan, "merge_many"):
+        check_same(chan, spec=_spec_facts(spec), models=len(states), max_iter=max_iter,
+                   seed=hashlib.sha256(gen.get_state().numpy().tobytes()).hexdigest())  # fmt: skip
+        return _merge(spec, shares, group, max_iter, gen, progress)
+
+
+def _merge(spec: PermutationSpec, shares: list[dict], group: Any, max_iter: int, gen: torch.Generator,
+           progress: bool) -> MergeResult:
+    """MergeMany's rounds over the ranks (the arguments checked, the same on every rank)."""
 
     def match(i: int, others: dict, init: Permutations, g: torch.Generator) -> Permutations:
         return weight_matching(spec, others, shares[i], group=group, init=init, seed=g).perms
