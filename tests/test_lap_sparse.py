@@ -294,3 +294,27 @@ def test_long_augmenting_paths():
     for maximize in (False, True):
         rows_, cols_ = pyperm.linear_sum_assignment(cost, maximize=maximize)
         assert_optimal(cost, rows_, cols_, maximize)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "negative", "integer"])
+def test_square_problems_past_the_two_way_switch(kind):
+    # Square and big enough that more rows stay free after the row reductions than the
+    # two-way search takes on: the one-way searches run first, the two-way ones finish.
+    rng = np.random.default_rng(len(kind))
+    cost = random_problem(rng, 6000, 6000, 3, kind, zeros=True)
+    for maximize in (False, True):
+        rows, cols = pyperm.linear_sum_assignment(cost, maximize=maximize)
+        assert_optimal(cost, rows, cols, maximize)
+
+
+@pytest.mark.parametrize("n", [300, 6000])
+def test_infeasible_by_hall_condition(n):
+    # Every row and column has an edge, but rows 0 and 1 share their only column.
+    rng = np.random.default_rng(n)
+    cost = random_problem(rng, n, n, 3, "uniform").tolil()
+    cost[0, :] = 0
+    cost[1, :] = 0
+    cost[0, 5] = 1.0
+    cost[1, 5] = 2.0
+    with pytest.raises(ValueError, match="no full matching exists"):
+        pyperm.linear_sum_assignment(cost.tocsr())

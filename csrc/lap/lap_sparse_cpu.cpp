@@ -8,6 +8,11 @@
 namespace pyperm::cpu {
 namespace {
 
+// Square problems search from both ends once this few rows are left to augment. While
+// there are many free columns a forward search soon finds one and seeding the backward
+// search with all of them would cost more than it saves.
+constexpr size_t kTwoWayFreeRows = 256;
+
 // A stored entry of the working problem: its cost and column, side by side so that a row
 // scan reads one stream.
 template <typename T>
@@ -78,6 +83,7 @@ class MinHeap {
   };
   void clear() { items_.clear(); }
   bool empty() const { return items_.empty(); }
+  size_t size() const { return items_.size(); }
   const Item& top() const { return items_[0]; }
   void push(Item x) {
     size_t i = items_.size();
@@ -145,8 +151,13 @@ class SparseSolver {
       for (int32_t i = 0; i < g_.n; ++i) free_rows[i] = i;
     }
     for (int pass = 0; pass < 2 && !free_rows.empty(); ++pass) free_rows = reduce_rows(free_rows);
-    for (int32_t i : free_rows) {
-      Status s = augment(i);
+    for (size_t k = 0; k < free_rows.size(); ++k) {
+      // The last searches reach most of the graph when few free columns are left; a search
+      // from both ends then meets in the middle (square problems only: it moves the prices
+      // of free columns, which a rectangular problem must keep).
+      const bool two_way = g_.n == g_.m && free_rows.size() - k <= kTwoWayFreeRows;
+      if (two_way && free_cols_.empty()) start_two_way();
+      Status s = two_way ? augment_two_way(free_rows[k]) : augment(free_rows[k]);
       if (s != Status::Ok) return s;
     }
     return Status::Ok;
@@ -359,6 +370,217 @@ class SparseSolver {
     return Status::Ok;
   }
 
+  // Enters the two-way phase: the transposed edges (each column's rows) for the backward
+  // search, and the list of free columns it starts from.
+  void start_two_way() {
+    by_col_start_.assign(static_cast<size_t>(g_.m) + 1, 0);
+    for (const Edge<T>& e : g_.edges) ++by_col_start_[static_cast<size_t>(e.col) + 1];
+    for (int32_t j = 0; j < g_.m; ++j) by_col_start_[j + 1] += by_col_start_[j];
+    by_col_.resize(g_.edges.size());
+    std::vector<int64_t> cursor(by_col_start_.begin(), by_col_start_.end() - 1);
+    for (int32_t i = 0; i < g_.n; ++i)
+      for (int64_t k = g_.start[i]; k < g_.start[i + 1]; ++k) {
+        const Edge<T> e = g_.edges[k];
+        by_col_[cursor[e.col]++] = Edge<T>{e.cost, i};  // `col` holds the row here
+      }
+    back_.assign(static_cast<size_t>(g_.m), Back{T(0), 0u, -1, T(0)});
+    on_back_path_.assign(static_cast<size_t>(g_.m), 0u);
+    free_pos_.assign(static_cast<size_t>(g_.m), -1);
+    for (int32_t j = 0; j < g_.m; ++j)
+      if (row_of_col_[j] < 0) {
+        free_pos_[j] = static_cast<int32_t>(free_cols_.size());
+        free_cols_.push_back(j);
+      }
+  }
+
+  // The least valid key of a heap whose stale entries are those `is_stale` says, which are
+  // dropped on the way; +inf when it is empty.
+  template <typename Stale>
+  T heap_min(MinHeap<T>& heap, Stale is_stale) {
+    while (!heap.empty() && is_stale(heap.top())) heap.pop();
+    return heap.empty() ? std::numeric_limits<T>::infinity() : heap.top().dist;
+  }
+
+  // A shortest augmenting path from free row i0 found by two Dijkstra searches over reduced
+  // costs: forward from i0 (distances df, as in augment) and backward from every free
+  // column (db: the distance from a column to the nearest free column, over the reversed
+  // edges), expanding the side with the smaller frontier, until the least unsettled
+  // distances of the two sides sum to at least the best path found, D (bidirectional
+  // Dijkstra). The prices then move by phi(j) = min(df(j), max(s, D - db(j))) with
+  // s = min(least unsettled df, D): phi is the minimum of two feasible potentials (hence
+  // feasible), equals the distance along every shortest path (so the path is tight), and
+  // differs from the constant s only on the settled columns, which keeps the update
+  // O(touched). Free columns get phi = D: their prices rise, which a square problem allows.
+  Status augment_two_way(int32_t i0) {
+    const T inf = std::numeric_limits<T>::infinity();
+    const RowMin first = row_min(i0);
+    if (row_of_col_[first.j1] < 0) {
+      assign(i0, first.j1, first.c1);
+      drop_free_col(first.j1);
+      return Status::Ok;
+    }
+    ++search_;
+    const uint32_t reached = 2u * static_cast<uint32_t>(search_), final_mark = reached + 1;
+    heap_.clear();
+    back_heap_.clear();
+    scanned_.clear();
+    back_scanned_.clear();
+    best_ = inf;
+    meet_ = -1;
+    for (int32_t j : free_cols_) {
+      back_[j] = Back{T(0), reached, -1, T(0)};
+      back_heap_.push({T(0), j});
+    }
+    for (int64_t k = g_.start[i0]; k < g_.start[i0 + 1]; ++k) {
+      const Edge<T> e = g_.edges[k];
+      reach_forward(e.col, e.cost - cols_[e.col].price - first.u1, i0, e.cost, reached);
+    }
+    auto stale_forward = [&](const typename MinHeap<T>::Item& x) {
+      const Column& c = cols_[x.col];
+      return c.mark == final_mark || x.dist > c.dist;
+    };
+    auto stale_backward = [&](const typename MinHeap<T>::Item& x) {
+      const Back& b = back_[x.col];
+      return b.mark == final_mark || x.dist > b.dist;
+    };
+    T top_forward = heap_min(heap_, stale_forward);
+    T top_backward = heap_min(back_heap_, stale_backward);
+    while (top_forward + top_backward < best_) {
+      if (heap_.size() <= back_heap_.size()) {
+        scan_forward(final_mark, reached);
+        top_forward = heap_min(heap_, stale_forward);
+      } else {
+        scan_backward(final_mark, reached);
+        top_backward = heap_min(back_heap_, stale_backward);
+      }
+    }
+    if (meet_ < 0) return Status::Infeasible;
+    const T total = best_, split = std::min(top_forward, total);
+    for (int32_t j : scanned_)
+      if (cols_[j].dist < split) cols_[j].price += cols_[j].dist - split;
+    for (int32_t j : back_scanned_)
+      if (back_[j].dist < total - split) cols_[j].price += total - back_[j].dist - split;
+    swap_along_path(i0);
+    return Status::Ok;
+  }
+
+  // Forward label of column k (as `reach`, with the best path instead of the nearest free
+  // column as the bound): a column the backward search has labelled closes a path.
+  void reach_forward(int32_t k, T dist, int32_t row, T cost, uint32_t reached) {
+    if (!(dist < best_)) return;
+    Column& c = cols_[k];
+    if (c.mark >= reached && !(dist < c.dist)) return;
+    c.dist = dist;
+    c.mark = reached;
+    pred_[k] = Pred{cost, row};
+    heap_.push({dist, k});
+    if (back_[k].mark >= reached && dist + back_[k].dist < best_) {
+      best_ = dist + back_[k].dist;
+      meet_ = k;
+    }
+  }
+
+  void scan_forward(uint32_t final_mark, uint32_t reached) {
+    const typename MinHeap<T>::Item top = heap_.top();
+    heap_.pop();
+    Column& c = cols_[top.col];
+    c.mark = final_mark;
+    scanned_.push_back(top.col);
+    const int32_t r = row_of_col_[top.col];
+    if (r < 0) return;  // a free column: the backward side knows it (db = 0)
+    const T base = top.dist - (row_cost_[r] - c.price);
+    for (int64_t k = g_.start[r]; k < g_.start[r + 1]; ++k) {
+      const Edge<T> e = g_.edges[k];
+      if (cols_[e.col].mark == final_mark) continue;
+      reach_forward(e.col, base + e.cost - cols_[e.col].price, r, e.cost, reached);
+    }
+  }
+
+  // Settles the nearest backward column b: every matched row r with an edge to b could move
+  // there from its column a, at reduced cost (c(r, b) - v_b) - (c(r, a) - v_a) >= 0.
+  void scan_backward(uint32_t final_mark, uint32_t reached) {
+    const typename MinHeap<T>::Item top = back_heap_.top();
+    back_heap_.pop();
+    const int32_t b = top.col;
+    back_[b].mark = final_mark;
+    back_scanned_.push_back(b);
+    const T base = top.dist - cols_[b].price;
+    for (int64_t k = by_col_start_[b]; k < by_col_start_[b + 1]; ++k) {
+      const Edge<T> e = by_col_[k];
+      const int32_t r = e.col, a = col_of_row_[r];
+      if (a < 0 || a == b) continue;  // a free row (the search's own is the other side's)
+      Back& back = back_[a];
+      if (back.mark == final_mark) continue;
+      const T dist = base + e.cost - (row_cost_[r] - cols_[a].price);
+      if (!(dist < best_)) continue;
+      if (back.mark >= reached && !(dist < back.dist)) continue;
+      back = Back{dist, reached, b, e.cost};
+      back_heap_.push({dist, a});
+      if (cols_[a].mark >= reached && cols_[a].dist + dist < best_) {
+        best_ = cols_[a].dist + dist;
+        meet_ = a;
+      }
+    }
+  }
+
+  // Moves every row on the path i0 -> meet_ (forward tree) -> a free column (backward tree).
+  // Should the two halves share a column x (possible through zero-length cycles), the path
+  // through the first such x from i0 is taken: it is no longer and is simple.
+  void swap_along_path(int32_t i0) {
+    ++path_stamp_;
+    for (int32_t a = meet_;;) {
+      on_back_path_[a] = path_stamp_;
+      if (row_of_col_[a] < 0) break;
+      a = back_[a].next;
+    }
+    forward_path_.clear();  // columns from meet_ back to i0's first column
+    for (int32_t j = meet_;;) {
+      forward_path_.push_back(j);
+      const int32_t r = pred_[j].row;
+      if (r == i0) break;
+      j = col_of_row_[r];
+    }
+    size_t cut = forward_path_.size() - 1;  // the first column from i0 on both halves
+    while (on_back_path_[forward_path_[cut]] != path_stamp_) --cut;
+    const int32_t x = forward_path_[cut];
+    // Backward half first (its rows leave columns the forward half does not touch).
+    int32_t sink = x;
+    moves_.clear();
+    while (row_of_col_[sink] >= 0) {
+      const Back& b = back_[sink];
+      moves_.push_back(Move{row_of_col_[sink], b.next, b.cost});
+      sink = b.next;
+    }
+    for (size_t k = cut;; ++k) {
+      const int32_t j = forward_path_[k];
+      moves_.push_back(Move{pred_[j].row, j, pred_[j].cost});
+      if (k + 1 == forward_path_.size()) break;
+    }
+    for (const Move& mv : moves_) assign(mv.row, mv.col, mv.cost);
+    drop_free_col(sink);
+  }
+
+  void drop_free_col(int32_t j) {
+    const int32_t pos = free_pos_[j], last = free_cols_.back();
+    free_cols_[pos] = last;
+    free_pos_[last] = pos;
+    free_cols_.pop_back();
+    free_pos_[j] = -1;
+  }
+
+  // Backward label of a column: its distance to the nearest free column, and the move of
+  // its row on that path (to column `next` over an edge of cost `cost`).
+  struct Back {
+    T dist;
+    uint32_t mark;
+    int32_t next;
+    T cost;
+  };
+  struct Move {
+    int32_t row, col;
+    T cost;
+  };
+
   const Graph<T>& g_;
   std::vector<Column> cols_;      // prices and search state
   std::vector<T> row_cost_;       // cost of each matched row's edge
@@ -369,6 +591,17 @@ class SparseSolver {
   T bound_ = T(0);      // the distance of the nearest free column reached in this search
   int32_t sink_ = -1;   // that column
   int64_t search_ = 0;
+  // The two-way phase (empty until it starts).
+  std::vector<int64_t> by_col_start_;
+  std::vector<Edge<T>> by_col_;
+  std::vector<Back> back_;
+  std::vector<int32_t> free_cols_, free_pos_, back_scanned_, forward_path_;
+  std::vector<uint32_t> on_back_path_;
+  std::vector<Move> moves_;
+  MinHeap<T> back_heap_;
+  uint32_t path_stamp_ = 0;
+  T best_ = T(0);
+  int32_t meet_ = -1;
 };
 
 }  // namespace
