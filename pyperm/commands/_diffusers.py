@@ -78,9 +78,18 @@ def _single_sample_class(cls: type) -> type:
 
     class SingleSample(cls):  # type: ignore[misc, valid-type]
         _pyperm_single_sample = True
+        _pyperm_interfaces = False  # True while tracing: see below
 
-        def forward(self, sample):  # noqa: D401 - the model's own forward, its other inputs fixed
-            return cls.forward(self, sample, **conditions(cls.__name__, self.config, sample), return_dict=False)[0]
+        def forward(self, sample, timestep=None):  # noqa: D401 - the model's own forward, its other inputs fixed
+            if cls.__name__ == "AutoencoderKL" and self._pyperm_interfaces:
+                # The latent space is the VAE's contract with the UNet (and its log-variance half with the
+                # sampling of img2img): traced as an output, so that its channels are never permuted.
+                posterior = self.encode(sample).latent_dist
+                return self.decode(posterior.mode()).sample, posterior.parameters
+            inputs = conditions(cls.__name__, self.config, sample)
+            if timestep is not None:  # the denoising loss of pyperm barrier: one timestep per sample
+                inputs["timestep"] = timestep
+            return cls.forward(self, sample, **inputs, return_dict=False)[0]
 
     SingleSample.__name__ = SingleSample.__qualname__ = cls.__name__
     SingleSample.__module__ = cls.__module__
@@ -154,5 +163,9 @@ def diffusers_model(folder: Path, name: str, shape: tuple[int, ...] | None, *, m
         raise CommandError(f"--model hf: diffusers cannot build {name} from {config_file} ({exc})") from exc
     shape = shape or _example_shape(model.config)
     example = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    spec = PermutationSpec.from_model(model, example.to("meta") if meta else example)
+    model._pyperm_interfaces = True  # a VAE's latents are traced as an output (SingleSample.forward)
+    try:
+        spec = PermutationSpec.from_model(model, example.to("meta") if meta else example)
+    finally:
+        del model._pyperm_interfaces
     return LoadedModel(f"hf ({name})", model, spec, tuple(shape), example, build=build)

@@ -22,7 +22,7 @@ from typing import Any
 
 from pyperm.commands._common import CommandError, LoadedModel
 
-__all__ = ["copy_files", "folder_copies", "folder_of", "hf_model"]
+__all__ = ["copy_files", "folder_copies", "folder_of", "hf_model", "is_weights"]
 
 def folder_of(path: str | Path) -> Path:
     """The ``save_pretrained`` folder a checkpoint argument names (the folder itself, or a file in it)."""
@@ -99,7 +99,7 @@ def hf_model(checkpoint: str | Path, shape: tuple[int, ...] | None, *, meta: boo
     return LoadedModel(f"hf ({names[0]})", model, spec, tuple(shape), example, build=build)
 
 
-def _is_weights(path: Path) -> bool:
+def is_weights(path: Path) -> bool:
     """A file of weights (any checkpoint suffix pyperm reads, or an index): written by the command, never copied."""
     from pyperm.checkpoints import TORCH_SUFFIXES
 
@@ -114,7 +114,7 @@ def folder_copies(source: Any, written: list[Path]) -> list[tuple[Path, Path]]:
     folder = folder_of(source.path)
     taken = {p.name for p in written}
     return [(p, written[0].parent / p.name) for p in sorted(folder.iterdir())
-            if p.is_file() and not _is_weights(p) and p.name not in taken
+            if p.is_file() and not is_weights(p) and p.name not in taken
             and not p.name.endswith(SUFFIX)]  # fmt: skip
 
 
