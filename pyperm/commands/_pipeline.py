@@ -29,6 +29,7 @@ __all__ = ["INDEX", "Component", "is_pipeline", "read_pipelines", "run_pipeline"
 INDEX = "model_index.json"
 #: The libraries whose components are models pyperm reads (the others are copied).
 MODEL_LIBRARIES = ("diffusers", "transformers")
+_PAST = {"align": "aligned", "merge": "merged"}
 
 
 @dataclass(frozen=True)
@@ -133,10 +134,10 @@ def run_pipeline(args: argparse.Namespace, job: PipelineRun) -> int:
     from pyperm.commands._over_ranks import launched
 
     if launched():
-        raise CommandError(f"--model hf: pipeline folders are {job.command}ed in one process; under torchrun give "
+        raise CommandError(f"--model hf: pipeline folders are {_PAST[job.command]} in one process; under torchrun give "
                            f"one component folder at a time")  # fmt: skip
     if getattr(args, "data", None) or getattr(args, "method", "weight") != "weight":
-        raise CommandError(f"--model hf: pipeline folders are {job.command}ed by weight matching without --data; "
+        raise CommandError(f"--model hf: pipeline folders are {_PAST[job.command]} by weight matching without --data; "
                            f"give a component folder for the other methods")  # fmt: skip
     if len(job.inputs) < 2:
         raise CommandError(f"{job.command} needs at least two pipelines, got {len(job.inputs)}")
@@ -185,7 +186,7 @@ def run_pipeline(args: argparse.Namespace, job: PipelineRun) -> int:
 
 def _component_row(c: Component, report: dict[str, Any]) -> dict[str, Any]:
     """What the pipeline's report says of one model component, from the component's own report.json."""
-    row: dict[str, Any] = {"name": c.name, "class": c.class_name, "action": report["command"] + "ed",
+    row: dict[str, Any] = {"name": c.name, "class": c.class_name, "action": _PAST[report["command"]],
                            "report": f"{c.name}/report.md", "groups": report.get("groups", [])}  # fmt: skip
     if report["command"] == "align":
         info = report["matching"]

@@ -60,9 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def path_barriers(
-    loaded: Any, state_a: dict, paths: dict[str, dict], data: Any, num_points: int, device: Any, progress: bool
+    loaded: Any, state_a: dict, paths: dict[str, dict], data: Any, num_points: int, device: Any, progress: bool,
+    loss_fn: Any = None,
 ) -> dict:
-    """``barrier`` of A with each state of ``paths`` on the test batches (BatchNorm reset on the training batches).
+    """``barrier`` of A with each state of ``paths`` on the test batches (BatchNorm reset on the training batches),
+    under ``loss_fn`` (cross-entropy when None).
 
     Shared with ``pyperm barrier``.
     """
@@ -75,7 +77,8 @@ def path_barriers(
     bn_data = data.train if has_batchnorm(model) else None
     return {
         label: pnn.barrier(
-            model, state_a, state_b, data.test, num_points=num_points, bn_data=bn_data, progress=progress
+            model, state_a, state_b, data.test, num_points=num_points, bn_data=bn_data, progress=progress,
+            loss_fn=loss_fn,
         )
         for label, state_b in paths.items()
     }
