@@ -35,6 +35,7 @@ __all__ = [
     "scipy_bottleneck_greedy",
     "scipy_bottleneck_matching",
     "scipy_max_weight_greedy",
+    "tiny_pipeline",
 ]
 
 
@@ -308,6 +309,53 @@ def assert_same_function(model, spec, *inputs, seed=0, train: bool = False, rtol
         for key, tensor in other.state_dict().items():
             torch.testing.assert_close(tensor, permuted[key], rtol=rtol, atol=atol)
     model.eval()
+
+
+def tiny_pipeline(folder, seed: int = 0):
+    """Write a tiny random Stable-Diffusion-1.x-shaped pipeline (``save_pretrained``) into ``folder``.
+
+    Its components have the real classes and layout (a ``UNet2DConditionModel`` with cross-attention, an
+    ``AutoencoderKL``, a ``CLIPTextModel`` and its ``CLIPTokenizer`` over a 54-token alphabet, a
+    ``DDPMScheduler``, no safety checker) at a few thousand parameters each, initialised from ``seed``:
+    what the tests and the documentation align and merge without downloading a checkpoint. Needs
+    diffusers and transformers. Returns the pipeline.
+    """
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for letter in "abcdefghijklmnopqrstuvwxyz":
+        vocab[letter] = len(vocab)
+        vocab[f"{letter}</w>"] = len(vocab)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "vocab.json").write_text(json.dumps(vocab))
+        (Path(tmp) / "merges.txt").write_text("#version: 0.2\n")
+        tokenizer = CLIPTokenizer(str(Path(tmp) / "vocab.json"), str(Path(tmp) / "merges.txt"), model_max_length=8)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        text_encoder = CLIPTextModel(CLIPTextConfig(
+            vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            max_position_embeddings=8, projection_dim=16, bos_token_id=0, eos_token_id=1, pad_token_id=1))  # fmt: skip
+        unet = UNet2DConditionModel(
+            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=16, attention_head_dim=8, norm_num_groups=8)  # fmt: skip
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), latent_channels=4,
+            norm_num_groups=8, sample_size=16)  # fmt: skip
+    pipeline = StableDiffusionPipeline(
+        vae=vae.eval(), text_encoder=text_encoder.eval(), tokenizer=tokenizer, unet=unet.eval(),
+        scheduler=DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, steps_offset=1,
+                                clip_sample=False),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False)  # fmt: skip
+    pipeline.save_pretrained(str(folder))
+    return pipeline
 
 
 @contextlib.contextmanager

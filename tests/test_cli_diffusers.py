@@ -57,16 +57,21 @@ def test_merge_sharded_sdxl_unet_folders_with_weights(tmp_path):
     assert (out / "merged" / "diffusion_pytorch_model.safetensors.index.json").is_file()
 
 
-def test_a_pipeline_folder_is_refused_with_its_components(tmp_path, capsys):
+def test_barrier_refuses_a_pipeline_folder_with_its_model_components(tmp_path, capsys):
     for name in ("p", "q"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "model_index.json").write_text(json.dumps({
             "_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
-            "vae": ["diffusers", "AutoencoderKL"], "safety_checker": [None, None]}))  # fmt: skip
-    assert main(["align", str(tmp_path / "p"), str(tmp_path / "q"), "--model", "hf", "--out", str(tmp_path / "o"),
+            "vae": ["diffusers", "AutoencoderKL"], "scheduler": ["diffusers", "DDPMScheduler"],
+            "safety_checker": [None, None]}))  # fmt: skip
+        for component in ("unet", "vae", "scheduler"):
+            (tmp_path / name / component).mkdir()
+        for component in ("unet", "vae"):
+            (tmp_path / name / component / "config.json").write_text("{}")
+    assert main(["barrier", str(tmp_path / "p"), str(tmp_path / "q"), "--model", "hf", "--out", str(tmp_path / "o"),
                  *NO_BARS]) != 0  # fmt: skip
     err = capsys.readouterr().err
-    assert "is a diffusers pipeline folder (model_index.json)" in err and "unet, vae" in err
+    assert "is a diffusers pipeline folder (model_index.json)" in err and "(unet, vae)" in err
 
 
 def test_an_unsupported_class_and_a_missing_diffusers_are_named(tmp_path, capsys, monkeypatch):

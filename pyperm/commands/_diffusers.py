@@ -8,8 +8,9 @@ time conditions) are fixed tensors built from the config's widths, so tracing an
 model like any other. ``state_dict`` keys, ``config`` and ``save_pretrained`` are the model's own, so an output
 folder (the weights in the input's layout, ``config.json`` copied beside them) is one ``from_pretrained`` loads.
 
-A pipeline folder (``model_index.json``) is refused with the components to give instead: one model folder at a
-time (``unet/``, ``vae/``; the text encoders are transformers folders).
+``pyperm align`` and ``pyperm merge`` take pipeline folders (``model_index.json``) component by component
+(:mod:`pyperm.commands._pipeline`); elsewhere (``pyperm barrier``) a pipeline folder is refused with the
+components to give instead, one model folder at a time (``unet/``, ``vae/``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 from pyperm.commands._common import CommandError, LoadedModel
 
-__all__ = ["SUPPORTED", "conditions", "diffusers_class_name", "diffusers_model"]
+__all__ = ["SUPPORTED", "conditions", "diffusers_class_name", "diffusers_model", "evaluation_data"]
 
 #: The diffusers model classes ``--model hf`` reads, and what their forward needs besides the sample.
 SUPPORTED = ("UNet2DConditionModel", "UNet2DModel", "AutoencoderKL")
@@ -52,12 +53,14 @@ def diffusers_class_name(folder: Path) -> str | None:
 
 
 def _components(index: Path) -> list[str]:
-    """The model components a pipeline's model_index.json lists (``unet``, ``vae``, ``text_encoder`` ...)."""
+    """The model components (folders with a config.json) a pipeline's model_index.json lists (``unet``, ``vae``,
+    ``text_encoder`` ...)."""
     try:
         data = json.loads(index.read_text())
     except (OSError, ValueError):
         return []
-    return [k for k, v in data.items() if not k.startswith("_") and isinstance(v, list) and len(v) == 2 and v[0]]
+    return [k for k, v in data.items() if not k.startswith("_") and isinstance(v, list) and len(v) == 2 and v[0]
+            and (index.parent / k / "config.json").is_file()]  # fmt: skip
 
 
 def _diffusers(config: Path, name: str) -> Any:
@@ -78,9 +81,18 @@ def _single_sample_class(cls: type) -> type:
 
     class SingleSample(cls):  # type: ignore[misc, valid-type]
         _pyperm_single_sample = True
+        _pyperm_interfaces = False  # True while tracing: see below
 
-        def forward(self, sample):  # noqa: D401 - the model's own forward, its other inputs fixed
-            return cls.forward(self, sample, **conditions(cls.__name__, self.config, sample), return_dict=False)[0]
+        def forward(self, sample, timestep=None):  # noqa: D401 - the model's own forward, its other inputs fixed
+            if cls.__name__ == "AutoencoderKL" and self._pyperm_interfaces:
+                # The latent space is the VAE's contract with the UNet (and its log-variance half with the
+                # sampling of img2img): traced as an output, so that its channels are never permuted.
+                posterior = self.encode(sample).latent_dist
+                return self.decode(posterior.mode()).sample, posterior.parameters
+            inputs = conditions(cls.__name__, self.config, sample)
+            if timestep is not None:  # the denoising loss of pyperm barrier: one timestep per sample
+                inputs["timestep"] = timestep
+            return cls.forward(self, sample, **inputs, return_dict=False)[0]
 
     SingleSample.__name__ = SingleSample.__qualname__ = cls.__name__
     SingleSample.__module__ = cls.__module__
@@ -154,5 +166,44 @@ def diffusers_model(folder: Path, name: str, shape: tuple[int, ...] | None, *, m
         raise CommandError(f"--model hf: diffusers cannot build {name} from {config_file} ({exc})") from exc
     shape = shape or _example_shape(model.config)
     example = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    spec = PermutationSpec.from_model(model, example.to("meta") if meta else example)
+    model._pyperm_interfaces = True  # a VAE's latents are traced as an output (SingleSample.forward)
+    try:
+        spec = PermutationSpec.from_model(model, example.to("meta") if meta else example)
+    finally:
+        del model._pyperm_interfaces
     return LoadedModel(f"hf ({name})", model, spec, tuple(shape), example, build=build)
+
+
+def evaluation_data(loaded: LoadedModel, samples: int, batch_size: int, seed: int) -> tuple[Any, Any]:
+    """The batches ``pyperm barrier`` evaluates a diffusers model on, and its loss: ``(Data, loss_fn)``.
+
+    A UNet: the denoising loss it was trained with, on fixed draws. ``samples`` latents
+    :math:`x_0` and noises :math:`\\epsilon` from a standard normal, timesteps :math:`t` uniform in
+    0..999 (seeded by ``seed``), noised with Stable Diffusion's schedule (``scaled_linear`` betas from
+    0.00085 to 0.012), :math:`x_t = \\sqrt{\\bar\\alpha_t}\\,x_0 + \\sqrt{1 - \\bar\\alpha_t}\\,\\epsilon`; the loss is
+    the mean squared error of the predicted noise, under the fixed conditions of :func:`conditions`.
+    A VAE: the mean squared reconstruction error of ``samples`` images uniform in [-1, 1]. Random inputs
+    measure how the models agree, not image quality; the accuracy is NaN.
+    """
+    import torch
+
+    from pyperm.commands._common import Data
+
+    generator = torch.Generator().manual_seed(seed)
+    shape = (samples, *loaded.input_shape[1:])
+    name = loaded.name.removeprefix("hf (").removesuffix(")")
+    if name == "AutoencoderKL":
+        images = torch.rand(shape, generator=generator) * 2 - 1
+        batches = [(x, x) for x in images.split(batch_size)]
+        what = f"reconstruction of {samples} random images"
+    else:
+        latents, noise = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+        timesteps = torch.randint(0, 1000, (samples,), generator=generator)
+        betas = torch.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=torch.float64) ** 2
+        alpha_bar = torch.cumprod(1 - betas, 0)[timesteps].float().view(-1, 1, 1, 1)
+        noisy = alpha_bar.sqrt() * latents + (1 - alpha_bar).sqrt() * noise
+        batches = [((x, t), e) for x, t, e in zip(noisy.split(batch_size), timesteps.split(batch_size),
+                                                  noise.split(batch_size))]  # fmt: skip
+        what = f"denoising of {samples} noisy latents"
+    data = Data(f"{what} (seed {seed})", batches, batches, samples, samples)
+    return data, torch.nn.functional.mse_loss

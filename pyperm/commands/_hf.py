@@ -21,7 +21,7 @@ from typing import Any
 
 from pyperm.commands._common import CommandError, LoadedModel
 
-__all__ = ["folder_copies", "folder_of", "hf_model"]
+__all__ = ["copy_files", "folder_copies", "folder_of", "hf_model", "is_weights"]
 
 def folder_of(path: str | Path) -> Path:
     """The ``save_pretrained`` folder a checkpoint argument names (the folder itself, or a file in it)."""
@@ -98,11 +98,26 @@ def hf_model(checkpoint: str | Path, shape: tuple[int, ...] | None, *, meta: boo
     return LoadedModel(f"hf ({names[0]})", model, spec, tuple(shape), example, build=build)
 
 
-def _is_weights(path: Path) -> bool:
+def is_weights(path: Path) -> bool:
     """A file of weights (any checkpoint suffix pyperm reads, or an index): written by the command, never copied."""
     from pyperm.checkpoints import TORCH_SUFFIXES
 
     return path.suffix in TORCH_SUFFIXES + (".safetensors",) or path.name.endswith(".index.json")
+
+
+def copy_files(copies: list[tuple[Path, Path]]) -> list[Path]:
+    """Copy every (source, destination) pair, each staged beside its destination and renamed
+    into place (:mod:`pyperm._staging`), in the order given; returns the destinations. For the
+    files of a pipeline folder that no component writes (align and merge of one model stage
+    theirs with the weights instead: ``save_checkpoint(copies=...)``)."""
+    import shutil
+
+    from pyperm._staging import write_file
+
+    for src, dst in copies:
+        with open(src, "rb") as source:
+            write_file(dst, lambda f, s=source: shutil.copyfileobj(s, f))
+    return [dst for _, dst in copies]
 
 
 def folder_copies(source: Any, written: list[Path]) -> list[tuple[Path, Path]]:
@@ -113,5 +128,5 @@ def folder_copies(source: Any, written: list[Path]) -> list[tuple[Path, Path]]:
     folder = folder_of(source.path)
     taken = {p.name for p in written}
     return [(p, written[0].parent / p.name) for p in sorted(folder.iterdir())
-            if p.is_file() and not _is_weights(p) and p.name not in taken
+            if p.is_file() and not is_weights(p) and p.name not in taken
             and not p.name.endswith(SUFFIX)]  # fmt: skip

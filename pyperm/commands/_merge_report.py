@@ -13,11 +13,16 @@ __all__ = ["merge_markdown", "merge_report"]
 def merge_report(ckpts: list, loaded: Any, result: Any, seconds: float, outputs: list[Path],
                  weights: list[float] | None = None) -> dict[str, Any]:  # fmt: skip
     """What report.json says of a merge (one process or over ranks); ``weights`` None: equal ones."""
+    import torch
+
     return {
         "command": "merge",
         "inputs": [str(c.path) for c in ckpts],
         "weights": list(weights) if weights is not None else [1 / len(ckpts)] * len(ckpts),
         "model": loaded.name,
+        # Per group, how many units each model's permutation moves (the first model's: none).
+        "groups": [{"name": g, "size": int(n), "units_moved": [int((p[g] != torch.arange(n)).sum()) for p in result.perms]}
+                   for g, n in loaded.spec.sizes.items()],  # fmt: skip
         "iterations": result.iterations,
         "converged": result.converged,
         "changed_per_round": list(result.history),

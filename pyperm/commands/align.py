@@ -61,9 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def path_barriers(
-    loaded: Any, state_a: dict, paths: dict[str, dict], data: Any, num_points: int, device: Any, progress: bool
+    loaded: Any, state_a: dict, paths: dict[str, dict], data: Any, num_points: int, device: Any, progress: bool,
+    loss_fn: Any = None,
 ) -> dict:
-    """``barrier`` of A with each state of ``paths`` on the test batches (BatchNorm reset on the training batches).
+    """``barrier`` of A with each state of ``paths`` on the test batches (BatchNorm reset on the training batches),
+    under ``loss_fn`` (cross-entropy when None).
 
     Shared with ``pyperm barrier``.
     """
@@ -76,7 +78,8 @@ def path_barriers(
     bn_data = data.train if has_batchnorm(model) else None
     return {
         label: pnn.barrier(
-            model, state_a, state_b, data.test, num_points=num_points, bn_data=bn_data, progress=progress
+            model, state_a, state_b, data.test, num_points=num_points, bn_data=bn_data, progress=progress,
+            loss_fn=loss_fn,
         )
         for label, state_b in paths.items()
     }
@@ -94,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
     ``--data`` the barriers and the other methods run float32 copies of the models, as before.
     """
     from pyperm.commands._over_ranks import align_over_ranks, launched
+    from pyperm.commands._pipeline import is_pipeline
 
+    if args.model == "hf" and (is_pipeline(args.a) or is_pipeline(args.b)):  # component by component
+        return _align_pipelines(args)
     if launched():  # under torchrun: the tensors split over the ranks
         return align_over_ranks(args)
     from pyperm._memory import peak_resident
@@ -120,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
     loaded = build_model(args.model, args.example_input_shape, args.a, meta=args.method == "weight" and not args.data)
     ckpt_a, ckpt_b = load_for_model([args.a, args.b], loaded)
     out = Path(args.out)
-    stem = (folder_of(ckpt_b.path).name if args.model == "hf" else ckpt_b.path.name.split(".")[0]) + "_permuted"
+    # A pipeline's component (pyperm.commands._pipeline) names its place in the output pipeline.
+    stem = getattr(args, "output_stem", None) or (
+        (folder_of(ckpt_b.path).name if args.model == "hf" else ckpt_b.path.name.split(".")[0]) + "_permuted")
     ckpt_files = checkpoint_outputs(ckpt_b, out, stem, args.model)
     copies = folder_copies(ckpt_b, ckpt_files) if args.model == "hf" else []
     names = (
@@ -188,6 +196,18 @@ def run(args: argparse.Namespace) -> int:
             )
     print(f"report: {out / 'report.md'}")
     return 0
+
+
+def _align_pipelines(args: argparse.Namespace) -> int:
+    """Two diffusers pipeline folders: each model component aligned as above, the rest copied from B."""
+    from pyperm.commands._pipeline import PipelineRun, run_pipeline
+
+    def component_args(sub: argparse.Namespace, folders: list[str]) -> None:
+        sub.a, sub.b = folders
+
+    b = Path(args.b)
+    job = PipelineRun("align", [args.a, args.b], args.b, f"{b.resolve().name}_permuted", component_args, run.__wrapped__)
+    return run_pipeline(args, job)
 
 
 def align_report(ckpt_a: Any, ckpt_b: Any, loaded: Any, perms: Any, info: dict[str, Any], outputs: list[Path],

@@ -2,11 +2,17 @@
 
 The naive path always; with ``--align weight|activation|ste`` also the path to B permuted into
 A's basin. Outputs in ``--out``: ``report.json``, ``report.md`` and ``barrier.png``.
+
+With ``--model hf`` on two diffusers model folders there is no ``--data``: a UNet is evaluated on its
+denoising loss and a VAE on its reconstruction error, over fixed random draws
+(:func:`pyperm.commands._diffusers.evaluation_data`; ``--max-samples``, default 16, draws, seeded by
+``--seed``), and only weight matching aligns.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", metavar="A", help="the checkpoint at t = 0")
     parser.add_argument("b", metavar="B", help="the checkpoint at t = 1")
     add_model_arguments(parser)
-    add_data_arguments(parser, required=True)
+    add_data_arguments(parser)
     parser.add_argument(
         "--align",
         choices=METHODS,
@@ -52,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
     refuse_ranks("barrier")
     from pyperm.commands._checkpoint_pair import load_for_model
+    from pyperm.commands._diffusers import diffusers_class_name, evaluation_data
+    from pyperm.commands._hf import folder_of
     from pyperm.commands._common import build_model, check_inputs, float_state, load_data, prepare_out, resolve_device
     from pyperm.commands._matching import match
     from pyperm.commands.align import path_barriers
@@ -60,9 +68,15 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     loaded = build_model(args.model, args.example_input_shape, args.a)
     ckpt_a, ckpt_b = load_for_model([args.a, args.b], loaded)
+    diffusers = args.model == "hf" and diffusers_class_name(folder_of(args.a)) is not None
+    _check_data_options(args, diffusers)
     out = prepare_out(Path(args.out), ["report.json", "report.md", "barrier.png"], args.force)
-    data = load_data(args, device)
-    check_inputs(loaded, data, device)
+    loss_fn = None
+    if diffusers:  # no --data: the model's own loss on fixed draws
+        data, loss_fn = evaluation_data(loaded, args.max_samples or 16, args.batch_size, args.seed)
+    else:
+        data = load_data(args, device)
+        check_inputs(loaded, data, device)
     state_a = float_state(ckpt_a.state, device)
     state_b = float_state(ckpt_b.state, device)
 
@@ -72,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         perms, info = match(method, loaded, state_a, state_b, data, args, device)
         paths[method] = apply_permutation(loaded.spec, perms, state_b)
         matchings[method] = info
-    results = path_barriers(loaded, state_a, paths, data, args.num_points, device, args.progress)
+    results = path_barriers(loaded, state_a, paths, data, args.num_points, device, args.progress, loss_fn)
 
     report = {
         "command": "barrier",
@@ -87,11 +101,26 @@ def run(args: argparse.Namespace) -> int:
     plot_paths(results, out / "barrier.png", title=f"{loaded.name} on {data.name} (test split)")
     write_text(out / "report.md", _markdown(report, results))
     for label, r in results.items():
-        print(
-            f"{label:>10} path: loss barrier {r.loss_barrier:.4f}, accuracy barrier {100 * r.accuracy_barrier:.2f} pp"
-        )
+        accuracy = "" if math.isnan(r.accuracy_barrier) else f", accuracy barrier {100 * r.accuracy_barrier:.2f} pp"
+        print(f"{label:>10} path: loss barrier {r.loss_barrier:.4f}{accuracy}")
     print(f"report: {out / 'report.md'}")
     return 0
+
+
+def _check_data_options(args: argparse.Namespace, diffusers: bool) -> None:
+    """``--data`` is required, except for diffusers model folders, which take none and align by weights only."""
+    from pyperm.commands._common import CommandError
+
+    if not diffusers:
+        if not args.data:
+            raise CommandError("--data is required (except with --model hf on diffusers model folders)")
+        return
+    if args.data:
+        raise CommandError(f"--data {args.data}: a diffusers model folder is evaluated on its own loss over fixed "
+                           "random draws (denoising for a UNet, reconstruction for a VAE), not on --data")  # fmt: skip
+    others = sorted(set(args.align) - {"weight"})
+    if others:
+        raise CommandError(f"--align {others[0]}: needs --data; diffusers model folders align by --align weight")
 
 
 def _markdown(report: dict[str, Any], results: dict) -> str:

@@ -101,9 +101,12 @@ def run(args: argparse.Namespace) -> int:
     )
     from pyperm.commands._hf import folder_copies
     from pyperm.commands._over_ranks import launched
+    from pyperm.commands._pipeline import is_pipeline
     from pyperm.nn import average, merge_many
 
     check_weights(args)
+    if args.model == "hf" and any(is_pipeline(p) for p in args.checkpoints):  # component by component
+        return _merge_pipelines(args)
     if launched():  # under torchrun: the tensors split over the ranks
         from pyperm.commands._merge_over_ranks import merge_over_ranks
 
@@ -115,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     loaded = build_model(args.model, args.example_input_shape, args.checkpoints[0], meta=not args.data)
     ckpts = load_for_model(args.checkpoints, loaded)
     out = Path(args.out)
-    ckpt_files = checkpoint_outputs(ckpts[0], out, "merged", args.model)
+    # A pipeline's component (pyperm.commands._pipeline) names its place in the output pipeline.
+    ckpt_files = checkpoint_outputs(ckpts[0], out, getattr(args, "output_stem", None) or "merged", args.model)
     copies = folder_copies(ckpts[0], ckpt_files) if args.model == "hf" else []
     names = [str(p.relative_to(out)) for p in ckpt_files + [dst for _, dst in copies]] + ["report.json", "report.md"]
     refuse_inputs([out / n for n in names], ckpts)
@@ -145,3 +149,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name}: test loss {e['loss']:.4f}, accuracy {100 * e['accuracy']:.2f}%")
     print(f"report: {out / 'report.md'}")
     return 0
+
+
+def _merge_pipelines(args: argparse.Namespace) -> int:
+    """Diffusers pipeline folders: each model component merged as above, the rest copied from the first."""
+    from pyperm.commands._pipeline import PipelineRun, run_pipeline
+
+    def component_args(sub: argparse.Namespace, folders: list[str]) -> None:
+        sub.checkpoints = folders
+
+    job = PipelineRun("merge", list(args.checkpoints), args.checkpoints[0], "merged", component_args, run.__wrapped__)
+    return run_pipeline(args, job)
