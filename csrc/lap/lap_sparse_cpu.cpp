@@ -131,7 +131,7 @@ class SparseSolver {
  public:
   explicit SparseSolver(const Graph<T>& g)
       : g_(g),
-        cols_(static_cast<size_t>(g.m), Column{T(0), T(0), 0u}),
+        cols_(static_cast<size_t>(g.m), Column{T(0), T(0), T(0), 0u, 0u}),
         row_cost_(static_cast<size_t>(g.n), T(0)),
         col_of_row_(static_cast<size_t>(g.n), -1),
         row_of_col_(static_cast<size_t>(g.m), -1),
@@ -168,11 +168,14 @@ class SparseSolver {
  private:
   // What a search reads for every edge it looks at, together in one cache line: the
   // column's price, its distance, and which search last touched it (`mark`: 2 * search
-  // when reached, 2 * search + 1 when its distance is final).
+  // when reached, 2 * search + 1 when its distance is final); the same for the backward
+  // search of the two-way phase (`back_dist`: to the nearest free column).
   struct Column {
     T price;
     T dist;
+    T back_dist;
     uint32_t mark;
+    uint32_t back_mark;
   };
   // How a search reached a column, written only when its distance improves.
   struct Pred {
@@ -383,7 +386,9 @@ class SparseSolver {
         const Edge<T> e = g_.edges[k];
         by_col_[cursor[e.col]++] = Edge<T>{e.cost, i};  // `col` holds the row here
       }
-    back_.assign(static_cast<size_t>(g_.m), Back{T(0), 0u, -1, T(0)});
+    succ_.resize(static_cast<size_t>(g_.m));
+    row_state_.resize(static_cast<size_t>(g_.n));
+    for (int32_t i = 0; i < g_.n; ++i) update_row_state(i);
     on_back_path_.assign(static_cast<size_t>(g_.m), 0u);
     free_pos_.assign(static_cast<size_t>(g_.m), -1);
     for (int32_t j = 0; j < g_.m; ++j)
@@ -404,18 +409,19 @@ class SparseSolver {
   // A shortest augmenting path from free row i0 found by two Dijkstra searches over reduced
   // costs: forward from i0 (distances df, as in augment) and backward from every free
   // column (db: the distance from a column to the nearest free column, over the reversed
-  // edges), expanding the side with the smaller frontier, until the least unsettled
-  // distances of the two sides sum to at least the best path found, D (bidirectional
-  // Dijkstra). The prices then move by phi(j) = min(df(j), max(s, D - db(j))) with
-  // s = min(least unsettled df, D): phi is the minimum of two feasible potentials (hence
-  // feasible), equals the distance along every shortest path (so the path is tight), and
-  // differs from the constant s only on the settled columns, which keeps the update
-  // O(touched). Free columns get phi = D: their prices rise, which a square problem allows.
+  // edges), growing one side or the other, until the least unsettled distances of the two
+  // sides sum to at least the best path found, D (bidirectional Dijkstra). The prices then
+  // move by phi(j) = min(df(j), max(s, D - db(j))) with s = min(least unsettled df, D): phi
+  // is the minimum of two feasible potentials (hence feasible), equals the distance along
+  // every shortest path (so the path is tight), and differs from the constant s only on
+  // the settled columns, which keeps the update O(touched). Free columns get phi = D: their
+  // prices rise, which a square problem allows.
   Status augment_two_way(int32_t i0) {
     const T inf = std::numeric_limits<T>::infinity();
     const RowMin first = row_min(i0);
     if (row_of_col_[first.j1] < 0) {
       assign(i0, first.j1, first.c1);
+      update_row_state(i0);
       drop_free_col(first.j1);
       return Status::Ok;
     }
@@ -428,7 +434,8 @@ class SparseSolver {
     best_ = inf;
     meet_ = -1;
     for (int32_t j : free_cols_) {
-      back_[j] = Back{T(0), reached, -1, T(0)};
+      cols_[j].back_dist = T(0);
+      cols_[j].back_mark = reached;
       back_heap_.push({T(0), j});
     }
     for (int64_t k = g_.start[i0]; k < g_.start[i0 + 1]; ++k) {
@@ -440,13 +447,16 @@ class SparseSolver {
       return c.mark == final_mark || x.dist > c.dist;
     };
     auto stale_backward = [&](const typename MinHeap<T>::Item& x) {
-      const Back& b = back_[x.col];
-      return b.mark == final_mark || x.dist > b.dist;
+      const Column& c = cols_[x.col];
+      return c.back_mark == final_mark || x.dist > c.back_dist;
     };
     T top_forward = heap_min(heap_, stale_forward);
     T top_backward = heap_min(back_heap_, stale_backward);
     while (top_forward + top_backward < best_) {
-      if (heap_.size() <= back_heap_.size()) {
+      // The side with the smaller frontier grows. The backward heap starts with every free
+      // column and gains more entries per settled column (many sources), so it counts for
+      // half: the backward side then settles a larger share, which takes fewer scans.
+      if (2 * heap_.size() <= back_heap_.size()) {
         scan_forward(final_mark, reached);
         top_forward = heap_min(heap_, stale_forward);
       } else {
@@ -459,8 +469,14 @@ class SparseSolver {
     for (int32_t j : scanned_)
       if (cols_[j].dist < split) cols_[j].price += cols_[j].dist - split;
     for (int32_t j : back_scanned_)
-      if (back_[j].dist < total - split) cols_[j].price += total - back_[j].dist - split;
+      if (cols_[j].back_dist < total - split) cols_[j].price += total - cols_[j].back_dist - split;
     swap_along_path(i0);
+    // The rows whose column or column price changed.
+    for (int32_t j : scanned_)
+      if (row_of_col_[j] >= 0) update_row_state(row_of_col_[j]);
+    for (int32_t j : back_scanned_)
+      if (row_of_col_[j] >= 0) update_row_state(row_of_col_[j]);
+    for (const Move& mv : moves_) update_row_state(mv.row);
     return Status::Ok;
   }
 
@@ -474,8 +490,8 @@ class SparseSolver {
     c.mark = reached;
     pred_[k] = Pred{cost, row};
     heap_.push({dist, k});
-    if (back_[k].mark >= reached && dist + back_[k].dist < best_) {
-      best_ = dist + back_[k].dist;
+    if (c.back_mark >= reached && dist + c.back_dist < best_) {
+      best_ = dist + c.back_dist;
       meet_ = k;
     }
   }
@@ -497,27 +513,30 @@ class SparseSolver {
   }
 
   // Settles the nearest backward column b: every matched row r with an edge to b could move
-  // there from its column a, at reduced cost (c(r, b) - v_b) - (c(r, a) - v_a) >= 0.
+  // there from its column a, at reduced cost (c(r, b) - v_b) - u_r >= 0.
   void scan_backward(uint32_t final_mark, uint32_t reached) {
     const typename MinHeap<T>::Item top = back_heap_.top();
     back_heap_.pop();
     const int32_t b = top.col;
-    back_[b].mark = final_mark;
+    cols_[b].back_mark = final_mark;
     back_scanned_.push_back(b);
     const T base = top.dist - cols_[b].price;
     for (int64_t k = by_col_start_[b]; k < by_col_start_[b + 1]; ++k) {
       const Edge<T> e = by_col_[k];
-      const int32_t r = e.col, a = col_of_row_[r];
+      const RowState row = row_state_[e.col];
+      const int32_t a = row.col;
       if (a < 0 || a == b) continue;  // a free row (the search's own is the other side's)
-      Back& back = back_[a];
-      if (back.mark == final_mark) continue;
-      const T dist = base + e.cost - (row_cost_[r] - cols_[a].price);
+      Column& c = cols_[a];
+      if (c.back_mark == final_mark) continue;
+      const T dist = base + e.cost - row.u;
       if (!(dist < best_)) continue;
-      if (back.mark >= reached && !(dist < back.dist)) continue;
-      back = Back{dist, reached, b, e.cost};
+      if (c.back_mark >= reached && !(dist < c.back_dist)) continue;
+      c.back_dist = dist;
+      c.back_mark = reached;
+      succ_[a] = Succ{e.cost, b};
       back_heap_.push({dist, a});
-      if (cols_[a].mark >= reached && cols_[a].dist + dist < best_) {
-        best_ = cols_[a].dist + dist;
+      if (c.mark >= reached && c.dist + dist < best_) {
+        best_ = c.dist + dist;
         meet_ = a;
       }
     }
@@ -531,7 +550,7 @@ class SparseSolver {
     for (int32_t a = meet_;;) {
       on_back_path_[a] = path_stamp_;
       if (row_of_col_[a] < 0) break;
-      a = back_[a].next;
+      a = succ_[a].col;
     }
     forward_path_.clear();  // columns from meet_ back to i0's first column
     for (int32_t j = meet_;;) {
@@ -547,9 +566,9 @@ class SparseSolver {
     int32_t sink = x;
     moves_.clear();
     while (row_of_col_[sink] >= 0) {
-      const Back& b = back_[sink];
-      moves_.push_back(Move{row_of_col_[sink], b.next, b.cost});
-      sink = b.next;
+      const Succ next = succ_[sink];
+      moves_.push_back(Move{row_of_col_[sink], next.col, next.cost});
+      sink = next.col;
     }
     for (size_t k = cut;; ++k) {
       const int32_t j = forward_path_[k];
@@ -560,6 +579,11 @@ class SparseSolver {
     drop_free_col(sink);
   }
 
+  void update_row_state(int32_t i) {
+    const int32_t j = col_of_row_[i];
+    row_state_[i] = RowState{j < 0 ? T(0) : row_cost_[i] - cols_[j].price, j};
+  }
+
   void drop_free_col(int32_t j) {
     const int32_t pos = free_pos_[j], last = free_cols_.back();
     free_cols_[pos] = last;
@@ -568,13 +592,17 @@ class SparseSolver {
     free_pos_[j] = -1;
   }
 
-  // Backward label of a column: its distance to the nearest free column, and the move of
-  // its row on that path (to column `next` over an edge of cost `cost`).
-  struct Back {
-    T dist;
-    uint32_t mark;
-    int32_t next;
+  // How the backward search reached a column: its row moves on to column `col` over an
+  // edge of cost `cost` on the way to a free column.
+  struct Succ {
     T cost;
+    int32_t col;
+  };
+  // What the backward search reads of a row, in one place: its column (-1 if free) and its
+  // dual u = c(row, col) - v_col, the least reduced cost of its edges.
+  struct RowState {
+    T u;
+    int32_t col;
   };
   struct Move {
     int32_t row, col;
@@ -594,7 +622,8 @@ class SparseSolver {
   // The two-way phase (empty until it starts).
   std::vector<int64_t> by_col_start_;
   std::vector<Edge<T>> by_col_;
-  std::vector<Back> back_;
+  std::vector<Succ> succ_;
+  std::vector<RowState> row_state_;  // kept up to date by the two-way searches
   std::vector<int32_t> free_cols_, free_pos_, back_scanned_, forward_path_;
   std::vector<uint32_t> on_back_path_;
   std::vector<Move> moves_;
