@@ -8,10 +8,13 @@
 namespace pyperm::cpu {
 namespace {
 
-// Square problems search from both ends once this few rows are left to augment. While
-// there are many free columns a forward search soon finds one and seeding the backward
-// search with all of them would cost more than it saves.
-constexpr size_t kTwoWayFreeRows = 256;
+// A square problem's search is joined by a backward search once it has settled
+// kTwoWayScansPerFreeColumn columns per free column, and at least kTwoWayMinScans plus one
+// in kTwoWayColumnShare of all columns: starting the backward search costs a scan of every
+// free column, which only a long search repays.
+constexpr size_t kTwoWayScansPerFreeColumn = 4;
+constexpr size_t kTwoWayMinScans = 16;
+constexpr size_t kTwoWayColumnShare = 64;
 
 // A stored entry of the working problem: its cost and column, side by side so that a row
 // scan reads one stream.
@@ -151,13 +154,11 @@ class SparseSolver {
       for (int32_t i = 0; i < g_.n; ++i) free_rows[i] = i;
     }
     for (int pass = 0; pass < 2 && !free_rows.empty(); ++pass) free_rows = reduce_rows(free_rows);
-    for (size_t k = 0; k < free_rows.size(); ++k) {
-      // The last searches reach most of the graph when few free columns are left; a search
-      // from both ends then meets in the middle (square problems only: it moves the prices
-      // of free columns, which a rectangular problem must keep).
-      const bool two_way = g_.n == g_.m && free_rows.size() - k <= kTwoWayFreeRows;
-      if (two_way && free_cols_.empty()) start_two_way();
-      Status s = two_way ? augment_two_way(free_rows[k]) : augment(free_rows[k]);
+    // A square problem's searches may grow from both ends (augment_square); that moves the
+    // prices of free columns, which a rectangular problem must keep (augment).
+    if (g_.n == g_.m && !free_rows.empty()) start_square_searches();
+    for (int32_t i : free_rows) {
+      Status s = g_.n == g_.m ? augment_square(i) : augment(i);
       if (s != Status::Ok) return s;
     }
     return Status::Ok;
@@ -169,7 +170,7 @@ class SparseSolver {
   // What a search reads for every edge it looks at, together in one cache line: the
   // column's price, its distance, and which search last touched it (`mark`: 2 * search
   // when reached, 2 * search + 1 when its distance is final); the same for the backward
-  // search of the two-way phase (`back_dist`: to the nearest free column).
+  // search of augment_square (`back_dist`: to the nearest free column).
   struct Column {
     T price;
     T dist;
@@ -373,19 +374,9 @@ class SparseSolver {
     return Status::Ok;
   }
 
-  // Enters the two-way phase: the transposed edges (each column's rows) for the backward
-  // search, and the list of free columns it starts from.
-  void start_two_way() {
-    by_col_start_.assign(static_cast<size_t>(g_.m) + 1, 0);
-    for (const Edge<T>& e : g_.edges) ++by_col_start_[static_cast<size_t>(e.col) + 1];
-    for (int32_t j = 0; j < g_.m; ++j) by_col_start_[j + 1] += by_col_start_[j];
-    by_col_.resize(g_.edges.size());
-    std::vector<int64_t> cursor(by_col_start_.begin(), by_col_start_.end() - 1);
-    for (int32_t i = 0; i < g_.n; ++i)
-      for (int64_t k = g_.start[i]; k < g_.start[i + 1]; ++k) {
-        const Edge<T> e = g_.edges[k];
-        by_col_[cursor[e.col]++] = Edge<T>{e.cost, i};  // `col` holds the row here
-      }
+  // What augment_square keeps between searches: the free columns (where a backward search
+  // starts) and each row's state.
+  void start_square_searches() {
     succ_.resize(static_cast<size_t>(g_.m));
     row_state_.resize(static_cast<size_t>(g_.n));
     for (int32_t i = 0; i < g_.n; ++i) update_row_state(i);
@@ -398,6 +389,21 @@ class SparseSolver {
       }
   }
 
+  // The transposed edges (each column's rows) for the backward searches, built when the
+  // first one starts.
+  void build_transpose() {
+    by_col_start_.assign(static_cast<size_t>(g_.m) + 1, 0);
+    for (const Edge<T>& e : g_.edges) ++by_col_start_[static_cast<size_t>(e.col) + 1];
+    for (int32_t j = 0; j < g_.m; ++j) by_col_start_[j + 1] += by_col_start_[j];
+    by_col_.resize(g_.edges.size());
+    std::vector<int64_t> cursor(by_col_start_.begin(), by_col_start_.end() - 1);
+    for (int32_t i = 0; i < g_.n; ++i)
+      for (int64_t k = g_.start[i]; k < g_.start[i + 1]; ++k) {
+        const Edge<T> e = g_.edges[k];
+        by_col_[cursor[e.col]++] = Edge<T>{e.cost, i};  // `col` holds the row here
+      }
+  }
+
   // The least valid key of a heap whose stale entries are those `is_stale` says, which are
   // dropped on the way; +inf when it is empty.
   template <typename Stale>
@@ -406,17 +412,18 @@ class SparseSolver {
     return heap.empty() ? std::numeric_limits<T>::infinity() : heap.top().dist;
   }
 
-  // A shortest augmenting path from free row i0 found by two Dijkstra searches over reduced
-  // costs: forward from i0 (distances df, as in augment) and backward from every free
-  // column (db: the distance from a column to the nearest free column, over the reversed
-  // edges), growing one side or the other, until the least unsettled distances of the two
-  // sides sum to at least the best path found, D (bidirectional Dijkstra). The prices then
+  // A shortest augmenting path from free row i0 of a square problem: a Dijkstra search over
+  // reduced costs forward from i0 (distances df, as in augment), joined when it grows long
+  // by one backward from every free column (db: the distance from a column to the nearest
+  // free column, over the reversed edges); one side or the other grows until the least
+  // unsettled distances of the two sides (0 for the backward side before it starts) sum to
+  // at least the best path found, D (bidirectional Dijkstra). The prices then
   // move by phi(j) = min(df(j), max(s, D - db(j))) with s = min(least unsettled df, D): phi
   // is the minimum of two feasible potentials (hence feasible), equals the distance along
   // every shortest path (so the path is tight), and differs from the constant s only on
   // the settled columns, which keeps the update O(touched). Free columns get phi = D: their
   // prices rise, which a square problem allows.
-  Status augment_two_way(int32_t i0) {
+  Status augment_square(int32_t i0) {
     const T inf = std::numeric_limits<T>::infinity();
     const RowMin first = row_min(i0);
     if (row_of_col_[first.j1] < 0) {
@@ -433,11 +440,6 @@ class SparseSolver {
     back_scanned_.clear();
     best_ = inf;
     meet_ = -1;
-    for (int32_t j : free_cols_) {
-      cols_[j].back_dist = T(0);
-      cols_[j].back_mark = reached;
-      back_heap_.push({T(0), j});
-    }
     for (int64_t k = g_.start[i0]; k < g_.start[i0 + 1]; ++k) {
       const Edge<T> e = g_.edges[k];
       reach_forward(e.col, e.cost - cols_[e.col].price - first.u1, i0, e.cost, reached);
@@ -450,13 +452,26 @@ class SparseSolver {
       const Column& c = cols_[x.col];
       return c.back_mark == final_mark || x.dist > c.back_dist;
     };
-    T top_forward = heap_min(heap_, stale_forward);
-    T top_backward = heap_min(back_heap_, stale_backward);
+    // Forward only at first (the free columns at backward distance 0): most searches end
+    // soon. A long one is joined by the backward search.
+    const size_t switch_after = std::max(kTwoWayMinScans + static_cast<size_t>(g_.m) / kTwoWayColumnShare,
+                                         kTwoWayScansPerFreeColumn * free_cols_.size());
+    bool two_way = false;
+    T top_forward = heap_min(heap_, stale_forward), top_backward = T(0);
     while (top_forward + top_backward < best_) {
+      if (!two_way && scanned_.size() >= switch_after) {
+        if (by_col_.empty()) build_transpose();
+        for (int32_t j : free_cols_) {
+          cols_[j].back_dist = T(0);
+          cols_[j].back_mark = reached;
+          back_heap_.push({T(0), j});
+        }
+        two_way = true;
+      }
       // The side with the smaller frontier grows. The backward heap starts with every free
       // column and gains more entries per settled column (many sources), so it counts for
       // half: the backward side then settles a larger share, which takes fewer scans.
-      if (2 * heap_.size() <= back_heap_.size()) {
+      if (!two_way || 2 * heap_.size() <= back_heap_.size()) {
         scan_forward(final_mark, reached);
         top_forward = heap_min(heap_, stale_forward);
       } else {
@@ -489,6 +504,11 @@ class SparseSolver {
     c.dist = dist;
     c.mark = reached;
     pred_[k] = Pred{cost, row};
+    if (row_of_col_[k] < 0) {  // a free column (backward distance 0) ends a path here
+      best_ = dist;
+      meet_ = k;
+      return;
+    }
     heap_.push({dist, k});
     if (c.back_mark >= reached && dist + c.back_dist < best_) {
       best_ = dist + c.back_dist;
@@ -503,7 +523,6 @@ class SparseSolver {
     c.mark = final_mark;
     scanned_.push_back(top.col);
     const int32_t r = row_of_col_[top.col];
-    if (r < 0) return;  // a free column: the backward side knows it (db = 0)
     const T base = top.dist - (row_cost_[r] - c.price);
     for (int64_t k = g_.start[r]; k < g_.start[r + 1]; ++k) {
       const Edge<T> e = g_.edges[k];
@@ -619,11 +638,11 @@ class SparseSolver {
   T bound_ = T(0);      // the distance of the nearest free column reached in this search
   int32_t sink_ = -1;   // that column
   int64_t search_ = 0;
-  // The two-way phase (empty until it starts).
+  // augment_square's state (square problems only).
   std::vector<int64_t> by_col_start_;
   std::vector<Edge<T>> by_col_;
   std::vector<Succ> succ_;
-  std::vector<RowState> row_state_;  // kept up to date by the two-way searches
+  std::vector<RowState> row_state_;  // kept up to date by augment_square
   std::vector<int32_t> free_cols_, free_pos_, back_scanned_, forward_path_;
   std::vector<uint32_t> on_back_path_;
   std::vector<Move> moves_;
