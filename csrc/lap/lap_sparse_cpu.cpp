@@ -529,6 +529,17 @@ class SparseSolver {
       if (cols_[e.col].mark == final_mark) continue;
       reach_forward(e.col, base + e.cost - cols_[e.col].price, r, e.cost, reached);
     }
+    if (!heap_.empty()) {
+      const int32_t next = row_of_col_[heap_.top().col];
+      prefetch(g_.edges.data() + g_.start[next], g_.edges.data() + g_.start[next + 1]);
+    }
+  }
+
+  // Asks for the edges in [first, last) ahead of use: the next column to settle is most
+  // likely the heap's top now, and its edges lie anywhere in memory.
+  static void prefetch(const Edge<T>* first, const Edge<T>* last) {
+    constexpr size_t kPerLine = 64 / sizeof(Edge<T>);
+    for (; first < last; first += kPerLine) __builtin_prefetch(first);
   }
 
   // Settles the nearest backward column b: every matched row r with an edge to b could move
@@ -558,6 +569,10 @@ class SparseSolver {
         best_ = c.dist + dist;
         meet_ = a;
       }
+    }
+    if (!back_heap_.empty()) {
+      const int32_t next = back_heap_.top().col;
+      prefetch(by_col_.data() + by_col_start_[next], by_col_.data() + by_col_start_[next + 1]);
     }
   }
 
