@@ -8,10 +8,13 @@
 namespace pyperm::cpu {
 namespace {
 
-// Square problems search from both ends once this few rows are left to augment. While
-// there are many free columns a forward search soon finds one and seeding the backward
-// search with all of them would cost more than it saves.
-constexpr size_t kTwoWayFreeRows = 256;
+// A square problem's search is joined by a backward search once it has settled
+// kTwoWayScansPerFreeColumn columns per free column, and at least kTwoWayMinScans plus one
+// in kTwoWayColumnShare of all columns: starting the backward search costs a scan of every
+// free column, which only a long search repays.
+constexpr size_t kTwoWayScansPerFreeColumn = 4;
+constexpr size_t kTwoWayMinScans = 16;
+constexpr size_t kTwoWayColumnShare = 64;
 
 // A stored entry of the working problem: its cost and column, side by side so that a row
 // scan reads one stream.
@@ -131,7 +134,7 @@ class SparseSolver {
  public:
   explicit SparseSolver(const Graph<T>& g)
       : g_(g),
-        cols_(static_cast<size_t>(g.m), Column{T(0), T(0), 0u}),
+        cols_(static_cast<size_t>(g.m), Column{T(0), T(0), T(0), 0u, 0u}),
         row_cost_(static_cast<size_t>(g.n), T(0)),
         col_of_row_(static_cast<size_t>(g.n), -1),
         row_of_col_(static_cast<size_t>(g.m), -1),
@@ -151,13 +154,11 @@ class SparseSolver {
       for (int32_t i = 0; i < g_.n; ++i) free_rows[i] = i;
     }
     for (int pass = 0; pass < 2 && !free_rows.empty(); ++pass) free_rows = reduce_rows(free_rows);
-    for (size_t k = 0; k < free_rows.size(); ++k) {
-      // The last searches reach most of the graph when few free columns are left; a search
-      // from both ends then meets in the middle (square problems only: it moves the prices
-      // of free columns, which a rectangular problem must keep).
-      const bool two_way = g_.n == g_.m && free_rows.size() - k <= kTwoWayFreeRows;
-      if (two_way && free_cols_.empty()) start_two_way();
-      Status s = two_way ? augment_two_way(free_rows[k]) : augment(free_rows[k]);
+    // A square problem's searches may grow from both ends (augment_square); that moves the
+    // prices of free columns, which a rectangular problem must keep (augment).
+    if (g_.n == g_.m && !free_rows.empty()) start_square_searches();
+    for (int32_t i : free_rows) {
+      Status s = g_.n == g_.m ? augment_square(i) : augment(i);
       if (s != Status::Ok) return s;
     }
     return Status::Ok;
@@ -168,11 +169,14 @@ class SparseSolver {
  private:
   // What a search reads for every edge it looks at, together in one cache line: the
   // column's price, its distance, and which search last touched it (`mark`: 2 * search
-  // when reached, 2 * search + 1 when its distance is final).
+  // when reached, 2 * search + 1 when its distance is final); the same for the backward
+  // search of augment_square (`back_dist`: to the nearest free column).
   struct Column {
     T price;
     T dist;
+    T back_dist;
     uint32_t mark;
+    uint32_t back_mark;
   };
   // How a search reached a column, written only when its distance improves.
   struct Pred {
@@ -370,9 +374,24 @@ class SparseSolver {
     return Status::Ok;
   }
 
-  // Enters the two-way phase: the transposed edges (each column's rows) for the backward
-  // search, and the list of free columns it starts from.
-  void start_two_way() {
+  // What augment_square keeps between searches: the free columns (where a backward search
+  // starts) and each row's state.
+  void start_square_searches() {
+    succ_.resize(static_cast<size_t>(g_.m));
+    row_state_.resize(static_cast<size_t>(g_.n));
+    for (int32_t i = 0; i < g_.n; ++i) update_row_state(i);
+    on_back_path_.assign(static_cast<size_t>(g_.m), 0u);
+    free_pos_.assign(static_cast<size_t>(g_.m), -1);
+    for (int32_t j = 0; j < g_.m; ++j)
+      if (row_of_col_[j] < 0) {
+        free_pos_[j] = static_cast<int32_t>(free_cols_.size());
+        free_cols_.push_back(j);
+      }
+  }
+
+  // The transposed edges (each column's rows) for the backward searches, built when the
+  // first one starts.
+  void build_transpose() {
     by_col_start_.assign(static_cast<size_t>(g_.m) + 1, 0);
     for (const Edge<T>& e : g_.edges) ++by_col_start_[static_cast<size_t>(e.col) + 1];
     for (int32_t j = 0; j < g_.m; ++j) by_col_start_[j + 1] += by_col_start_[j];
@@ -382,14 +401,6 @@ class SparseSolver {
       for (int64_t k = g_.start[i]; k < g_.start[i + 1]; ++k) {
         const Edge<T> e = g_.edges[k];
         by_col_[cursor[e.col]++] = Edge<T>{e.cost, i};  // `col` holds the row here
-      }
-    back_.assign(static_cast<size_t>(g_.m), Back{T(0), 0u, -1, T(0)});
-    on_back_path_.assign(static_cast<size_t>(g_.m), 0u);
-    free_pos_.assign(static_cast<size_t>(g_.m), -1);
-    for (int32_t j = 0; j < g_.m; ++j)
-      if (row_of_col_[j] < 0) {
-        free_pos_[j] = static_cast<int32_t>(free_cols_.size());
-        free_cols_.push_back(j);
       }
   }
 
@@ -401,21 +412,23 @@ class SparseSolver {
     return heap.empty() ? std::numeric_limits<T>::infinity() : heap.top().dist;
   }
 
-  // A shortest augmenting path from free row i0 found by two Dijkstra searches over reduced
-  // costs: forward from i0 (distances df, as in augment) and backward from every free
-  // column (db: the distance from a column to the nearest free column, over the reversed
-  // edges), expanding the side with the smaller frontier, until the least unsettled
-  // distances of the two sides sum to at least the best path found, D (bidirectional
-  // Dijkstra). The prices then move by phi(j) = min(df(j), max(s, D - db(j))) with
-  // s = min(least unsettled df, D): phi is the minimum of two feasible potentials (hence
-  // feasible), equals the distance along every shortest path (so the path is tight), and
-  // differs from the constant s only on the settled columns, which keeps the update
-  // O(touched). Free columns get phi = D: their prices rise, which a square problem allows.
-  Status augment_two_way(int32_t i0) {
+  // A shortest augmenting path from free row i0 of a square problem: a Dijkstra search over
+  // reduced costs forward from i0 (distances df, as in augment), joined when it grows long
+  // by one backward from every free column (db: the distance from a column to the nearest
+  // free column, over the reversed edges); one side or the other grows until the least
+  // unsettled distances of the two sides (0 for the backward side before it starts) sum to
+  // at least the best path found, D (bidirectional Dijkstra). The prices then
+  // move by phi(j) = min(df(j), max(s, D - db(j))) with s = min(least unsettled df, D): phi
+  // is the minimum of two feasible potentials (hence feasible), equals the distance along
+  // every shortest path (so the path is tight), and differs from the constant s only on
+  // the settled columns, which keeps the update O(touched). Free columns get phi = D: their
+  // prices rise, which a square problem allows.
+  Status augment_square(int32_t i0) {
     const T inf = std::numeric_limits<T>::infinity();
     const RowMin first = row_min(i0);
     if (row_of_col_[first.j1] < 0) {
       assign(i0, first.j1, first.c1);
+      update_row_state(i0);
       drop_free_col(first.j1);
       return Status::Ok;
     }
@@ -427,10 +440,6 @@ class SparseSolver {
     back_scanned_.clear();
     best_ = inf;
     meet_ = -1;
-    for (int32_t j : free_cols_) {
-      back_[j] = Back{T(0), reached, -1, T(0)};
-      back_heap_.push({T(0), j});
-    }
     for (int64_t k = g_.start[i0]; k < g_.start[i0 + 1]; ++k) {
       const Edge<T> e = g_.edges[k];
       reach_forward(e.col, e.cost - cols_[e.col].price - first.u1, i0, e.cost, reached);
@@ -440,13 +449,29 @@ class SparseSolver {
       return c.mark == final_mark || x.dist > c.dist;
     };
     auto stale_backward = [&](const typename MinHeap<T>::Item& x) {
-      const Back& b = back_[x.col];
-      return b.mark == final_mark || x.dist > b.dist;
+      const Column& c = cols_[x.col];
+      return c.back_mark == final_mark || x.dist > c.back_dist;
     };
-    T top_forward = heap_min(heap_, stale_forward);
-    T top_backward = heap_min(back_heap_, stale_backward);
+    // Forward only at first (the free columns at backward distance 0): most searches end
+    // soon. A long one is joined by the backward search.
+    const size_t switch_after = std::max(kTwoWayMinScans + static_cast<size_t>(g_.m) / kTwoWayColumnShare,
+                                         kTwoWayScansPerFreeColumn * free_cols_.size());
+    bool two_way = false;
+    T top_forward = heap_min(heap_, stale_forward), top_backward = T(0);
     while (top_forward + top_backward < best_) {
-      if (heap_.size() <= back_heap_.size()) {
+      if (!two_way && scanned_.size() >= switch_after) {
+        if (by_col_.empty()) build_transpose();
+        for (int32_t j : free_cols_) {
+          cols_[j].back_dist = T(0);
+          cols_[j].back_mark = reached;
+          back_heap_.push({T(0), j});
+        }
+        two_way = true;
+      }
+      // The side with the smaller frontier grows. The backward heap starts with every free
+      // column and gains more entries per settled column (many sources), so it counts for
+      // half: the backward side then settles a larger share, which takes fewer scans.
+      if (!two_way || 2 * heap_.size() <= back_heap_.size()) {
         scan_forward(final_mark, reached);
         top_forward = heap_min(heap_, stale_forward);
       } else {
@@ -459,8 +484,14 @@ class SparseSolver {
     for (int32_t j : scanned_)
       if (cols_[j].dist < split) cols_[j].price += cols_[j].dist - split;
     for (int32_t j : back_scanned_)
-      if (back_[j].dist < total - split) cols_[j].price += total - back_[j].dist - split;
+      if (cols_[j].back_dist < total - split) cols_[j].price += total - cols_[j].back_dist - split;
     swap_along_path(i0);
+    // The rows whose column or column price changed.
+    for (int32_t j : scanned_)
+      if (row_of_col_[j] >= 0) update_row_state(row_of_col_[j]);
+    for (int32_t j : back_scanned_)
+      if (row_of_col_[j] >= 0) update_row_state(row_of_col_[j]);
+    for (const Move& mv : moves_) update_row_state(mv.row);
     return Status::Ok;
   }
 
@@ -473,9 +504,14 @@ class SparseSolver {
     c.dist = dist;
     c.mark = reached;
     pred_[k] = Pred{cost, row};
+    if (row_of_col_[k] < 0) {  // a free column (backward distance 0) ends a path here
+      best_ = dist;
+      meet_ = k;
+      return;
+    }
     heap_.push({dist, k});
-    if (back_[k].mark >= reached && dist + back_[k].dist < best_) {
-      best_ = dist + back_[k].dist;
+    if (c.back_mark >= reached && dist + c.back_dist < best_) {
+      best_ = dist + c.back_dist;
       meet_ = k;
     }
   }
@@ -487,39 +523,56 @@ class SparseSolver {
     c.mark = final_mark;
     scanned_.push_back(top.col);
     const int32_t r = row_of_col_[top.col];
-    if (r < 0) return;  // a free column: the backward side knows it (db = 0)
     const T base = top.dist - (row_cost_[r] - c.price);
     for (int64_t k = g_.start[r]; k < g_.start[r + 1]; ++k) {
       const Edge<T> e = g_.edges[k];
       if (cols_[e.col].mark == final_mark) continue;
       reach_forward(e.col, base + e.cost - cols_[e.col].price, r, e.cost, reached);
     }
+    if (!heap_.empty()) {
+      const int32_t next = row_of_col_[heap_.top().col];
+      prefetch(g_.edges.data() + g_.start[next], g_.edges.data() + g_.start[next + 1]);
+    }
+  }
+
+  // Asks for the edges in [first, last) ahead of use: the next column to settle is most
+  // likely the heap's top now, and its edges lie anywhere in memory.
+  static void prefetch(const Edge<T>* first, const Edge<T>* last) {
+    constexpr size_t kPerLine = 64 / sizeof(Edge<T>);
+    for (; first < last; first += kPerLine) __builtin_prefetch(first);
   }
 
   // Settles the nearest backward column b: every matched row r with an edge to b could move
-  // there from its column a, at reduced cost (c(r, b) - v_b) - (c(r, a) - v_a) >= 0.
+  // there from its column a, at reduced cost (c(r, b) - v_b) - u_r >= 0.
   void scan_backward(uint32_t final_mark, uint32_t reached) {
     const typename MinHeap<T>::Item top = back_heap_.top();
     back_heap_.pop();
     const int32_t b = top.col;
-    back_[b].mark = final_mark;
+    cols_[b].back_mark = final_mark;
     back_scanned_.push_back(b);
     const T base = top.dist - cols_[b].price;
     for (int64_t k = by_col_start_[b]; k < by_col_start_[b + 1]; ++k) {
       const Edge<T> e = by_col_[k];
-      const int32_t r = e.col, a = col_of_row_[r];
+      const RowState row = row_state_[e.col];
+      const int32_t a = row.col;
       if (a < 0 || a == b) continue;  // a free row (the search's own is the other side's)
-      Back& back = back_[a];
-      if (back.mark == final_mark) continue;
-      const T dist = base + e.cost - (row_cost_[r] - cols_[a].price);
+      Column& c = cols_[a];
+      if (c.back_mark == final_mark) continue;
+      const T dist = base + e.cost - row.u;
       if (!(dist < best_)) continue;
-      if (back.mark >= reached && !(dist < back.dist)) continue;
-      back = Back{dist, reached, b, e.cost};
+      if (c.back_mark >= reached && !(dist < c.back_dist)) continue;
+      c.back_dist = dist;
+      c.back_mark = reached;
+      succ_[a] = Succ{e.cost, b};
       back_heap_.push({dist, a});
-      if (cols_[a].mark >= reached && cols_[a].dist + dist < best_) {
-        best_ = cols_[a].dist + dist;
+      if (c.mark >= reached && c.dist + dist < best_) {
+        best_ = c.dist + dist;
         meet_ = a;
       }
+    }
+    if (!back_heap_.empty()) {
+      const int32_t next = back_heap_.top().col;
+      prefetch(by_col_.data() + by_col_start_[next], by_col_.data() + by_col_start_[next + 1]);
     }
   }
 
@@ -531,7 +584,7 @@ class SparseSolver {
     for (int32_t a = meet_;;) {
       on_back_path_[a] = path_stamp_;
       if (row_of_col_[a] < 0) break;
-      a = back_[a].next;
+      a = succ_[a].col;
     }
     forward_path_.clear();  // columns from meet_ back to i0's first column
     for (int32_t j = meet_;;) {
@@ -547,9 +600,9 @@ class SparseSolver {
     int32_t sink = x;
     moves_.clear();
     while (row_of_col_[sink] >= 0) {
-      const Back& b = back_[sink];
-      moves_.push_back(Move{row_of_col_[sink], b.next, b.cost});
-      sink = b.next;
+      const Succ next = succ_[sink];
+      moves_.push_back(Move{row_of_col_[sink], next.col, next.cost});
+      sink = next.col;
     }
     for (size_t k = cut;; ++k) {
       const int32_t j = forward_path_[k];
@@ -560,6 +613,11 @@ class SparseSolver {
     drop_free_col(sink);
   }
 
+  void update_row_state(int32_t i) {
+    const int32_t j = col_of_row_[i];
+    row_state_[i] = RowState{j < 0 ? T(0) : row_cost_[i] - cols_[j].price, j};
+  }
+
   void drop_free_col(int32_t j) {
     const int32_t pos = free_pos_[j], last = free_cols_.back();
     free_cols_[pos] = last;
@@ -568,13 +626,17 @@ class SparseSolver {
     free_pos_[j] = -1;
   }
 
-  // Backward label of a column: its distance to the nearest free column, and the move of
-  // its row on that path (to column `next` over an edge of cost `cost`).
-  struct Back {
-    T dist;
-    uint32_t mark;
-    int32_t next;
+  // How the backward search reached a column: its row moves on to column `col` over an
+  // edge of cost `cost` on the way to a free column.
+  struct Succ {
     T cost;
+    int32_t col;
+  };
+  // What the backward search reads of a row, in one place: its column (-1 if free) and its
+  // dual u = c(row, col) - v_col, the least reduced cost of its edges.
+  struct RowState {
+    T u;
+    int32_t col;
   };
   struct Move {
     int32_t row, col;
@@ -591,10 +653,11 @@ class SparseSolver {
   T bound_ = T(0);      // the distance of the nearest free column reached in this search
   int32_t sink_ = -1;   // that column
   int64_t search_ = 0;
-  // The two-way phase (empty until it starts).
+  // augment_square's state (square problems only).
   std::vector<int64_t> by_col_start_;
   std::vector<Edge<T>> by_col_;
-  std::vector<Back> back_;
+  std::vector<Succ> succ_;
+  std::vector<RowState> row_state_;  // kept up to date by augment_square
   std::vector<int32_t> free_cols_, free_pos_, back_scanned_, forward_path_;
   std::vector<uint32_t> on_back_path_;
   std::vector<Move> moves_;
