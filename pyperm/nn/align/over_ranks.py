@@ -302,13 +302,13 @@ def merge_many(
     shares = [{k: v.detach() for k, v in s.items()} for s in states]
     chan = Channel(group)
     with shared_errors(chan, "merge_many"):
-        check_same(chan, spec=_spec_facts(spec), models=len(states), max_iter=max_iter,
+        check_same(chan, spec=_spec_facts(spec), models=len(states), max_iter=max_iter, weights=weights,
                    seed=hashlib.sha256(gen.get_state().numpy().tobytes()).hexdigest())  # fmt: skip
-        return _merge(spec, shares, group, max_iter, gen, progress)
+        return _merge(spec, shares, group, max_iter, gen, progress, weights)
 
 
 def _merge(spec: PermutationSpec, shares: list[dict], group: Any, max_iter: int, gen: torch.Generator,
-           progress: bool) -> MergeResult:
+           progress: bool, weights: Any) -> MergeResult:
     """MergeMany's rounds over the ranks (the arguments checked, the same on every rank)."""
 
     def match(i: int, others: dict, init: Permutations, g: torch.Generator) -> Permutations:
