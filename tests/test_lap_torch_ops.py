@@ -220,7 +220,21 @@ def test_compile_gradients_flow_through_the_gathered_entries():
     torch.testing.assert_close(grad_compiled, grad_eager)
 
 
+def _cxx_runs() -> bool:
+    """Whether the C++ compiler inductor would use runs (CI's test environment sets CXX=/bin/false)."""
+    import os
+    import shutil
+
+    cxx = os.environ.get("CXX") or shutil.which("g++") or "c++"
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, timeout=60).returncode == 0
+    except OSError:
+        return False
+
+
 def test_compile_inductor(device):
+    if device == "cpu" and not _cxx_runs():
+        pytest.skip("inductor on the CPU compiles C++ at run time, and no C++ compiler runs here")
     compiled = torch.compile(matched_cost, fullgraph=True)
     a, b = _points(device, 6, 2, seed=7, dtype=torch.float32), _points(device, 8, 2, seed=8, dtype=torch.float32)
     assert float(compiled(a, b)) == pytest.approx(_scipy_objective(torch.cdist(a, b)), rel=1e-5)
