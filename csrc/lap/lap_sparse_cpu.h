@@ -5,12 +5,12 @@
 // (R. Jonker, A. Volgenant, "A shortest augmenting path algorithm for dense and sparse
 // linear assignment problems", Computing 38(4):325-340, 1987): column reduction and
 // augmenting row reduction to start, then one Dijkstra search per free row over the
-// stored edges with a 4-ary heap. When few free rows are left in a square problem, the
-// nearest free column is far and a search from the free row alone would settle most of the
-// graph; the search then runs from both ends (forward from the row, backward from every
-// free column over a transposed copy of the edges) and stops when the two frontiers' least
-// distances sum to the best path found (bidirectional Dijkstra; I. Pohl, "Bi-directional
-// search", Machine Intelligence 6:127-140, 1971). Rectangular problems follow D. F. Crouse, "On
+// stored edges with a 4-ary heap. When few free columns are left in a square problem, the
+// nearest one is far and a search from the free row alone would settle most of the graph;
+// a search that grows long is therefore joined by one backward from every free column over
+// a transposed copy of the edges, and stops when the two frontiers' least distances sum to
+// the best path found (bidirectional Dijkstra; I. Pohl, "Bi-directional search", Machine
+// Intelligence 6:127-140, 1971). Rectangular problems follow D. F. Crouse, "On
 // implementing 2D rectangular assignment algorithms", IEEE Trans. Aerospace and
 // Electronic Systems 52(4):1679-1696, 2016: the duals of unmatched columns never move, so
 // every partial matching is optimal for its rows. The matrix is never densified: memory
