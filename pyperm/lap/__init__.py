@@ -23,6 +23,8 @@ __all__ = ["batch_linear_sum_assignment", "lapjv", "linear_sum_assignment", "reg
 
 _torch_route.register_if_torch_imported()
 
+_ndarray = np.ndarray  # one global lookup on the per-call path
+
 
 def linear_sum_assignment(cost: Any, maximize: bool = False, *, cost_limit: float | None = None) -> tuple[Any, Any]:
     r"""Solve the linear sum assignment problem.
@@ -94,20 +96,22 @@ def linear_sum_assignment(cost: Any, maximize: bool = False, *, cost_limit: floa
     >>> col.tolist(), int(cost[row, col].sum())
     ([1, 0, 2], 5)
     """
-    if cost.__class__ is not np.ndarray and _torch_route.traced(cost):
-        # torch.compile / torch.export: one custom operator in the graph (before any call
-        # into the core, which Dynamo cannot trace).
-        if cost_limit is None:
-            return _torch_route.operators().linear_sum_assignment(cost, bool(maximize))
-        limit = _ragged.check_cost_limit(cost_limit)
-        return _torch_route.operators().linear_sum_assignment_limited(cost, bool(maximize), limit)
-    if maximize.__class__ is bool and cost_limit is None:
-        # The commonest input, a float64/float32 numpy matrix that can be read in place, in
-        # one call to the core; None for anything else, which is classified below.
-        solved = core.lap_solve_plain(cost, maximize)
-        if solved is not None:
-            return solved
-        if is_torch_tensor(cost):
+    if cost.__class__ is _ndarray:
+        if cost_limit is None and maximize.__class__ is bool:
+            # The commonest input, a float64/float32 numpy matrix that can be read in place,
+            # in one call to the core; None for anything else, which is classified below.
+            solved = core.lap_solve_plain(cost, maximize)
+            if solved is not None:
+                return solved
+    elif is_torch_tensor(cost):
+        if _torch_route.traced(cost):
+            # torch.compile / torch.export: one custom operator in the graph (before any call
+            # into the core, which Dynamo cannot trace).
+            if cost_limit is None:
+                return _torch_route.operators().linear_sum_assignment(cost, bool(maximize))
+            limit = _ragged.check_cost_limit(cost_limit)
+            return _torch_route.operators().linear_sum_assignment_limited(cost, bool(maximize), limit)
+        if cost_limit is None and maximize.__class__ is bool:
             solved = _cpu.solve_plain_tensor(cost, maximize)
             if solved is not None:
                 return solved
