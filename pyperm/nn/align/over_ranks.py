@@ -231,7 +231,7 @@ class _Run:
         final = {}
         for g in names:  # every rank gets every permutation from the rank that solved it
             final[g] = chan.broadcast(perms[g].to(torch.int64), matcher.home.get(g, 0)).cpu()
-        seconds = {**matcher.stepper._seconds, "total": time.perf_counter() - started}
+        seconds = {**matcher.seconds, "total": time.perf_counter() - started}
         (total,) = chan.all_reduce([float(chan.bytes_sent)])
         return DistributedMatchingResult(
             perms=Permutations(spec, final),
@@ -302,13 +302,13 @@ def merge_many(
     shares = [{k: v.detach() for k, v in s.items()} for s in states]
     chan = Channel(group)
     with shared_errors(chan, "merge_many"):
-        check_same(chan, spec=_spec_facts(spec), models=len(states), max_iter=max_iter,
+        check_same(chan, spec=_spec_facts(spec), models=len(states), weights=weights, max_iter=max_iter,
                    seed=hashlib.sha256(gen.get_state().numpy().tobytes()).hexdigest())  # fmt: skip
-        return _merge(spec, shares, group, max_iter, gen, progress)
+        return _merge(spec, shares, group, weights, max_iter, gen, progress)
 
 
-def _merge(spec: PermutationSpec, shares: list[dict], group: Any, max_iter: int, gen: torch.Generator,
-           progress: bool) -> MergeResult:
+def _merge(spec: PermutationSpec, shares: list[dict], group: Any, weights: list[float] | None, max_iter: int,
+           gen: torch.Generator, progress: bool) -> MergeResult:
     """MergeMany's rounds over the ranks (the arguments checked, the same on every rank)."""
 
     def match(i: int, others: dict, init: Permutations, g: torch.Generator) -> Permutations:
