@@ -258,8 +258,9 @@ def merge_many(
 
     Every rank passes its share of every model (the same keys in each, as :func:`weight_matching`
     takes them). Each matching of a model to the mean of the others is a :func:`weight_matching`
-    over the ranks, warm-started from the model's permutations and drawing its group orders from
-    the same generator, so the rounds, the permutations and the merged model equal one process's
+    over the ranks from the model's permutations and from the identity (the better kept, as
+    :func:`pyperm.nn.merge_many` does), drawing its group orders from the same generator, so the
+    rounds, the permutations and the merged model equal one process's
     ``merge_many`` for the same seed (up to summation order, and except where a step is within
     rounding of a tie, as :func:`weight_matching`; each matching starts a fresh matcher).
 
@@ -311,8 +312,8 @@ def _merge(spec: PermutationSpec, shares: list[dict], group: Any, weights: list[
            gen: torch.Generator, progress: bool) -> MergeResult:
     """MergeMany's rounds over the ranks (the arguments checked, the same on every rank)."""
 
-    def match(i: int, others: dict, init: Permutations, g: torch.Generator) -> Permutations:
-        return weight_matching(spec, others, shares[i], group=group, init=init, seed=g).perms
+    def match(i: int, others: dict, init: Permutations, g: torch.Generator) -> DistributedMatchingResult:
+        return weight_matching(spec, others, shares[i], group=group, init=init, seed=g)
 
     def permute(perms: Permutations, state: dict) -> dict:
         return {k: permute_entry(spec, perms, k, t) for k, t in state.items()}
