@@ -62,7 +62,8 @@ def _merge(args: argparse.Namespace, device: Any) -> int:
         c.state.clear()
     merged_here = result.merged
     if first.format != "sharded":  # rank 0 writes the one file: it needs every merged tensor
-        merged_here = {k: v for part in all_gather({k: v.cpu() for k, v in merged_here.items()}) for k, v in part.items()}
+        parts = all_gather({k: v.cpu() for k, v in merged_here.items()})
+        merged_here = {k: v for part in parts for k, v in part.items()}
     merged = LazyState(first.state, lambda key, stored: merged_here[key].to(stored.dtype))
     written = write_shares(first, merged, opened.ckpt_files[0], rank, world, opened.copies)
     peaks = all_gather(peak_resident())

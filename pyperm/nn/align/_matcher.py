@@ -454,7 +454,8 @@ def plain_step(step: Step, cost: torch.Tensor, assigner: WarmAssigner, perms: Ma
 
 
 def blocks_step(spec: PermutationSpec, step: Step, costs: Mapping[str, torch.Tensor], own_cost: torch.Tensor | None,
-                perms: Mapping[Any, torch.Tensor], *, cpu_fallback: bool, seconds: dict[str, float]) -> StepOutcome:  # fmt: skip
+                perms: Mapping[Any, torch.Tensor], *, cpu_fallback: bool,
+                seconds: dict[str, float]) -> StepOutcome:  # fmt: skip
     """The best outer permutation and inner permutations of a Blocks outer group (or of blocks that
     stay in place), the other groups held: an assignment of assignments.
 
