@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["Channel", "check_group", "check_same", "comm_device", "communication_error", "init_process_group",
-           "shared_errors"]
+__all__ = ["Channel", "check_group", "check_same", "comm_device", "communication_error", "import_group_defaults",
+           "init_process_group", "shared_errors"]
 
 
-def _import_group_defaults() -> None:
-    """Import ``torch.distributed.nn.functional`` while no process group exists.
+def import_group_defaults() -> None:
+    """Import ``torch.distributed.nn.functional`` unless a process group exists already.
 
     Its functions take ``group=group.WORLD`` as default arguments, evaluated when the module is
     first imported. Imported after ``init_process_group`` (``torch.export`` imports it through
@@ -30,6 +30,13 @@ def _import_group_defaults() -> None:
     aborts the process ("terminate called without an active exception", SIGABRT; torch 2.13).
     Imported before, the defaults are None. Imported after, it would capture the group itself:
     then it is left to whoever imports it.
+
+    Called by :func:`init_process_group` and when :mod:`pyperm.distributed` is imported (which a
+    script does before it initialises its group), never by importing :mod:`pyperm.nn`: a library
+    import should not import parts of torch the caller did not ask for. A script that initialises
+    its own group and uses only :mod:`pyperm.nn` (the data methods' ``group=``) imports
+    :mod:`pyperm.distributed`, or this module of torch's, before ``init_process_group`` when it
+    destroys the group and traces a model later (see the guide page "Across processes and machines").
     """
     import importlib
 
@@ -39,16 +46,13 @@ def _import_group_defaults() -> None:
         importlib.import_module("torch.distributed.nn.functional")
 
 
-_import_group_defaults()
-
-
 def init_process_group(backend: str, **kwargs: Any) -> None:
     """``torch.distributed.init_process_group`` for pyperm's own ranks (the command line, the
-    benchmarks, the tests), with torch's group defaults imported first (:func:`_import_group_defaults`),
+    benchmarks, the tests), with torch's group defaults imported first (:func:`import_group_defaults`),
     so that ``destroy_process_group`` frees the group whatever is imported later."""
     import torch.distributed as dist
 
-    _import_group_defaults()
+    import_group_defaults()
     dist.init_process_group(backend, **kwargs)
 
 

@@ -589,6 +589,20 @@ def test_warm_start_batched_and_infeasible():
         lap_cuda.solve_square_warm(cost[0], torch.full((30,), float("nan"), device="cuda", dtype=torch.float64))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.cuda
+@requires_cuda
+def test_warm_start_stops_at_a_nan_that_reaches_the_search(dtype):
+    # The warm solve does not check its costs for NaN (the callers' are finite). A row of NaN has no finite
+    # column, so it reaches the shortest-path search, whose argmin puts NaN first (both warp versions: see
+    # ArgMin in csrc/common/cuda_device.cuh) and stops with Invalid, not "infeasible" nor an answer.
+    torch = _torch()
+    cost = torch.rand(40, 40, device="cuda", dtype=getattr(torch, dtype))
+    cost[3] = float("nan")
+    with pytest.raises(ValueError, match="invalid numeric entries"):
+        lap_cuda.solve_square_warm(cost, torch.zeros(40, device="cuda", dtype=cost.dtype))
+
+
 # ---------------------------------------------------------------------- GPU: BvN
 def _doubly_stochastic(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     w = rng.random(k) + 0.1

@@ -43,6 +43,8 @@ def _differing(rank, world, what):
     try:
         if what == "merge":
             pd.merge_many(spec, [sa, sb], max_iter=1 + rank)
+        elif what == "merge weights":
+            pd.merge_many(spec, [sa, sb], weights=[0.5, 0.5] if rank == 0 else [0.4, 0.6])
         else:
             pd.weight_matching(spec, sa, sb, **kwargs)
     except ValueError as exc:
@@ -55,6 +57,7 @@ def _differing(rank, world, what):
     ("product dtype", "rank 1 differs from rank 0 in its product_dtype"),
     ("spec", "rank 1 differs from rank 0 in its spec"),
     ("merge", "rank 1 differs from rank 0 in its max_iter"),
+    ("merge weights", "rank 1 differs from rank 0 in its weights"),
 ])  # fmt: skip
 def test_options_that_differ_between_ranks_are_refused_on_every_rank(tmp_path, what, expected):
     outcomes = run_ranks(_differing, 2, tmp_path, what, deadline=30)

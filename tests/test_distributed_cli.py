@@ -251,3 +251,50 @@ def test_the_command_lines_group_is_freed_after_torch_export_is_imported_in_it(t
                           timeout=180, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+# A user's own script: pyperm.distributed imported before its own init_process_group (the guide's advice).
+_OWN_GROUP_AFTER_EXPORT = """
+import os
+
+import torch
+import torch.distributed as dist
+
+import pyperm.distributed  # noqa: F401  (before the group: torch's group defaults are imported without it)
+
+
+def gloo_threads():
+    return [n for n in (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+            if "gloo" in n]
+
+
+dist.init_process_group("gloo")
+import torch._dynamo  # noqa: E402, F401  (what torch.export imports when a model is traced inside the group)
+
+dist.all_gather_object([None], {"rank": 0})
+dist.barrier()
+assert gloo_threads(), "no gloo threads while the group is up"
+dist.destroy_process_group()
+print(gloo_threads())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the threads' names from /proc")
+def test_a_scripts_own_group_is_freed_when_it_imports_pyperm_distributed_first(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "-c", _OWN_GROUP_AFTER_EXPORT], env=env, capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_importing_pyperm_nn_does_not_import_torch_distributed_nn_functional(tmp_path):
+    """Only pyperm.distributed (and pyperm's own init_process_group) import it: importing the library's methods
+    does not import parts of torch the caller did not ask for."""
+    code = ("import sys\nimport pyperm.nn\nimport pyperm.nn.align.over_ranks\nimport pyperm.commands.align\n"
+            "print('torch.distributed.nn.functional' in sys.modules)\nimport pyperm.distributed\n"
+            "print('torch.distributed.nn.functional' in sys.modules)\n")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["False", "True"], proc.stdout

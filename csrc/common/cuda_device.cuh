@@ -31,6 +31,15 @@ __device__ __forceinline__ uint64_t order_key(double d) {
 // ----------------------------------------------------------------------------- argmin
 // A value with a 32-bit key that breaks ties (smaller key wins). The empty element is
 // (+inf, 0xffffffff), which loses to everything.
+//
+// NaN comes first: it is below every number, NaNs tie with each other whatever their bits, and
+// the key breaks the tie as usual. The order must be total for the result not to depend on the
+// order in which lanes combine (with `<` alone a NaN is neither below nor above anything, and
+// each lane of a shuffle would keep its own), and the shuffle and the integer-reduction
+// versions below must agree. NaN first rather than last: a NaN that reaches a search (a
+// reduced cost that overflowed, an unchecked warm-start cost) then wins it, and the search's
+// `!(val < infinity)` check stops it with an error, instead of the NaN being passed over and
+// a wrong assignment returned.
 template <typename T>
 struct ArgMin {
   T val;
@@ -44,7 +53,9 @@ __device__ __forceinline__ ArgMin<T> argmin_empty() {
 
 template <typename T>
 __device__ __forceinline__ bool argmin_less(const ArgMin<T>& a, const ArgMin<T>& b) {
-  return a.val < b.val || (a.val == b.val && a.key < b.key);
+  if (isnan(b.val)) return isnan(a.val) && a.key < b.key;
+  // b is a number: a is below it when a < b or a is NaN, which is what !(a >= b) says.
+  return !(a.val >= b.val) || (a.val == b.val && a.key < b.key);
 }
 
 template <typename T>
@@ -62,10 +73,13 @@ __device__ __forceinline__ ArgMin<T> warp_argmin_shuffle(ArgMin<T> p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 // The same minimum with the warp's integer min-reductions (sm_80 and later): the value as an
 // order key, then the smallest tie-breaking key among the lanes that hold the minimum. Adding
-// +0 makes -0 into +0 first, so that the two zeros tie as argmin_less has them tie. The
-// value returned is the minimum's (a -0 comes back as +0, which compares equal).
+// +0 makes -0 into +0 first, so that the two zeros tie as argmin_less has them tie. Every NaN
+// gets key 0, below every number's (order_key puts -inf at 0x007fffff..., and only NaN bit
+// patterns map lower), so NaNs come first and tie, as argmin_less has them; key 0 maps back
+// to the all-ones pattern, a NaN. The value returned is the minimum's (a -0 comes back as +0,
+// which compares equal; a NaN as that one NaN).
 __device__ __forceinline__ ArgMin<float> warp_argmin_reduce(ArgMin<float> p) {
-  const uint32_t k = static_cast<uint32_t>(order_key(p.val + 0.0f));
+  const uint32_t k = isnan(p.val) ? 0u : static_cast<uint32_t>(order_key(p.val + 0.0f));
   const uint32_t kmin = __reduce_min_sync(kFullMask, k);
   const uint32_t key = __reduce_min_sync(kFullMask, k == kmin ? p.key : 0xffffffffu);
   const uint32_t bits = (kmin & 0x80000000u) ? (kmin & 0x7fffffffu) : ~kmin;
@@ -73,7 +87,7 @@ __device__ __forceinline__ ArgMin<float> warp_argmin_reduce(ArgMin<float> p) {
 }
 
 __device__ __forceinline__ ArgMin<double> warp_argmin_reduce(ArgMin<double> p) {
-  const uint64_t k = order_key(p.val + 0.0);
+  const uint64_t k = isnan(p.val) ? 0ull : order_key(p.val + 0.0);
   const uint32_t hi = static_cast<uint32_t>(k >> 32), lo = static_cast<uint32_t>(k);
   const uint32_t hmin = __reduce_min_sync(kFullMask, hi);
   const uint32_t lmin = __reduce_min_sync(kFullMask, hi == hmin ? lo : 0xffffffffu);

@@ -25,12 +25,12 @@ inline void copy_unit(unsigned char* d, const unsigned char* s, int64_t bytes) {
   }
 }
 
-// Units of one word (a linear layer's columns).
-template <typename W>
+// Units of one word (a linear layer's columns). The bytes may hold any dtype and need not be
+// aligned to the word, so they are moved with memcpy, which is defined for any bytes (a load
+// through a cast pointer is not); the compiler turns a fixed-size memcpy into one plain move.
+template <int64_t Bytes>
 void gather_words(const unsigned char* src_row, const int64_t* index, int64_t k, unsigned char* out_row) {
-  const W* src = reinterpret_cast<const W*>(src_row);
-  W* out = reinterpret_cast<W*>(out_row);
-  for (int64_t j = 0; j < k; ++j) out[j] = src[index[j]];
+  for (int64_t j = 0; j < k; ++j) std::memcpy(out_row + j * Bytes, src_row + index[j] * Bytes, Bytes);
 }
 
 // One row, out_row[j] = src_row[index[j]]. The units are read in the index's order, which
@@ -43,9 +43,9 @@ void gather_row(const unsigned char* src_row, const unsigned char* next, int64_t
   const int64_t per_unit = next ? (src_bytes + k - 1) / k : 0;
   for (int64_t j0 = 0; j0 < k; j0 += 64) {
     const int64_t j1 = j0 + 64 < k ? j0 + 64 : k;
-    if (unit == 2) gather_words<uint16_t>(src_row, index + j0, j1 - j0, out_row + j0 * 2);
-    else if (unit == 4) gather_words<uint32_t>(src_row, index + j0, j1 - j0, out_row + j0 * 4);
-    else if (unit == 8) gather_words<uint64_t>(src_row, index + j0, j1 - j0, out_row + j0 * 8);
+    if (unit == 2) gather_words<2>(src_row, index + j0, j1 - j0, out_row + j0 * 2);
+    else if (unit == 4) gather_words<4>(src_row, index + j0, j1 - j0, out_row + j0 * 4);
+    else if (unit == 8) gather_words<8>(src_row, index + j0, j1 - j0, out_row + j0 * 8);
     else
       for (int64_t j = j0; j < j1; ++j) copy_unit(out_row + j * unit, src_row + index[j] * unit, unit);
     const int64_t target = std::min(src_bytes, j1 * per_unit);

@@ -424,7 +424,9 @@ __global__ void __launch_bounds__(BLOCK) block_kernel(BlockArgs<T> a) {
     for (int step = 0;; ++step) {
       const ArgMin<T> g = dev::block_argmin<T, NW>(loc, am_buf, am_par);
       if (!(g.val < infinity)) {  // no column reachable: no complete matching exists
-        fail = kInfeasible;
+        // or a NaN, which the argmin puts first (see ArgMin): a NaN cost the caller did not
+        // check (the warm solve's) or a reduced cost that overflowed. Either way no answer.
+        fail = isnan(g.val) ? kInvalid : kInfeasible;
         break;
       }
       if (step > m) {  // every step finishes a column; more steps than columns is a bug

@@ -71,7 +71,8 @@ Status batch_linear_sum_assignment(const T* cost, int64_t batch, int64_t n_rows,
 //                        solve's are a good start), the final duals on return.
 //   col_of_row  [out]    device, batch x n int64.
 //   failed      [out]    on failure, the lowest failing problem's index.
-// Returns Ok or Infeasible (NotConverged: internal safety bound, see above).
+// Returns Ok or Infeasible, or Invalid when a NaN reached the search (NotConverged: internal
+// safety bound, see above).
 template <typename T>
 Status batch_solve_square_warm(const T* cost, int64_t batch, int64_t n, T* v, int64_t* col_of_row,
                                int64_t* failed, int device, void* stream, const LapOptions& options = {},

@@ -31,13 +31,15 @@ import argparse
 import contextlib
 import hashlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pyperm.commands._common import CommandError
 
-__all__ = ["align_over_ranks", "key_owners", "launched", "on_ranks", "process_group", "refuse_ranks", "write_shares"]
+__all__ = ["RankInputs", "align_over_ranks", "all_gather", "key_owners", "launched", "on_ranks", "open_on_ranks",
+           "process_group", "refuse_ranks", "write_shares"]
 
 _LAUNCHER = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 
@@ -159,53 +161,105 @@ def on_ranks(args: argparse.Namespace, body: Callable[[Any], int]) -> int:
         return body(device)
 
 
-def _align(args: argparse.Namespace, device: Any, init: str) -> int:
+@dataclass
+class RankInputs:
+    """What a command over ranks works on, opened by :func:`open_on_ranks` on every rank."""
+
+    rank: int
+    world: int
+    loaded: Any  # the model, built on the meta device from the first checkpoint's config
+    ckpts: list[Any]  # in the order given: of each, this rank's shards mapped and the others' headers
+    owners: dict[str, int]  # the rank that holds each key (:func:`key_owners` of the splitting checkpoint)
+    out: Path
+    ckpt_files: list[Path]  # the output checkpoint's files (:func:`pyperm.commands._common.checkpoint_outputs`)
+    copies: list[tuple[Path, Path]]  # (source, destination) of the folder's other files (config, tokenizer)
+
+    @property
+    def mine(self) -> list[str]:
+        """The spec's keys this rank holds."""
+        return [k for k in self.loaded.spec.axes if self.owners.get(k) == self.rank]
+
+
+def open_on_ranks(args: argparse.Namespace, paths: Sequence[str], *, split_by: int, stem: Callable[[Any], str],
+                  reports: Sequence[str], options: Sequence[Any],
+                  fingerprint_names: Sequence[str] | None = None) -> RankInputs:  # fmt: skip
+    """The set-up that ``align`` and ``merge`` over ranks share, on every rank (collectives inside).
+
+    Builds ``args.model`` from ``paths[0]``; splits the keys by the shards of ``paths[split_by]``
+    (:func:`key_owners`) and maps, of every checkpoint, only the shards that hold this rank's keys;
+    checks each checkpoint against the first; names the outputs (the checkpoint as
+    ``stem(splitting checkpoint)``, its folder's copies, then ``reports``); has every rank state the
+    same checkpoints (a fingerprint of each: under ``fingerprint_names`` one fact each, else one
+    list called ``inputs``) and ``options`` (:func:`pyperm.distributed.check_same`); refuses outputs
+    that are inputs; and lets rank 0 prepare the output folder and remove killed writers' leftovers
+    before any rank stages a file (a barrier ends it).
+    """
     import torch.distributed as dist
 
     import pyperm.distributed as pd
     from pyperm import _staging
-    from pyperm._memory import peak_resident
-    from pyperm._json import write_json
-    from pyperm._staging import write_text
-    from pyperm.checkpoints import DATA_PARALLEL_PREFIX, LazyState, check_pair
+    from pyperm.checkpoints import DATA_PARALLEL_PREFIX, check_pair
     from pyperm.commands._checkpoint_pair import load_for_model, refuse_inputs
-    from pyperm.commands._common import build_model, checkpoint_outputs, on_device, prepare_out
+    from pyperm.commands._common import build_model, checkpoint_outputs, prepare_out
     from pyperm.commands._hf import folder_copies, folder_of
-    from pyperm.commands.align import _markdown, align_report
-    from pyperm.nn.permutations import as_permutations, permute_entry
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    loaded = build_model(args.model, args.example_input_shape, args.a, meta=True)
-    # B's shards are split over the ranks; this rank maps its own, and of A the shards holding the same keys.
-    (ckpt_b,) = load_for_model([args.b], loaded, [lambda weight_map: _my_shards(weight_map, rank, world)])
-    owners = key_owners(ckpt_b, world)
+    loaded = build_model(args.model, args.example_input_shape, paths[0], meta=True)
+    (splitting,) = load_for_model([paths[split_by]], loaded, [lambda weight_map: _my_shards(weight_map, rank, world)])
+    owners = key_owners(splitting, world)
 
-    def a_shards(weight_map: dict[str, str]) -> set[str]:
+    def holding_mine(weight_map: dict[str, str]) -> set[str]:
         return {shard for stored, shard in weight_map.items()
                 if owners.get(stored, owners.get(stored.removeprefix(DATA_PARALLEL_PREFIX))) == rank}  # fmt: skip
 
-    (ckpt_a,) = load_for_model([args.a], loaded, [a_shards])
-    check_pair(ckpt_a, ckpt_b)
+    others = [p for i, p in enumerate(paths) if i != split_by]
+    opened = iter(load_for_model(others, loaded, [holding_mine] * len(others)))
+    ckpts = [splitting if i == split_by else next(opened) for i in range(len(paths))]
+    for other in ckpts[1:]:
+        check_pair(ckpts[0], other)
     out = Path(args.out)
-    stem = (folder_of(ckpt_b.path).name if args.model == "hf" else ckpt_b.path.name.split(".")[0]) + "_permuted"
-    ckpt_files = checkpoint_outputs(ckpt_b, out, stem, args.model)
-    copies = folder_copies(ckpt_b, ckpt_files) if args.model == "hf" else []
-    names = ([str(p.relative_to(out)) for p in ckpt_files + [dst for _, dst in copies]]
-             + ["permutations.json", "report.json", "report.md"])  # fmt: skip
     hf = args.model == "hf"
-    pd.check_same(None, a=_fingerprint(ckpt_a, [folder_of(ckpt_a.path) / "config.json"] if hf else []),
-                  b=_fingerprint(ckpt_b, [folder_of(ckpt_b.path) / "config.json"] if hf else []),
-                  options=[args.model, str(out.resolve()), args.max_iter, args.seed, init, args.force, device.type,
-                           args.example_input_shape])  # fmt: skip
-    refuse_inputs([out / n for n in names], [ckpt_a, ckpt_b])
+    ckpt_files = checkpoint_outputs(splitting, out, stem(splitting), args.model)
+    copies = folder_copies(splitting, ckpt_files) if hf else []
+    names = [str(p.relative_to(out)) for p in ckpt_files + [dst for _, dst in copies]] + list(reports)
+    prints = [_fingerprint(c, [folder_of(c.path) / "config.json"] if hf else []) for c in ckpts]
+    facts = dict(zip(fingerprint_names, prints, strict=True)) if fingerprint_names else {"inputs": prints}
+    pd.check_same(None, **facts, options=list(options))
+    refuse_inputs([out / n for n in names], ckpts)
     if rank == 0:
         prepare_out(out, names, args.force)
         # Leftovers of killed writers, by rank 0 before any rank stages (pyperm._staging removes only those
         # of its own machine and PID namespace: another node's live staging files are never touched).
         _staging.remove_leftovers(ckpt_files[0].parent)
     dist.barrier()
+    return RankInputs(rank, world, loaded, ckpts, owners, out, ckpt_files, copies)
 
-    mine = [k for k in loaded.spec.axes if owners.get(k) == rank]
+
+def _align(args: argparse.Namespace, device: Any, init: str) -> int:
+    import torch.distributed as dist
+
+    import pyperm.distributed as pd
+    from pyperm._json import write_json
+    from pyperm._memory import peak_resident
+    from pyperm._staging import write_text
+    from pyperm.checkpoints import LazyState
+    from pyperm.commands._common import on_device
+    from pyperm.commands._hf import folder_of
+    from pyperm.commands.align import _markdown, align_report
+    from pyperm.nn.permutations import as_permutations, permute_entry
+
+    def permuted_stem(ckpt_b: Any) -> str:
+        return (folder_of(ckpt_b.path).name if args.model == "hf" else ckpt_b.path.name.split(".")[0]) + "_permuted"
+
+    # B's shards are split over the ranks; this rank maps its own, and of A the shards holding the same keys.
+    opened = open_on_ranks(args, [args.a, args.b], split_by=1, stem=permuted_stem,
+                           reports=["permutations.json", "report.json", "report.md"],
+                           options=[args.model, str(Path(args.out).resolve()), args.max_iter, args.seed, init,
+                                    args.force, device.type, args.example_input_shape],
+                           fingerprint_names=["a", "b"])  # fmt: skip
+    rank, world, loaded, out, ckpt_files = opened.rank, opened.world, opened.loaded, opened.out, opened.ckpt_files
+    ckpt_a, ckpt_b = opened.ckpts
+    mine = opened.mine
     result = pd.weight_matching(loaded.spec, on_device({k: ckpt_a.state[k] for k in mine}, device),
                                 on_device({k: ckpt_b.state[k] for k in mine}, device),
                                 max_iter=args.max_iter, seed=args.seed, init=init)  # fmt: skip
@@ -214,8 +268,8 @@ def _align(args: argparse.Namespace, device: Any, init: str) -> int:
     checked = as_permutations(loaded.spec, perms)
     permuted = LazyState(ckpt_b.state, lambda key, tensor: permute_entry(loaded.spec, checked, key, tensor))
 
-    written = write_shares(ckpt_b, permuted, ckpt_files[0], rank, world, copies)
-    peaks = _gather(peak_resident())
+    written = write_shares(ckpt_b, permuted, ckpt_files[0], rank, world, opened.copies)
+    peaks = all_gather(peak_resident())
     if rank == 0:
         info = {
             "method": "weight",
@@ -264,7 +318,7 @@ def write_shares(ckpt: Any, state: Any, path: Path, rank: int, world: int,
             staged += stage_shards(ckpt, state, path, _my_shards(ckpt.weight_map, rank, world))
         elif rank == 0:
             staged.append(stage_file(ckpt, state, path))
-        every = [(Path(t), Path(f)) for part in _gather([(str(s.tmp), str(s.final)) for s in staged])
+        every = [(Path(t), Path(f)) for part in all_gather([(str(s.tmp), str(s.final)) for s in staged])
                  for t, f in part]  # fmt: skip
         if rank == 0:
             theirs = [_staging.Staged(t, f) for t, f in every if t not in {s.tmp for s in staged}]
@@ -286,7 +340,8 @@ def write_shares(ckpt: Any, state: Any, path: Path, rank: int, world: int,
     return written
 
 
-def _gather(obj: Any) -> list[Any]:
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank (a collective of the world)."""
     import torch.distributed as dist
 
     every: list[Any] = [None] * dist.get_world_size()

@@ -16,11 +16,19 @@ the process group. Under ``torchrun`` the command line initialises it for ``alig
 shards over the ranks and writes the files one process writes, except where a step is within
 rounding of a tie (:mod:`pyperm.commands._over_ranks`, :mod:`pyperm.commands._merge_over_ranks`).
 See the guide page "Across processes and machines".
+
+Importing this package imports ``torch.distributed.nn.functional`` when no process group exists
+yet (:func:`pyperm._comm.import_group_defaults`): import it before ``init_process_group``, so
+that ``destroy_process_group`` can free the group even when a model is traced (``torch.export``)
+inside it. Importing :mod:`pyperm.nn` alone does not.
 """
 
+from pyperm import _comm
 from pyperm._comm import Channel, check_same
 from pyperm.distributed._failure import RankFailedError, failure_guard
 from pyperm.distributed.weight import DistributedMatchingResult, merge_many, weight_matching
+
+_comm.import_group_defaults()
 
 __all__ = ["Channel", "DistributedMatchingResult", "RankFailedError", "check_same", "failure_guard", "merge_many",
            "weight_matching"]

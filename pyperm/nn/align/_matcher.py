@@ -36,6 +36,7 @@ from pyperm._checks import callback_stops, check_callable, check_int, check_nonn
 from pyperm._gather import index_select
 from pyperm._memory import release_free_memory
 from pyperm._progress import progress_bar
+from pyperm.lap.warm import WarmAssigner
 from pyperm.nn._checks import check_spec
 from pyperm.nn.align._objective import (
     WeightMatchingResult,
@@ -57,7 +58,8 @@ from pyperm.nn.align._similarity import (
 from pyperm.nn.permutations import Permutations, as_permutations
 from pyperm.nn.spec import Blocks, PermutationSpec
 
-__all__ = ["WeightMatcher"]
+__all__ = ["Step", "WeightMatcher", "blocks_step", "check_finite_cost", "piece_dot", "plain_step", "plan_steps",
+           "similarity_product_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ COST_BUDGET_FRACTION = 0.4
 COST_BUDGET_MIN = 64 << 20
 
 
-def _product_dtype(product_dtype: Any, dtype: torch.dtype, tensors: list[torch.Tensor]) -> torch.dtype:
+def similarity_product_dtype(product_dtype: Any, dtype: torch.dtype, tensors: list[torch.Tensor]) -> torch.dtype:
     """The dtype of the similarity products: as asked, else bfloat16 for a bfloat16 model (the
     hardware's float32 accumulation), else the similarity's own."""
     if product_dtype is None:
@@ -79,7 +81,7 @@ def _product_dtype(product_dtype: Any, dtype: torch.dtype, tensors: list[torch.T
 
 
 @dataclass(frozen=True)
-class _Step:
+class Step:
     """What a visit of one group does.
 
     ``moves``: the groups it may change (a Blocks outer group with its inner groups);
@@ -96,13 +98,13 @@ class _Step:
     quadratic: bool
 
 
-def _plan_steps(spec: PermutationSpec, pieces: list[Piece]) -> dict[str, _Step | None]:
+def plan_steps(spec: PermutationSpec, pieces: list[Piece]) -> dict[str, Step | None]:
     """Every group's step; None for a Blocks inner group, which moves with its outer group."""
     inners_of: dict[str, list[str]] = {}
     for inner, outer in spec.blocks.items():
         if isinstance(outer, str):
             inners_of.setdefault(outer, []).append(inner)
-    steps: dict[str, _Step | None] = {}
+    steps: dict[str, Step | None] = {}
     # The groups of each axis of each piece, read once (ResNet50: 37 groups x 320 pieces).
     axis_groups = [[set(label_groups(label)) for label in p.labels] for p in pieces]
     for g in spec.sizes:
@@ -115,7 +117,7 @@ def _plan_steps(spec: PermutationSpec, pieces: list[Piece]) -> dict[str, _Step |
         moved = set(moves)
         per_piece = [sum(1 for groups in axes if groups & moved) for axes in axis_groups]
         touched = tuple(i for i, k in enumerate(per_piece) if k)
-        steps[g] = _Step(g, moves, inners, fixed, touched, any(k > 1 for k in per_piece))
+        steps[g] = Step(g, moves, inners, fixed, touched, any(k > 1 for k in per_piece))
     return steps
 
 
@@ -182,7 +184,7 @@ class WeightMatcher:
         if len(devices) > 1:
             raise ValueError(f"state_b must be on one device, found {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
-        self.product_dtype = _product_dtype(product_dtype, self.dtype, [self.state_b[k] for k in self.keys])
+        self.product_dtype = similarity_product_dtype(product_dtype, self.dtype, [self.state_b[k] for k in self.keys])
         self._work = Work()
         self._products = Products(self.dtype, self.product_dtype, self._work)
         matched = sum(self.state_b[k].numel() * self.state_b[k].element_size() for k in self.keys)
@@ -199,7 +201,7 @@ class WeightMatcher:
                 elif isinstance(label, Blocks):
                     self._where[label.inner].append((i, ax))
         self._forms = list(dict.fromkeys(label for p in self._pieces for label in p.labels if isinstance(label, Blocks)))
-        self._steps = _plan_steps(spec, self._pieces)
+        self._steps = plan_steps(spec, self._pieces)
         # The similarities that read each group's permutation (through another axis of their pieces).
         self._dependents: dict[str, list[str]] = {g: [] for g in spec.sizes}
         for g, where in self._where.items():
@@ -382,88 +384,26 @@ class WeightMatcher:
         started = time.perf_counter()
         cost = group.negated_similarity(perms, self._cache)
         self._seconds["similarity"] += time.perf_counter() - started
-        if group.may_overflow and not bool(torch.isfinite(cost).all()):
-            products = f" (products in {self.product_dtype})" if self.product_dtype != self.dtype else ""
-            raise ValueError(
-                f"the similarity matrix of group {group.name!r} is not finite: the weights are too large "
-                f"for {self.dtype}{products}; rescale them or pass dtype=torch.float64"
-            )
+        if group.may_overflow:
+            check_finite_cost(group.name, cost, self.dtype, self.product_dtype)
         return cost
 
     def _plain_step(
-        self, step: _Step, group: GroupSimilarity, perms: Mapping[Any, torch.Tensor], cpu_fallback: bool
+        self, step: Step, group: GroupSimilarity, perms: Mapping[Any, torch.Tensor], cpu_fallback: bool
     ) -> tuple[dict[str, torch.Tensor] | None, float, float]:
-        """The group's best permutation, the others held; with the similarity's values at the current and new one."""
         cost = self._cost(group, perms)
-        started = time.perf_counter()
-        new = pyperm.linear_sum_assignment(cost.cpu())[1].to(self.device) if cpu_fallback else group.assign()
-        self._seconds["assignment"] += time.perf_counter() - started
-        old = perms[step.group]
-        if torch.equal(new, old):
-            return None, 0.0, 0.0
-        # The similarity is minus the cost.
-        old_val = -float(cost.gather(1, old[:, None]).double().sum())
-        new_val = -float(cost.gather(1, new[:, None]).double().sum())
-        return {step.group: new}, old_val, new_val
+        return plain_step(step, cost, group.assigner, perms, cpu_fallback=cpu_fallback, seconds=self._seconds)
 
     def _blocks_step(
-        self, step: _Step, groups: Mapping[str, GroupSimilarity], perms: Mapping[Any, torch.Tensor], cpu_fallback: bool
+        self, step: Step, groups: Mapping[str, GroupSimilarity], perms: Mapping[Any, torch.Tensor], cpu_fallback: bool
     ) -> tuple[dict[str, torch.Tensor] | None, float, float]:
-        """The best outer permutation and inner permutations of a Blocks outer group (or of blocks that
-        stay in place), the other groups held: an assignment of assignments."""
-        spec = self.spec
-        nb = spec.num_blocks(step.inners[0])
         costs = {d: self._cost(groups[d], perms) for d in step.inners}
-        outer_cost = None
-        if not step.fixed:
-            own = groups[step.group]
-            # A float64 copy: the sums below must not touch the group's own cost, which it keeps.
-            outer_cost = torch.zeros(nb, nb, dtype=torch.float64, device=self.device)
-            if own.all_terms:
-                outer_cost += self._cost(own, perms)
-        pairs = {}
-        for d, cost in costs.items():
-            bs = spec.block_size(d)
-            blocks = cost.view(nb, bs, nb, bs)
-            if step.fixed:  # block i with block i only
-                stack = blocks.diagonal(dim1=0, dim2=2).permute(2, 0, 1).contiguous()
-            else:  # (A block i, B block j) -> the (bs, bs) cost of pairing their units
-                stack = blocks.permute(0, 2, 1, 3).reshape(nb * nb, bs, bs).contiguous()
-            started = time.perf_counter()
-            cols = _batch_assign(stack, cpu_fallback)
-            self._seconds["assignment"] += time.perf_counter() - started
-            if step.fixed:
-                pairs[d] = cols
-            else:
-                outer_cost += stack.gather(2, cols.unsqueeze(2)).double().sum((1, 2)).view(nb, nb)
-                pairs[d] = cols.view(nb, nb, bs)
-        if step.fixed:
-            new_outer = torch.arange(nb, device=self.device)
-            proposal = {d: inner_of_pairs(new_outer, cols) for d, cols in pairs.items()}
-        else:
-            started = time.perf_counter()
-            new_outer = _assign(outer_cost, cpu_fallback)
-            self._seconds["assignment"] += time.perf_counter() - started
-            rows = torch.arange(nb, device=self.device)
-            proposal = {step.group: new_outer}
-            proposal |= {d: inner_of_pairs(new_outer, cols[rows, new_outer]) for d, cols in pairs.items()}
-        if all(torch.equal(p, perms[h]) for h, p in proposal.items()):
-            return None, 0.0, 0.0
-
-        def value(chosen: Mapping[str, torch.Tensor]) -> float:
-            outer = chosen[step.group] if not step.fixed else new_outer
-            total = 0.0
-            if outer_cost is not None and groups[step.group].all_terms:
-                total -= float(groups[step.group].cost.gather(1, outer[:, None]).double().sum())
-            for d, cost in costs.items():
-                index = chosen[d].view(nb, -1)[outer].reshape(-1)
-                total -= float(cost.gather(1, index[:, None]).double().sum())
-            return total
-
-        return proposal, value(perms), value(proposal)
+        own = groups[step.group]
+        own_cost = self._cost(own, perms) if not step.fixed and own.all_terms else None
+        return blocks_step(self.spec, step, costs, own_cost, perms, cpu_fallback=cpu_fallback, seconds=self._seconds)
 
     def _exact_values(
-        self, step: _Step, perms: Mapping[Any, torch.Tensor], proposal: Mapping[str, torch.Tensor]
+        self, step: Step, perms: Mapping[Any, torch.Tensor], proposal: Mapping[str, torch.Tensor]
     ) -> tuple[float, float]:
         """The objective's part from the pieces the step changes, at the current and the proposed permutations."""
         if self._a_views is None:
@@ -472,12 +412,109 @@ class WeightMatcher:
         self._update(trial, proposal)
         old = new = 0.0
         for i in step.pieces:
-            old += _piece_dot(self._pieces[i], self._a_views[i], self._b_views[i], perms)
-            new += _piece_dot(self._pieces[i], self._a_views[i], self._b_views[i], trial)
+            old += piece_dot(self._pieces[i], self._a_views[i], self._b_views[i], perms)
+            new += piece_dot(self._pieces[i], self._a_views[i], self._b_views[i], trial)
         return old, new
 
 
-def _piece_dot(piece: Piece, a: torch.Tensor, b: torch.Tensor, perms: Mapping[Any, torch.Tensor]) -> float:
+def check_finite_cost(name: str, cost: torch.Tensor, dtype: torch.dtype, product_dtype: torch.dtype) -> None:
+    """Raise unless group ``name``'s cost (minus its similarity) is finite: an overflow of ``dtype``."""
+    if not bool(torch.isfinite(cost).all()):
+        products = f" (products in {product_dtype})" if product_dtype != dtype else ""
+        raise ValueError(
+            f"the similarity matrix of group {name!r} is not finite: the weights are too large "
+            f"for {dtype}{products}; rescale them or pass dtype=torch.float64"
+        )
+
+
+# A step's outcome: the proposed permutations (None: nothing moves), and the similarity's values at
+# the current and the proposed permutations (the gain is their difference).
+StepOutcome = tuple[dict[str, torch.Tensor] | None, float, float]
+
+
+def plain_step(step: Step, cost: torch.Tensor, assigner: WarmAssigner, perms: Mapping[Any, torch.Tensor], *,
+               cpu_fallback: bool, seconds: dict[str, float]) -> StepOutcome:  # fmt: skip
+    """The best permutation of a plain group, the others held.
+
+    ``cost`` is minus the group's whole similarity at ``perms`` (checked finite by the caller),
+    solved by ``assigner`` (warm; bound to ``cost`` when small), or cold on the CPU with
+    ``cpu_fallback``. The solve's time is added to ``seconds["assignment"]``. Shared by
+    :class:`WeightMatcher` and the solver rank of weight matching over ranks.
+    """
+    started = time.perf_counter()
+    new = pyperm.linear_sum_assignment(cost.cpu())[1].to(cost.device) if cpu_fallback else assigner.solve(cost)
+    seconds["assignment"] += time.perf_counter() - started
+    old = perms[step.group]
+    if torch.equal(new, old):
+        return None, 0.0, 0.0
+    # The similarity is minus the cost.
+    old_val = -float(cost.gather(1, old[:, None]).double().sum())
+    new_val = -float(cost.gather(1, new[:, None]).double().sum())
+    return {step.group: new}, old_val, new_val
+
+
+def blocks_step(spec: PermutationSpec, step: Step, costs: Mapping[str, torch.Tensor], own_cost: torch.Tensor | None,
+                perms: Mapping[Any, torch.Tensor], *, cpu_fallback: bool,
+                seconds: dict[str, float]) -> StepOutcome:  # fmt: skip
+    """The best outer permutation and inner permutations of a Blocks outer group (or of blocks that
+    stay in place), the other groups held: an assignment of assignments.
+
+    ``costs``: minus the whole similarity of each inner group (``step.inners``) at ``perms``;
+    ``own_cost``: minus the outer group's own similarity, None when it has none (or the blocks
+    stay in place). Checked finite by the caller. Solves are cold (batched); their time is
+    added to ``seconds["assignment"]``.
+    """
+    nb = spec.num_blocks(step.inners[0])
+    device = next(iter(costs.values())).device
+    outer_cost = None
+    if not step.fixed:
+        # A float64 copy: the sums below must not touch the group's own cost, which it keeps.
+        outer_cost = torch.zeros(nb, nb, dtype=torch.float64, device=device)
+        if own_cost is not None:
+            outer_cost += own_cost
+    pairs = {}
+    for d, cost in costs.items():
+        bs = spec.block_size(d)
+        blocks = cost.view(nb, bs, nb, bs)
+        if step.fixed:  # block i with block i only
+            stack = blocks.diagonal(dim1=0, dim2=2).permute(2, 0, 1).contiguous()
+        else:  # (A block i, B block j) -> the (bs, bs) cost of pairing their units
+            stack = blocks.permute(0, 2, 1, 3).reshape(nb * nb, bs, bs).contiguous()
+        started = time.perf_counter()
+        cols = _batch_assign(stack, cpu_fallback)
+        seconds["assignment"] += time.perf_counter() - started
+        if step.fixed:
+            pairs[d] = cols
+        else:
+            outer_cost += stack.gather(2, cols.unsqueeze(2)).double().sum((1, 2)).view(nb, nb)
+            pairs[d] = cols.view(nb, nb, bs)
+    if step.fixed:
+        new_outer = torch.arange(nb, device=device)
+        proposal = {d: inner_of_pairs(new_outer, cols) for d, cols in pairs.items()}
+    else:
+        started = time.perf_counter()
+        new_outer = _assign(outer_cost, cpu_fallback)
+        seconds["assignment"] += time.perf_counter() - started
+        rows = torch.arange(nb, device=device)
+        proposal = {step.group: new_outer}
+        proposal |= {d: inner_of_pairs(new_outer, cols[rows, new_outer]) for d, cols in pairs.items()}
+    if all(torch.equal(p, perms[h]) for h, p in proposal.items()):
+        return None, 0.0, 0.0
+
+    def value(chosen: Mapping[str, torch.Tensor]) -> float:
+        outer = chosen[step.group] if not step.fixed else new_outer
+        total = 0.0
+        if own_cost is not None and not step.fixed:
+            total -= float(own_cost.gather(1, outer[:, None]).double().sum())
+        for d, cost in costs.items():
+            index = chosen[d].view(nb, -1)[outer].reshape(-1)
+            total -= float(cost.gather(1, index[:, None]).double().sum())
+        return total
+
+    return proposal, value(perms), value(proposal)
+
+
+def piece_dot(piece: Piece, a: torch.Tensor, b: torch.Tensor, perms: Mapping[Any, torch.Tensor]) -> float:
     """``sum(a * pi(b))`` of one piece."""
     for ax, label in enumerate(piece.labels):
         if label is not None:

@@ -6,15 +6,17 @@ terms (:class:`~pyperm.nn.align._similarity.Term`) only for the pieces it holds:
 similarity on a rank is the part its own tensors contribute, kept up to date by the same
 incremental corrections as in one process. A step's *participants* are the ranks holding a
 piece it reads; its *solver* is the participant holding most of the step's columns. The other
-participants send their parts to the solver, which adds them, runs the one-process step
-(:class:`~pyperm.nn.align._matcher.WeightMatcher`'s own step methods, on the sums) and sends
-the outcome back. A step with one participant is that rank's alone: no message.
+participants send their parts to the solver, which adds them, runs the one-process step on the
+sums (:func:`~pyperm.nn.align._matcher.plain_step`, :func:`~pyperm.nn.align._matcher.blocks_step`,
+which :class:`~pyperm.nn.align._matcher.WeightMatcher` runs too) and sends the outcome back. A
+step with one participant is that rank's alone: no message.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +26,16 @@ from pyperm._memory import release_free_memory
 from pyperm._comm import Channel
 from pyperm.nn.align._rank_layout import Layout
 from pyperm.lap.warm import INCREMENTAL_UP_TO, WarmAssigner
-from pyperm.nn.align._matcher import COST_BUDGET_FRACTION, COST_BUDGET_MIN, WeightMatcher, _piece_dot, _plan_steps, _product_dtype
+from pyperm.nn.align._matcher import (
+    COST_BUDGET_FRACTION,
+    COST_BUDGET_MIN,
+    blocks_step,
+    check_finite_cost,
+    piece_dot,
+    plain_step,
+    plan_steps,
+    similarity_product_dtype,
+)
 from pyperm.nn.align._pieces import blocks_index, label_groups, lower
 from pyperm.nn.align._similarity import CostCache, GroupSimilarity, Products, Term, Work
 from pyperm.nn.spec import Blocks, PermutationSpec
@@ -35,34 +46,13 @@ __all__ = ["RankMatcher"]
 _KEEP, _TAKE, _EVALUATE = 0, 1, 2
 
 
+@dataclass
 class _Whole:
-    """A group's whole similarity at its solver, as WeightMatcher's step methods read a group."""
+    """A group's whole similarity at its solver (minus it: the cost), and the solver state that solves it."""
 
-    __slots__ = ("name", "cost", "all_terms", "assigner")
-
-    def __init__(self, name: str, cost: torch.Tensor, has_terms: bool, assigner: WarmAssigner) -> None:
-        self.name, self.cost, self.assigner = name, cost, assigner
-        self.all_terms = [True] if has_terms else []
-
-    def assign(self) -> torch.Tensor:
-        return self.assigner.solve(self.cost)
-
-
-class _Stepper:
-    """The attributes WeightMatcher's step methods read of a matcher (their costs are the sums, given)."""
-
-    def __init__(self, spec: PermutationSpec, device: torch.device, dtype: torch.dtype) -> None:
-        self.spec, self.device, self.dtype = spec, device, dtype
-        self._seconds = {"similarity": 0.0, "assignment": 0.0}
-
-    def _cost(self, group: _Whole, perms: Mapping[Any, torch.Tensor]) -> torch.Tensor:
-        # Checked here, at the solver, whatever the bound: the parts came from other ranks.
-        if not bool(torch.isfinite(group.cost).all()):
-            raise ValueError(
-                f"the similarity matrix of group {group.name!r} is not finite: the weights are too large "
-                f"for {self.dtype}; rescale them or pass dtype=torch.float64"
-            )
-        return group.cost
+    cost: torch.Tensor
+    assigner: WarmAssigner
+    has_terms: bool
 
 
 class RankMatcher:
@@ -78,7 +68,7 @@ class RankMatcher:
             raise ValueError(f"rank {chan.rank}: its share of state_a and state_b must be on one device, found "
                              f"{sorted(map(str, devices))}")  # fmt: skip
         self.device = devices.pop() if devices else chan.device
-        self.product_dtype = _product_dtype(product_dtype, dtype, [layout.meta[k] for k in keys])
+        self.product_dtype = similarity_product_dtype(product_dtype, dtype, [layout.meta[k] for k in keys])
         self.pieces = lower(spec, {k: tuple(layout.meta[k].shape) for k in keys}, keys)
         self.piece_rank = [layout.owner[p.key] for p in self.pieces]
         mine = [i for i, r in enumerate(self.piece_rank) if r == chan.rank]
@@ -93,7 +83,7 @@ class RankMatcher:
                 elif isinstance(label, Blocks):
                     where[label.inner].append((i, ax))
         self.forms = list(dict.fromkeys(lb for p in self.pieces for lb in p.labels if isinstance(lb, Blocks)))
-        self.steps = _plan_steps(spec, self.pieces)
+        self.steps = plan_steps(spec, self.pieces)
         # The ranks that hold terms of each group, and the similarities (here) that read each permutation.
         self.term_ranks = {g: sorted({self.piece_rank[i] for i, _ in w}) for g, w in where.items()}
         self.dependents: dict[str, list[str]] = {g: [] for g in spec.sizes}
@@ -130,7 +120,7 @@ class RankMatcher:
         }  # fmt: skip
         self.assigners: dict[str, WarmAssigner] = {}  # the solver's, for groups whose terms are on several ranks
         self.buffers: dict[Any, torch.Tensor] = {}
-        self.stepper = _Stepper(spec, self.device, dtype)
+        self.seconds = {"similarity": 0.0, "assignment": 0.0}  # this rank's time in products and in solves
         self.cpu_fallback = self.device.type == "cuda" and not pyperm.cuda_available()
 
     def step_keys(self, g: str) -> set[str]:
@@ -176,7 +166,7 @@ class RankMatcher:
     def _part(self, x: str, perms: Mapping[Any, torch.Tensor]) -> torch.Tensor:
         started = time.perf_counter()
         cost = self.groups[x].negated_similarity(perms, self.cache)
-        self.stepper._seconds["similarity"] += time.perf_counter() - started
+        self.seconds["similarity"] += time.perf_counter() - started
         return cost
 
     def _whole(self, x: str, slot: int, others: list[int], perms: Mapping[Any, torch.Tensor]) -> _Whole:
@@ -184,7 +174,7 @@ class RankMatcher:
         group = self.groups[x]
         senders = [r for r in others if r in self.term_ranks[x]]
         if not senders:  # all here: exactly as in one process (the group's own solver state)
-            return _Whole(x, self._part(x, perms), bool(self.term_ranks[x]), group.assigner)
+            return _Whole(self._part(x, perms), group.assigner, bool(self.term_ranks[x]))
         n = group.n
         # Small groups keep their buffer (an incremental solver stays bound to it); large ones share scratch.
         key = x if n <= INCREMENTAL_UP_TO else (slot, n)
@@ -197,15 +187,23 @@ class RankMatcher:
             buf.zero_()
         for r in senders:
             buf += self.chan.recv((n, n), self.dtype, r).to(self.device)
-        return _Whole(x, buf, True, self.assigners.setdefault(x, WarmAssigner(incremental_up_to=INCREMENTAL_UP_TO)))
+        return _Whole(buf, self.assigners.setdefault(x, WarmAssigner(incremental_up_to=INCREMENTAL_UP_TO)), True)
 
     def _solve(self, step: Any, others: list[int], perms: dict[Any, torch.Tensor], tol: float) -> float | None:
         wholes = {x: self._whole(x, j, others, perms) for j, x in enumerate((step.group, *step.inners))}
+        for x, whole in wholes.items():  # checked here whatever the bound: the parts came from other ranks
+            if whole.has_terms:
+                check_finite_cost(x, whole.cost, self.dtype, self.product_dtype)
         if step.inners:
-            proposal, old_val, new_val = WeightMatcher._blocks_step(self.stepper, step, wholes, perms, self.cpu_fallback)
+            own = wholes[step.group]
+            own_cost = own.cost if not step.fixed and own.has_terms else None
+            proposal, old_val, new_val = blocks_step(self.spec, step, {d: wholes[d].cost for d in step.inners},
+                                                     own_cost, perms, cpu_fallback=self.cpu_fallback,
+                                                     seconds=self.seconds)  # fmt: skip
         else:
-            proposal, old_val, new_val = WeightMatcher._plain_step(self.stepper, step, wholes[step.group], perms,
-                                                                   self.cpu_fallback)  # fmt: skip
+            whole = wholes[step.group]
+            proposal, old_val, new_val = plain_step(step, whole.cost, whole.assigner, perms,
+                                                    cpu_fallback=self.cpu_fallback, seconds=self.seconds)  # fmt: skip
         if self.device.type == "cpu":
             release_free_memory()
         if proposal is not None and step.quadratic:  # the similarity was a linearisation: the exact change
@@ -267,8 +265,8 @@ class RankMatcher:
         old = new = 0.0
         for i in step.pieces:
             if i in self.a_views:
-                old += _piece_dot(self.pieces[i], self.a_views[i], self.b_views[i], perms)
-                new += _piece_dot(self.pieces[i], self.a_views[i], self.b_views[i], trial)
+                old += piece_dot(self.pieces[i], self.a_views[i], self.b_views[i], perms)
+                new += piece_dot(self.pieces[i], self.a_views[i], self.b_views[i], trial)
         return old, new
 
 

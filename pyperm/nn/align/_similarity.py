@@ -26,7 +26,7 @@ from pyperm.lap.warm import WarmAssigner
 # match; 384 at 0.9, as the matcher that kept every term's product separately).
 _REBUILD_FRACTION = 0.9
 _MAX_CORRECTIONS = 64
-# Groups up to this size keep one incremental assignment solver between visits (see GroupSimilarity.assign).
+# Groups up to this size keep one incremental assignment solver between visits (GroupSimilarity.assigner).
 _INCREMENTAL_UP_TO = 1024
 # Bytes of one block of a tensor taken into a product: the bound on every work buffer, enough columns
 # for the products to run at the matrix-multiply rate (1489 in float32 at n = 5632). A bfloat16 block
@@ -430,17 +430,6 @@ class GroupSimilarity:
         self.built = True
         self.corrections = 0
         return cost
-
-    def assign(self) -> torch.Tensor:
-        """The minimising assignment (column of each row) of ``cost``, on its device.
-
-        Successive costs of a group differ little, so solves are warm-started
-        (:class:`pyperm.lap.warm.WarmAssigner`): up to 1024 units one solver stays bound to
-        ``cost`` and keeps its matching and duals between visits; larger matrices start JV
-        from the previous column duals. Measured on MLP 784-[2048]x4-10: 4.5 ms against
-        9 ms per cold solve. At 512 units: 0.5 ms against 0.85 ms.
-        """
-        return self.assigner.solve(self.cost)
 
 
 def accurate_dot(a: torch.Tensor, b: torch.Tensor) -> float:

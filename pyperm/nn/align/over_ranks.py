@@ -231,7 +231,7 @@ class _Run:
         final = {}
         for g in names:  # every rank gets every permutation from the rank that solved it
             final[g] = chan.broadcast(perms[g].to(torch.int64), matcher.home.get(g, 0)).cpu()
-        seconds = {**matcher.stepper._seconds, "total": time.perf_counter() - started}
+        seconds = {**matcher.seconds, "total": time.perf_counter() - started}
         (total,) = chan.all_reduce([float(chan.bytes_sent)])
         return DistributedMatchingResult(
             perms=Permutations(spec, final),
@@ -258,8 +258,9 @@ def merge_many(
 
     Every rank passes its share of every model (the same keys in each, as :func:`weight_matching`
     takes them). Each matching of a model to the mean of the others is a :func:`weight_matching`
-    over the ranks, warm-started from the model's permutations and drawing its group orders from
-    the same generator, so the rounds, the permutations and the merged model equal one process's
+    over the ranks from the model's permutations and from the identity (the better kept, as
+    :func:`pyperm.nn.merge_many` does), drawing its group orders from the same generator, so the
+    rounds, the permutations and the merged model equal one process's
     ``merge_many`` for the same seed (up to summation order, and except where a step is within
     rounding of a tie, as :func:`weight_matching`; each matching starts a fresh matcher).
 
@@ -302,17 +303,17 @@ def merge_many(
     shares = [{k: v.detach() for k, v in s.items()} for s in states]
     chan = Channel(group)
     with shared_errors(chan, "merge_many"):
-        check_same(chan, spec=_spec_facts(spec), models=len(states), max_iter=max_iter, weights=weights,
+        check_same(chan, spec=_spec_facts(spec), models=len(states), weights=weights, max_iter=max_iter,
                    seed=hashlib.sha256(gen.get_state().numpy().tobytes()).hexdigest())  # fmt: skip
-        return _merge(spec, shares, group, max_iter, gen, progress, weights)
+        return _merge(spec, shares, group, weights, max_iter, gen, progress)
 
 
-def _merge(spec: PermutationSpec, shares: list[dict], group: Any, max_iter: int, gen: torch.Generator,
-           progress: bool, weights: Any) -> MergeResult:
+def _merge(spec: PermutationSpec, shares: list[dict], group: Any, weights: list[float] | None, max_iter: int,
+           gen: torch.Generator, progress: bool) -> MergeResult:
     """MergeMany's rounds over the ranks (the arguments checked, the same on every rank)."""
 
-    def match(i: int, others: dict, init: Permutations, g: torch.Generator) -> Permutations:
-        return weight_matching(spec, others, shares[i], group=group, init=init, seed=g).perms
+    def match(i: int, others: dict, init: Permutations, g: torch.Generator) -> DistributedMatchingResult:
+        return weight_matching(spec, others, shares[i], group=group, init=init, seed=g)
 
     def permute(perms: Permutations, state: dict) -> dict:
         return {k: permute_entry(spec, perms, k, t) for k, t in state.items()}
