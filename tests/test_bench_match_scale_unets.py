@@ -23,8 +23,9 @@ def test_full_size_configs_have_the_published_parameter_counts(name, billions):
     assert name in _match_scale.MODELS
 
 
-@pytest.mark.parametrize("name", ["sd15-unet-tiny", "sdxl-unet-tiny"])
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+# Each model traced once (cached in the process); the dtypes shared out between them.
+@pytest.mark.parametrize(("name", "dtype"), [("sd15-unet-tiny", "float32"), ("sd15-unet-tiny", "float16"),
+                                             ("sdxl-unet-tiny", "bfloat16")])  # fmt: skip
 def test_tiny_unet_row_finds_every_planted_group(name, dtype):
     r = _match_scale.measure(name, dtype, repeat=1)
     assert r["groups"] > 20  # GroupNorm's channels are permuted: the UNet is not left a no-op
