@@ -1,4 +1,4 @@
-"""``pyperm bench match --scale``: weight matching at the size of current models, in float32 and bfloat16.
+"""``pyperm bench match --scale``: weight matching at the size of current models, in float32, float16 and bfloat16.
 
 Every row is one model and dtype, run in a fresh Python process (so that its peak memory is its own):
 model A at random initialisation, model B a planted permutation of A plus small noise (0.01 times each
@@ -17,12 +17,18 @@ tensor's standard deviation), ``weight_matching`` with its defaults. The row giv
 
 The models: the Llama architecture at 1.1B parameters (hidden 2048, MLP 5632, 22 layers, 32 query
 heads over 4 key/value heads, vocabulary 32000: TinyLlama's shape), GPT-2 (124M), torchvision's
-ResNet50 and ViT-B/16. The Hugging Face models are built on the meta device and traced there; their
-tensors are then drawn one at a time (normal, standard deviation 0.02; norms' weights near 1).
+ResNet50 and ViT-B/16, and two diffusers ``UNet2DConditionModel`` shapes: Stable Diffusion 1.5's (860M:
+blocks of 320, 640, 1280 and 1280 channels, cross-attention on 768-wide text states) and SDXL's base UNet
+(2.6B: blocks of 320, 640 and 1280 channels with 1, 2 and 10 transformer layers, 2048-wide text states,
+added text and time conditioning). The Hugging Face and diffusers models are built from their configs on
+the meta device (nothing is downloaded) and traced there, the UNets with the fixed conditions of ``pyperm
+--model hf``; their tensors are then drawn one at a time (normal, standard deviation 0.02; norms' weights
+near 1).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import statistics
 import time
@@ -46,8 +52,10 @@ MODELS = {
     "resnet50": ("ResNet50 (torchvision)", "torchvision"),
     "vit_b_16": ("ViT-B/16 (torchvision)", "torchvision"),
     "llama-3.2-3b": ("Llama 3.2 3B shape", "hf"),
+    "sd15-unet": ("SD-1.5 UNet shape", "diffusers"),
+    "sdxl-unet": ("SDXL UNet shape", "diffusers"),
 }
-# What --scale runs when it names no model: the 3B pair (13 GB in bfloat16) only on request.
+# What --scale runs when it names no model: the 3B pair (13 GB in bfloat16) and the UNet pairs only on request.
 DEFAULT = ["llama-1.1b", "gpt2", "resnet50", "vit_b_16"]
 SMALL = ["gpt2", "resnet50", "vit_b_16"]
 _HF_CONFIGS = {
@@ -62,7 +70,49 @@ _HF_CONFIGS = {
     "gpt2-tiny": ("GPT2LMHeadModel", "GPT2Config", {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 64,
                                                     "n_positions": 16}),
 }  # fmt: skip
+# UNet2DConditionModel configs (diffusers' defaults for the rest): Stable Diffusion 1.5's and SDXL's base UNet.
+_SD15_UNET = {
+    "sample_size": 64, "in_channels": 4, "out_channels": 4, "layers_per_block": 2,
+    "block_out_channels": (320, 640, 1280, 1280), "cross_attention_dim": 768, "attention_head_dim": 8,
+    "down_block_types": ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+    "up_block_types": ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+}
+_SDXL_UNET = {
+    "sample_size": 128, "in_channels": 4, "out_channels": 4, "layers_per_block": 2,
+    "block_out_channels": (320, 640, 1280), "cross_attention_dim": 2048, "attention_head_dim": (5, 10, 20),
+    "transformer_layers_per_block": (1, 2, 10), "use_linear_projection": True,
+    "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    "addition_embed_type": "text_time", "addition_time_embed_dim": 256, "projection_class_embeddings_input_dim": 2816,
+}
+_DIFFUSERS_CONFIGS = {
+    "sd15-unet": _SD15_UNET,
+    "sdxl-unet": _SDXL_UNET,
+    # Not in MODELS (not offered on the command line): the tests' pairs, the same blocks at a few channels.
+    "sd15-unet-tiny": {**_SD15_UNET, "block_out_channels": (32, 32, 64, 64), "cross_attention_dim": 16,
+                       "norm_num_groups": 8, "layers_per_block": 1},
+    "sdxl-unet-tiny": {**_SDXL_UNET, "block_out_channels": (32, 64, 64), "cross_attention_dim": 16,
+                       "attention_head_dim": (4, 8, 8), "transformer_layers_per_block": (1, 1, 2),
+                       "norm_num_groups": 8, "layers_per_block": 1, "addition_time_embed_dim": 8,
+                       "projection_class_embeddings_input_dim": 8 * 6 + 16},
+}  # fmt: skip
 NOISE = 0.01
+
+
+@functools.lru_cache(maxsize=2)  # traced once per process (a row's process, or the tests' dtypes)
+def _diffusers_spec_and_shapes(name: str) -> tuple[Any, dict[str, Any]]:
+    """A UNet2DConditionModel of ``name``'s config built and traced on the meta device (no download, no
+    weights drawn), with the fixed timestep, text states and SDXL conditions of ``pyperm --model hf``."""
+    import torch
+
+    from pyperm.commands._diffusers import _diffusers, _example_shape, _single_sample_class
+    from pyperm.nn import PermutationSpec
+
+    cls = _single_sample_class(_diffusers(name, "UNet2DConditionModel").UNet2DConditionModel)
+    with torch.device("meta"):
+        model = cls.from_config(_DIFFUSERS_CONFIGS[name]).eval()
+    spec = PermutationSpec.from_model(model, torch.zeros(_example_shape(model.config), device="meta"))
+    return spec, model.state_dict()
 
 
 def _spec_and_shapes(name: str) -> tuple[Any, dict[str, Any], Any]:
@@ -71,6 +121,8 @@ def _spec_and_shapes(name: str) -> tuple[Any, dict[str, Any], Any]:
 
     from pyperm.nn import trace_model
 
+    if name in _DIFFUSERS_CONFIGS:
+        return (*_diffusers_spec_and_shapes(name), None)
     if name in _HF_CONFIGS:
         from pyperm.benchmarks._hf_models import _transformers
         from pyperm.nn.models import single_output
@@ -242,7 +294,7 @@ def measure(name: str, dtype_name: str, repeat: int = 3, device: str = "cpu") ->
     first, floor = statistics.median(firsts), statistics.median(floors)
     sweeps = max(sweeps, 1)
     return {
-        "model": MODELS[name][0], "dtype": dtype_name, "params": params, "model_bytes": model_bytes,
+        "model": MODELS.get(name, (name,))[0], "dtype": dtype_name, "params": params, "model_bytes": model_bytes,
         "peak_rss": peak, "extra": (peak - before) / model_bytes if exact_peak else float("nan"),
         "sweeps": sweeps, "per_sweep": total / sweeps, "first_sweep": first, "floor": floor,
         "assignment": result.seconds.get("assignment", 0.0) / max(result.seconds.get("total", 0.0), 1e-9), "found": found, "groups": len(spec.sizes),
@@ -255,7 +307,7 @@ def rows(names: list[str], dtypes: list[str], repeat: int, report: Callable[[str
     table, failures = [], []
     for name in names:
         for dtype in dtypes:
-            report(f"  {MODELS[name][0]}, {dtype} ...")
+            report(f"  {MODELS.get(name, (name,))[0]}, {dtype} ...")
             code = ("import json, pyperm.benchmarks._match_scale as m; "
                     f"print(json.dumps(m.measure({name!r}, {dtype!r}, {repeat}, {device!r})))")
             try:

@@ -159,8 +159,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also the scale table: peak memory, time per sweep and the matmul floor of large "
                              f"models in float32 and bfloat16 (models: {','.join(SCALE_MODELS)}; default "
                              f"{','.join(SCALE_DEFAULT)}; the 1.1B Llama pair needs 9 GB in float32 and about 25 "
-                             "minutes, the others minutes, the 3B pair 13 GB in bfloat16; "
-                             "the Hugging Face rows need transformers, the others torchvision)")
+                             "minutes, the others minutes, the 3B pair 13 GB in bfloat16, the SD-1.5 UNet pair "
+                             "(sd15-unet, 860M) 7 GB in float32, the SDXL UNet pair (sdxl-unet, 2.6B) 21 GB in "
+                             "float32 and 10 GB in float16 or bfloat16; the Hugging Face rows need transformers, the "
+                             "UNet rows diffusers, the others torchvision)")
     parser.add_argument("--no-flat", action="store_true", help="skip the flat table (--models)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -172,8 +174,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="where the flat and scale tables' models live (cpu, cuda, cuda:N); on a GPU the flat "
                              "table's reference is pyperm on the CPU, whose objective the GPU's must equal")
-    parser.add_argument("--dtypes", type=choices_list(["float32", "bfloat16"]), default=["float32", "bfloat16"],
-                        help="the scale table's dtypes (default: float32,bfloat16)")
+    parser.add_argument("--dtypes", type=choices_list(["float32", "float16", "bfloat16"]),
+                        default=["float32", "bfloat16"],
+                        help="the scale table's dtypes (float32, float16, bfloat16; default: float32,bfloat16)")
     parser.add_argument("--ranks", type=positive_int, default=None, metavar="N",
                         help="with --scale, also the ranks table: each model and dtype matched from the identity in "
                              "one process and over N gloo processes on this machine, each a contiguous share of the "
