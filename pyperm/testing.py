@@ -332,9 +332,11 @@ def tiny_pipeline(folder, seed: int = 0):
     for letter in "abcdefghijklmnopqrstuvwxyz":
         vocab[letter] = len(vocab)
         vocab[f"{letter}</w>"] = len(vocab)
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "vocab.json").write_text(json.dumps(vocab))
-        (Path(tmp) / "merges.txt").write_text("#version: 0.2\n")
+    from pyperm._staging import write_text
+
+    with tempfile.TemporaryDirectory() as tmp:  # the tokenizer's files, read back at once
+        write_text(Path(tmp) / "vocab.json", json.dumps(vocab))
+        write_text(Path(tmp) / "merges.txt", "#version: 0.2\n")
         tokenizer = CLIPTokenizer(str(Path(tmp) / "vocab.json"), str(Path(tmp) / "merges.txt"), model_max_length=8)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
