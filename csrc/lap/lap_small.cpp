@@ -97,28 +97,26 @@ void two_smallest(const T* row, const T* v, int64_t m, T& u1, int32_t& j1, T& u2
   Vec first = Vec{} + kInf<T>, second = first;
   IVec first_j = IVec{} - 1, second_j = first_j, at;
   for (int k = 0; k < W; ++k) at[k] = I(k);
+  auto take = [&](const Vec& c, const Vec& vj) {  // reduced costs of columns at..at+W-1
+    const Vec h = c - vj;
+    const auto lt1 = h < first, lt2 = h < second;
+    second = lt1 ? first : (lt2 ? h : second);
+    second_j = lt1 ? first_j : (lt2 ? at : second_j);
+    first = lt1 ? h : first;
+    first_j = lt1 ? at : first_j;
+  };
   int64_t j = 0;
   for (; j + W <= m; j += W, at += I(W)) {
     Vec c, vj;
     std::memcpy(&c, row + j, sizeof(Vec));
     std::memcpy(&vj, v + j, sizeof(Vec));
-    const Vec h = c - vj;
-    const auto lt1 = h < first, lt2 = h < second;
-    second = lt1 ? first : (lt2 ? h : second);
-    second_j = lt1 ? first_j : (lt2 ? at : second_j);
-    first = lt1 ? h : first;
-    first_j = lt1 ? at : first_j;
+    take(c, vj);
   }
   if (j < m) {  // the tail as one more vector, padded with +inf (never below a real entry)
     Vec c = Vec{} + kInf<T>, vj = Vec{};
     std::memcpy(&c, row + j, sizeof(T) * (m - j));
     std::memcpy(&vj, v + j, sizeof(T) * (m - j));
-    const Vec h = c - vj;
-    const auto lt1 = h < first, lt2 = h < second;
-    second = lt1 ? first : (lt2 ? h : second);
-    second_j = lt1 ? first_j : (lt2 ? at : second_j);
-    first = lt1 ? h : first;
-    first_j = lt1 ? at : first_j;
+    take(c, vj);
   }
   // The smallest (value, column) over the lanes; then, with the winning lane's first
   // replaced by its second, the next smallest.
