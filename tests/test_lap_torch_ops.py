@@ -9,6 +9,7 @@ keeps only some pairs, a padded stack whose sizes are a tensor) with stand-in op
 defined here, not in the package, to record what torch captures and what still breaks.
 """
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -247,7 +248,10 @@ def test_compile_raises_the_solvers_errors():
 
 
 def _run_python(code):
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    # From the tests folder: from the repository root, `-c` would import the source folder,
+    # which has no compiled module (the installed wheel is what is tested).
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+                            cwd=os.path.dirname(os.path.abspath(__file__)))
     assert result.returncode == 0, result.stderr[-3000:]
 
 

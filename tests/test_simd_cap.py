@@ -14,6 +14,9 @@ import pytest
 from pyperm._ext import core
 
 LEVELS = ["baseline", "avx2", "avx512"]
+# Children run from the tests folder: from the repository root, `-c` would import the source
+# folder, which has no compiled module (the installed wheel is what is tested).
+HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS_HERE = LEVELS[: LEVELS.index(core.hardware_isa()) + 1]
 
 CHECK = r"""
@@ -60,7 +63,7 @@ print("ok")
 def test_every_simd_level_this_machine_runs_gives_scipys_optima(level):
     env = {**os.environ, "PYPERM_MAX_SIMD": level}
     out = subprocess.run([sys.executable, "-c", CHECK.replace("{level}", level)], env=env,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, cwd=HERE)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
 
@@ -68,7 +71,7 @@ def test_every_simd_level_this_machine_runs_gives_scipys_optima(level):
 def test_a_cap_above_the_cpu_gives_the_cpus_widest():
     env = {**os.environ, "PYPERM_MAX_SIMD": "avx512"}
     code = "from pyperm._ext import core; print(core.best_isa(), core.hardware_isa())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=HERE)
     chosen, hardware = out.stdout.split()
     assert chosen == hardware
 
@@ -76,7 +79,7 @@ def test_a_cap_above_the_cpu_gives_the_cpus_widest():
 def test_an_unknown_level_fails_at_import_naming_the_variable():
     env = {**os.environ, "PYPERM_MAX_SIMD": "sse4"}
     out = subprocess.run([sys.executable, "-c", "import pyperm"], env=env, capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, cwd=HERE)
     assert out.returncode != 0
     assert "PYPERM_MAX_SIMD must be one of baseline, avx2, avx512" in out.stderr
     assert "'sse4'" in out.stderr
