@@ -151,11 +151,9 @@ def like(template: Any, *arrays: np.ndarray):
     if is_torch_tensor(template):
         import torch
 
-        on_cpu = template.device.type == "cpu"  # .to() of the same device still costs a dispatch
-        out = tuple(
-            torch.from_numpy(np.ascontiguousarray(a)) if on_cpu else torch.from_numpy(np.ascontiguousarray(a)).to(template.device)
-            for a in arrays
-        )
+        out = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
+        if template.device.type != "cpu":  # .to() of the same device still costs a dispatch
+            out = tuple(t.to(template.device) for t in out)
     else:
         out = arrays
     return out[0] if len(out) == 1 else out

@@ -15,6 +15,8 @@ from scipy.optimize import linear_sum_assignment as scipy_lsa
 import pyperm
 from pyperm import _core
 
+from _matchings import check_full_matching
+
 ISAS = ["baseline", "avx2", "avx512"]
 
 
@@ -23,14 +25,7 @@ def _objective(cost, rows, cols):
 
 
 def _check_matching(cost, rows, cols):
-    n, m = cost.shape
-    k = min(n, m)
-    assert rows.dtype == np.int64 and cols.dtype == np.int64
-    assert rows.shape == (k,) and cols.shape == (k,)
-    assert np.all(np.diff(rows) > 0), "row_ind must be strictly increasing"
-    assert len(np.unique(cols)) == k
-    assert rows.min(initial=0) >= 0 and rows.max(initial=0) < max(n, 1)
-    assert cols.min(initial=0) >= 0 and cols.max(initial=0) < max(m, 1)
+    check_full_matching(cost.shape, rows, cols)
 
 
 def _assert_optimal(cost, rows, cols, maximize=False, rtol=1e-9):

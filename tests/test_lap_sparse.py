@@ -15,6 +15,8 @@ from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 import pyperm
 from pyperm.lap._sparse import is_scipy_sparse, linear_sum_assignment_sparse
 
+from _matchings import check_full_matching
+
 FORMATS = ["csr", "csc", "coo", "lil", "dok", "bsr"]
 
 
@@ -53,12 +55,7 @@ def reference_objective(cost, maximize=False):
 
 def check_matching(cost, rows, cols):
     """A valid full matching that uses stored entries only."""
-    n, m = cost.shape
-    k = min(n, m)
-    assert rows.dtype == np.int64 and cols.dtype == np.int64
-    assert rows.shape == (k,) and cols.shape == (k,)
-    assert np.all(np.diff(rows) > 0), "row_ind must be strictly increasing"
-    assert len(np.unique(cols)) == k
+    check_full_matching(cost.shape, rows, cols)
     coo = sp.coo_array(cost)
     stored = set(zip(coo.row.tolist(), coo.col.tolist()))
     assert all((r, c) in stored for r, c in zip(rows.tolist(), cols.tolist()))
