@@ -9,8 +9,9 @@ model like any other. ``state_dict`` keys, ``config`` and ``save_pretrained`` ar
 folder (the weights in the input's layout, ``config.json`` copied beside them) is one ``from_pretrained`` loads.
 
 ``pyperm align`` and ``pyperm merge`` take pipeline folders (``model_index.json``) component by component
-(:mod:`pyperm.commands._pipeline`); elsewhere (``pyperm barrier``) a pipeline folder is refused with the
-components to give instead, one model folder at a time (``unet/``, ``vae/``).
+(:mod:`pyperm.commands._pipeline`), and ``pyperm barrier`` scores a pipeline's path on a few prompts
+(:mod:`pyperm.commands._pipeline_barrier`); where a model folder is expected, a pipeline folder is refused
+with the components to give instead (``unet/``, ``vae/``).
 """
 
 from __future__ import annotations
