@@ -163,3 +163,17 @@ def test_components_of_another_shape_name_the_config(pipelines, tmp_path, capsys
     assert main(["barrier", str(a), str(other), "--model", "hf", "--out", str(tmp_path / "o"), *NO_BARS]) != 0
     err = capsys.readouterr().err
     assert f"{other / 'unet' / 'config.json'} and {a / 'unet' / 'config.json'} describe different models" in err
+
+
+def test_tokenizers_that_disagree_are_named(pipelines, tmp_path, capsys):
+    a, b = pipelines
+    other = tmp_path / "other"
+    shutil.copytree(b, other)
+    tokenizer = other / "tokenizer" / "tokenizer.json"
+    data = json.loads(tokenizer.read_text())
+    vocab = data["model"]["vocab"]
+    vocab["c"], vocab["d"] = vocab["d"], vocab["c"]
+    tokenizer.write_text(json.dumps(data))
+    assert main(["barrier", str(a), str(other), "--model", "hf", "--prompts", "a cat", "--out", str(tmp_path / "o"),
+                 *NO_BARS]) != 0  # fmt: skip
+    assert f"{other / 'tokenizer'} gives the prompts other token ids than {a / 'tokenizer'}" in capsys.readouterr().err

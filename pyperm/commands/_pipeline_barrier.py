@@ -10,7 +10,8 @@ latents conditioned on those prompts. That is the ``pipeline`` barrier. Two barr
   :math:`(1 - t)\,c_A + t\,c_B`, so that only the UNet's weights leave the chord;
 - ``vae`` (with ``--vae``): the interpolated VAE's reconstruction error of random images in [-1, 1].
 
-The draws are fixed (seeded by ``--seed``), so both endpoints and every point see the same latents, noises,
+The prompts are tokenized by A's tokenizer (B's must give the same token ids). The draws are fixed (seeded
+by ``--seed``), so both endpoints and every point see the same latents, noises,
 timesteps and prompts: ``--max-samples`` draws (16 by default), the prompts taken in turn. A draw's clean
 latents :math:`x_0` and noise :math:`\epsilon` are standard normal, at the UNet's ``sample_size`` (or the
 H, W of ``--example-input-shape``); the timestep is uniform over the training steps of A's scheduler, whose
@@ -261,6 +262,15 @@ def _check_pair(name: str, state_a: dict, state_b: dict, a: Path, b: Path) -> No
                                f"{tuple(state_a[key].shape)} in A")  # fmt: skip
 
 
+def _check_tokens(prompts: list[str], tokenizer_a: Any, tokenizer_b: Any, a: Path, b: Path) -> None:
+    """Both pipelines' tokenizers give the prompts the same token ids (every point encodes A's)."""
+    ids = [t(prompts, padding="max_length", max_length=t.model_max_length, truncation=True)["input_ids"]
+           for t in (tokenizer_a, tokenizer_b)]  # fmt: skip
+    if ids[0] != ids[1]:
+        raise CommandError(f"--model hf: {b / 'tokenizer'} gives the prompts other token ids than {a / 'tokenizer'}: "
+                           "the text encoders of one path must read the same tokens")  # fmt: skip
+
+
 def _schedule(folder: Path, components: list) -> dict[str, Any]:
     """The noise schedule of A's scheduler config, Stable Diffusion's when the pipeline lists no scheduler."""
     if not any(c.name == "scheduler" for c in components):
@@ -332,6 +342,7 @@ def pipeline_barrier(args: argparse.Namespace) -> int:
                            f"{modules['unet'].config.addition_embed_type!r}: the pipeline barrier scores UNets "
                            "without added conditions (Stable Diffusion 1.x/2.x)")  # fmt: skip
     tokenizer = _load(a / "tokenizer", needed["tokenizer"], device)
+    _check_tokens(prompts, tokenizer, _load(b / "tokenizer", needed["tokenizer"], device), a, b)
     hw = tuple(args.example_input_shape[-2:]) if args.example_input_shape else None
     draws = draws_for(prompts, tokenizer, modules["unet"].config, _schedule(a, components), args.max_samples or 16,
                       args.seed, latent_hw=hw, vae_config=modules["vae"].config if args.vae else None)  # fmt: skip
