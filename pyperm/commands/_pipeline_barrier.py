@@ -41,8 +41,8 @@ from typing import Any
 
 from pyperm.commands._common import CommandError
 
-__all__ = ["DEFAULT_PROMPTS", "PromptDraws", "draws_for", "encode", "parse_prompts", "pipeline_barrier",
-           "denoising_loss", "reconstruction_loss"]  # fmt: skip
+__all__ = ["DEFAULT_PROMPTS", "PromptDraws", "check_pipeline_options", "denoising_loss", "draws_for", "encode",
+           "parse_prompts", "pipeline_barrier", "reconstruction_loss"]  # fmt: skip
 
 #: The prompts scored when ``--prompts`` is not given: short captions of everyday scenes.
 DEFAULT_PROMPTS = (
@@ -110,7 +110,8 @@ def _alphas_cumprod(schedule: dict[str, Any]) -> Any:
     try:
         return diffusers.DDPMScheduler(**known).alphas_cumprod
     except Exception as exc:
-        raise CommandError(f"--model hf: the scheduler's noise schedule {known} is not one diffusers builds ({exc})") from exc
+        raise CommandError(f"--model hf: the scheduler's noise schedule {known} is not one diffusers builds "
+                           f"({exc})") from exc  # fmt: skip
 
 
 def draws_for(prompts: list[str], tokenizer: Any, unet_config: Any, schedule: dict[str, Any], samples: int, seed: int,
@@ -314,7 +315,6 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
 def pipeline_barrier(args: argparse.Namespace) -> int:
     """``pyperm barrier`` on two pipeline folders: evaluate the paths, write the reports and plots."""
     import numpy as np
-    import torch
 
     from pyperm._json import write_json
     from pyperm._staging import write_text
@@ -351,7 +351,7 @@ def pipeline_barrier(args: argparse.Namespace) -> int:
     paths = {"naive": states_b}
     matchings: dict[str, Any] = {}
     if "weight" in args.align:
-        paths["weight"], matchings["weight"] = _align(args, a, b, models, states_a, states_b, device)
+        paths["weight"], matchings["weight"] = _align(args, a, models, states_a, states_b, device)
     ts = np.linspace(0.0, 1.0, args.num_points)
     results = {label: _evaluate(modules, states_a, states_b_path, draws, ts, args) for label, states_b_path in
                paths.items()}  # fmt: skip
@@ -392,7 +392,7 @@ def _on(draws: PromptDraws, device: Any) -> PromptDraws:
     return PromptDraws(**moved)
 
 
-def _align(args: argparse.Namespace, a: Path, b: Path, models: list[str], states_a: dict, states_b: dict,
+def _align(args: argparse.Namespace, a: Path, models: list[str], states_a: dict, states_b: dict,
            device: Any) -> tuple[dict, dict]:  # fmt: skip
     """B's model components permuted into A's basin by weight matching, and each component's matching record."""
     from pyperm.commands._common import build_model
