@@ -157,3 +157,18 @@ def test_barrier_without_data_on_other_models_says_data_is_required(tmp_path, ca
     assert main(["barrier", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--model", "mlp:4,8,2",
                  "--out", str(tmp_path / "o"), *NO_BARS]) != 0  # fmt: skip
     assert "--data is required" in capsys.readouterr().err
+
+
+def test_pipeline_barrier_of_an_aligned_pair(pipelines, aligned, tmp_path):
+    """``pyperm align`` first, then the barrier of A to B permuted: finite, and B permuted scores as B."""
+    a, b = pipelines
+    losses = {}
+    for name, other in (("naive", b), ("aligned", aligned / "pb_permuted")):
+        out = tmp_path / name
+        assert main(["barrier", str(a), str(other), "--model", "hf", "--prompts", "a cat,a dog", "--num-points", "3",
+                     "--max-samples", "4", "--out", str(out), *NO_BARS]) == 0  # fmt: skip
+        path = json.loads((out / "report.json").read_text())["paths"]["naive"]
+        assert all(math.isfinite(v) for v in path["loss"]) and math.isfinite(path["loss_barrier"])
+        losses[name] = path["loss"]
+    assert losses["aligned"][0] == losses["naive"][0]
+    assert losses["aligned"][-1] == pytest.approx(losses["naive"][-1], rel=1e-4)

@@ -9,8 +9,9 @@ model like any other. ``state_dict`` keys, ``config`` and ``save_pretrained`` ar
 folder (the weights in the input's layout, ``config.json`` copied beside them) is one ``from_pretrained`` loads.
 
 ``pyperm align`` and ``pyperm merge`` take pipeline folders (``model_index.json``) component by component
-(:mod:`pyperm.commands._pipeline`); elsewhere (``pyperm barrier``) a pipeline folder is refused with the
-components to give instead, one model folder at a time (``unet/``, ``vae/``).
+(:mod:`pyperm.commands._pipeline`), and ``pyperm barrier`` scores a pipeline's path on a few prompts
+(:mod:`pyperm.commands._pipeline_barrier`); where a model folder is expected, a pipeline folder is refused
+with the components to give instead (``unet/``, ``vae/``).
 """
 
 from __future__ import annotations
@@ -102,20 +103,27 @@ def _single_sample_class(cls: type) -> type:
 def conditions(name: str, config: Any, sample: Any) -> dict[str, Any]:
     """The inputs besides the sample that a model's forward needs: a timestep for a UNet, the text encoder's
     states (8 tokens) for a conditional one, SDXL's added text embeddings and time ids. Deterministic values
-    (no random generator inside the traced forward), on the sample's device and dtype."""
+    (no random generator inside the traced forward), on the sample's device and dtype.
+
+    Each is computed from the sample (plus the sample's first entry times zero): a graph exported with the
+    example's fixed shapes then still has the conditions flow from the input, as one with dynamic sizes
+    does through the batch size, so the units of the time and text embeddings are traced as hidden units,
+    not as constants."""
     import torch
 
     if name == "AutoencoderKL":
         return {}
     batch, device, dtype = sample.shape[0], sample.device, sample.dtype
+    zero = sample.reshape(batch, -1)[:, :1] * 0  # (batch, 1)
 
     def wave(*shape: int) -> torch.Tensor:
         count = 1
         for n in shape:
             count *= n
-        return torch.cos(torch.arange(count, device=device, dtype=dtype) * 0.37).reshape(shape)
+        values = torch.cos(torch.arange(count, device=device, dtype=dtype) * 0.37).reshape(shape)
+        return values + zero.reshape(batch, *[1] * (len(shape) - 1))
 
-    out: dict[str, Any] = {"timestep": torch.full((batch,), 10, device=device, dtype=torch.int64)}
+    out: dict[str, Any] = {"timestep": (zero[:, 0] + 10).to(torch.int64)}
     if name == "UNet2DConditionModel":
         out["encoder_hidden_states"] = wave(batch, 8, int(config.cross_attention_dim))
         if config.addition_embed_type == "text_time":
@@ -139,7 +147,7 @@ def diffusers_model(folder: Path, name: str, shape: tuple[int, ...] | None, *, m
     """The model of the diffusers folder ``folder`` (class ``name``), with a one-tensor forward, and its spec."""
     import torch
 
-    from pyperm.nn import PermutationSpec
+    from pyperm.nn.trace import trace_model
 
     config_file = folder / "config.json"
     diffusers = _diffusers(config_file, name)
@@ -168,7 +176,8 @@ def diffusers_model(folder: Path, name: str, shape: tuple[int, ...] | None, *, m
     example = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     model._pyperm_interfaces = True  # a VAE's latents are traced as an output (SingleSample.forward)
     try:
-        spec = PermutationSpec.from_model(model, example.to("meta") if meta else example)
+        # The example's shapes only (no dynamic sizes: several times faster to export): only the spec is kept.
+        spec = trace_model(model, example.to("meta") if meta else example, dynamic=False).spec
     finally:
         del model._pyperm_interfaces
     return LoadedModel(f"hf ({name})", model, spec, tuple(shape), example, build=build)

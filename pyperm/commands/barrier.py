@@ -6,7 +6,9 @@ A's basin. Outputs in ``--out``: ``report.json``, ``report.md`` and ``barrier.pn
 With ``--model hf`` on two diffusers model folders there is no ``--data``: a UNet is evaluated on its
 denoising loss and a VAE on its reconstruction error, over fixed random draws
 (:func:`pyperm.commands._diffusers.evaluation_data`; ``--max-samples``, default 16, draws, seeded by
-``--seed``), and only weight matching aligns.
+``--seed``), and only weight matching aligns. On two diffusers pipeline folders (``model_index.json``) the
+pipeline's path is scored on the latents of a few prompts (``--prompts``; ``--vae`` adds the VAE):
+:mod:`pyperm.commands._pipeline_barrier`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_matching_arguments(parser)
     parser.add_argument(
+        "--prompts",
+        metavar="P1,P2,...|FILE",
+        help="diffusers pipeline folders: the prompts whose latents score the path, separated by commas, or a file "
+        "with one prompt a line (default: four short captions)",
+    )
+    parser.add_argument(
+        "--vae",
+        action="store_true",
+        help="diffusers pipeline folders: also the VAE's path, by its reconstruction error of random images",
+    )
+    parser.add_argument(
         "--num-points", type=int_at_least(2), default=11, help="evenly spaced points on each path (default 11)"
     )
     add_common_arguments(parser)
@@ -57,6 +70,12 @@ def run(args: argparse.Namespace) -> int:
     from pyperm.commands._over_ranks import refuse_ranks
 
     refuse_ranks("barrier")
+    from pyperm.commands._pipeline import is_pipeline
+    from pyperm.commands._pipeline_barrier import check_pipeline_options, pipeline_barrier
+
+    if args.model == "hf" and (is_pipeline(args.a) or is_pipeline(args.b)):
+        return pipeline_barrier(args)
+    check_pipeline_options(args)
     from pyperm.commands._checkpoint_pair import load_for_model
     from pyperm.commands._diffusers import diffusers_class_name, evaluation_data
     from pyperm.commands._hf import folder_of

@@ -67,6 +67,21 @@ logger = logging.getLogger(__name__)
 # bytes, or COST_BUDGET_MIN bytes when that is more (small models keep all of theirs).
 COST_BUDGET_FRACTION = 0.4
 COST_BUDGET_MIN = 64 << 20
+# A match whose largest similarity (n x n, summed over its terms' columns) takes fewer multiply-adds than
+# this runs on one torch thread: starting and joining threads then costs more than the products they
+# would share, and on a busy machine the threads also wait for each other at every small operation.
+SERIAL_BELOW = 1 << 26
+
+
+def _serial_if_small(groups: Iterable[Any], device: torch.device) -> int | None:
+    """Sets one torch thread on the CPU when every group's similarity is small (below SERIAL_BELOW
+    multiply-adds); returns the thread count to restore afterwards, or None when nothing changed."""
+    work = max((g.n * g.n * sum(t.columns for t in g.all_terms) for g in groups), default=0)
+    before = torch.get_num_threads()
+    if device.type != "cpu" or before == 1 or work >= SERIAL_BELOW:
+        return None
+    torch.set_num_threads(1)
+    return before
 
 
 def similarity_product_dtype(product_dtype: Any, dtype: torch.dtype, tensors: list[torch.Tensor]) -> torch.dtype:
@@ -318,6 +333,7 @@ class WeightMatcher:
         bar = progress_bar(progress, max_iter, "weight matching", "sweep")
         converged = False
         sweeps = 0
+        restore = _serial_if_small(groups.values(), device)
         try:
             for _ in range(max_iter):
                 sweeps += 1
@@ -363,6 +379,8 @@ class WeightMatcher:
         finally:
             if bar is not None:
                 bar.close()
+            if restore is not None:
+                torch.set_num_threads(restore)
         logger.debug("weight_matching: %d sweeps, converged=%s, objective %.6g", sweeps, converged, history[-1])
         return WeightMatchingResult(
             perms=Permutations(spec, {g: perms[g].cpu() for g in names}),

@@ -12,6 +12,9 @@ operators get the rule of their Python counterpart or one of :mod:`pyperm.nn.tra
 The batch and sequence sizes are exported as dynamic where the model allows it (``Dim.AUTO`` on
 every axis of every input), so the graph also runs on batches of other sizes (activation matching
 runs it on the data); a model that needs them fixed is exported with the example input's shapes.
+A caller that runs the graph on the example alone (``PermutationSpec.from_model``: only the spec is
+kept) asks for the example's shapes with ``dynamic=False``: symbolic shapes make export several times
+slower on a large graph, and the operators, hence the spec, are the same.
 
 Registered rules and leaf modules
 ---------------------------------
@@ -88,12 +91,12 @@ def _quiet_export_logs() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _export(model: nn.Module, args: tuple) -> tuple[torch.export.ExportedProgram, tuple[str, ...]]:
-    """The exported program and the modules it kept whole: dynamic shapes where the model allows them,
-    else the example's shapes; modules kept whole where export allows it, else none."""
+def _export(model: nn.Module, args: tuple, dynamic: bool) -> tuple[torch.export.ExportedProgram, tuple[str, ...]]:
+    """The exported program and the modules it kept whole: dynamic shapes where the model allows them
+    (when ``dynamic``), else the example's shapes; modules kept whole where export allows it, else none."""
     leaves = _leaves(model)
-    attempts = [(leaves, _dynamic_shapes(args)), (leaves, None)] + ([((), _dynamic_shapes(args)), ((), None)]
-                                                                     if leaves else [])  # fmt: skip
+    shapes = [_dynamic_shapes(args), None] if dynamic else [None]
+    attempts = [(kept, s) for kept in ([leaves, ()] if leaves else [()]) for s in shapes]
     for i, (kept, shapes) in enumerate(attempts):
         try:
             with _quiet_export_logs():
@@ -108,7 +111,7 @@ def _export(model: nn.Module, args: tuple) -> tuple[torch.export.ExportedProgram
     raise AssertionError("unreachable")
 
 
-def export_graph(model: nn.Module, args: tuple) -> fx.GraphModule:
+def export_graph(model: nn.Module, args: tuple, *, dynamic: bool = True) -> fx.GraphModule:
     """``model`` exported by ``torch.export`` (non-strict, in eval mode) on ``args``, as an fx graph.
 
     Parameters
@@ -117,6 +120,9 @@ def export_graph(model: nn.Module, args: tuple) -> fx.GraphModule:
         The model; its training flags are restored afterwards.
     args : tuple
         The positional inputs of its ``forward``.
+    dynamic : bool, default True
+        Export the inputs' sizes as dynamic where the model allows it (the graph then runs on
+        batches of other sizes); False: the example's shapes only.
 
     Returns
     -------
@@ -132,7 +138,7 @@ def export_graph(model: nn.Module, args: tuple) -> fx.GraphModule:
     modes = [(m, m.training) for m in model.modules()]
     try:
         model.eval()  # dropout and batch norm as the labelling run and activation matching see them
-        program, kept = _export(model, args)
+        program, kept = _export(model, args, dynamic)
     except Exception as exc:
         raise TraceError(f"torch.export could not export {type(model).__name__} ({type(exc).__name__}: "
                          f"{_first_line(exc)})") from exc  # fmt: skip

@@ -91,9 +91,11 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
         ) from exc
 
 
-def build_graph(model: nn.Module, example_input: Any, frontend: str | None = None) -> tuple[fx.GraphModule, str]:
+def build_graph(model: nn.Module, example_input: Any, frontend: str | None = None, *,
+                dynamic: bool = True) -> tuple[fx.GraphModule, str]:  # fmt: skip
     """The graph of ``model`` and the front end that built it: ``torch.fx`` (``"fx"``), ``torch.export`` on
-    ``example_input`` (``"export"``), or (None) torch.fx and, where it cannot trace the model, torch.export.
+    ``example_input`` (``"export"``), or (None) torch.fx and, where it cannot trace the model, torch.export
+    (with dynamic sizes where the model allows them when ``dynamic``: :func:`export_graph`).
 
     Raises TypeError for a model that is not a module, ValueError for another ``frontend``, and TraceError
     when the front end (both, for None) cannot build the graph, with the reason of each.
@@ -108,7 +110,7 @@ def build_graph(model: nn.Module, example_input: Any, frontend: str | None = Non
                 raise
             fx_error = exc
     try:
-        return export_graph(model, _as_args(example_input)), "export"
+        return export_graph(model, _as_args(example_input), dynamic=dynamic), "export"
     except TraceError as exc:
         if frontend == "export":
             raise
@@ -379,6 +381,7 @@ def trace_model(
     composite: str | None = None,
     structured: bool = True,
     frontend: str | None = None,
+    dynamic: bool = True,
 ) -> TraceResult:
     """Trace ``model`` and build its permutation spec and activation sites.
 
@@ -416,6 +419,10 @@ def trace_model(
     frontend : {None, "fx", "export"}, default None
         What builds the graph: torch.fx, then torch.export where torch.fx fails (None),
         or only the one named.
+    dynamic : bool, default True
+        torch.export only: export the batch and sequence sizes as dynamic where the model
+        allows it, so that ``TraceResult.graph_module`` runs on batches of other sizes.
+        False exports the example's shapes, which is faster; the spec is the same.
 
     Returns
     -------
@@ -449,7 +456,7 @@ def trace_model(
     warn = composite is None
     composite = "fix" if composite is None else composite
     args = _as_args(example_input)
-    gm, frontend = build_graph(model, args, frontend)
+    gm, frontend = build_graph(model, args, frontend, dynamic=dynamic)
     state_dict = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
     if not isinstance(structured, bool):
         raise TypeError(f"structured must be a bool, got {type(structured).__name__}")
