@@ -279,9 +279,11 @@ class Term:
         group (now at ``cur``) and advances ``snap``: ``A[S] (B[cur(S)] - B[snap(S)])^T``, in blocks."""
         for start in range(0, idx.numel(), self.block):
             part = idx[start:start + self.block]
-            diff = self._gather(cur[part], "change_new").sub_(self._gather(self.snap[part], "change_old"))
+            # The slots of a whole product's gathers (add_full_to), free again here: a correction's
+            # own slots would add three blocks to the memory the matcher keeps.
+            diff = self._gather(cur[part], "gather").sub_(self._gather(self.snap[part], "general_0"))
             moved = index_select(self.a, self.block_axis, part,
-                                 out=self.work.get("change_a", diff.shape, self.a.dtype, self.a.device))
+                                 out=self.work.get("general_1", diff.shape, self.a.dtype, self.a.device))
             pending.add(out, self.matrix(moved, "arrange_x"), self.matrix(diff, "arrange_y"))
         self.snap = cur.clone()
 
@@ -309,16 +311,21 @@ class CostCache:
     recently used first, never one used by the current step) is rebuilt from the tensors.
     """
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, work: Work | None = None) -> None:
         self.budget = budget
         self.held: dict[GroupSimilarity, int] = {}  # in order of use
         self.step = 0
         self.reserve = 0  # bytes hold() leaves to the similarities
+        self.work = work  # the matcher's work buffers: what they take, hold() does not grant
 
     def hold(self, nbytes: int) -> bool:
         """Takes ``nbytes`` out of the budget for good (arranged copies of tensors, see :class:`Term`)
-        when at least one largest similarity's worth stays for the similarities; whether it did."""
-        if nbytes > self.budget - self.reserve:
+        when what stays covers the similarities (``reserve``) and the work buffers as they are now
+        (grown by the first whole products); whether it did. The work buffers count: on a model whose
+        similarities nearly fill the budget (Stable Diffusion's UNet), arranged copies granted beyond
+        them took the matcher past its budget by the buffers' size."""
+        work = self.work.nbytes() if self.work is not None else 0
+        if nbytes > self.budget - self.reserve - work:
             return False
         self.budget -= nbytes
         return True
