@@ -23,8 +23,11 @@ def _entry(rank: int, fn, world: int, tmp: str, args: tuple, backend: str) -> No
     torch.set_num_threads(1)
     if backend == "nccl":  # one device per rank, round robin
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world)
     try:
+        init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+        # Every rank's connections are up before any runs fn: a rank that fails on purpose at
+        # once (killed, say) would otherwise break a slower rank's set-up, outside what is tested.
+        dist.barrier()
         outcome = ("ok", fn(rank, world, *args))
     except BaseException as exc:  # reported to the test, which decides
         outcome = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
