@@ -14,14 +14,16 @@ import json
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
 
 from pyperm.nn import Permutations, apply_permutation, matching_objective, weight_matching
-from pyperm.nn.align import _matcher, _similarity
+from pyperm.nn.align import _matcher, _similarity, _starts
 from pyperm.nn.align._matcher import WeightMatcher
 from pyperm.nn.models import MLP, ResNet20
+from pyperm.nn.spec import Blocks, PermutationSpec
 from pyperm.testing import random_permutations
 
 
@@ -290,3 +292,45 @@ def test_resident_memory_readings():
     assert 0 < now <= peak
     with pytest.raises(ValueError, match="field"):
         resident_bytes("NoSuchLine")
+
+
+
+def _attention_layers(layers=3, heads=4, head_dim=6, width=10):
+    """A spec of attention layers (heads moving with their q/k and v dims: Blocks inner groups) and a state."""
+    axes, sizes, state = {}, {}, {}
+    gen = torch.Generator().manual_seed(0)
+    for i in range(layers):
+        qk, v = Blocks(f"heads{i}", f"qk{i}"), Blocks(f"heads{i}", f"v{i}")
+        sizes |= {f"heads{i}": heads, f"qk{i}": heads * head_dim, f"v{i}": heads * head_dim}
+        axes |= {f"q{i}": (qk, None), f"k{i}": (qk, None), f"v{i}": (v, None), f"out{i}": (None, v)}
+        for key in (f"q{i}", f"k{i}", f"v{i}"):
+            state[key] = torch.randn(heads * head_dim, width, generator=gen)
+        state[f"out{i}"] = torch.randn(width, heads * head_dim, generator=gen)
+    return PermutationSpec(axes, sizes), state
+
+
+def test_signature_start_keeps_one_cost_and_returns_free_pages_as_it_goes(monkeypatch):
+    """The signature start (the default start's second run, after a stalled identity start) solves each group
+    as soon as its signature cost is made and returns free pages every TRIM_SECONDS: keeping every Blocks
+    inner group's float64 cost to the end, and every group's sorted copies of its tensors in the heap, took
+    a reduced Stable Diffusion UNet from 0.67x to 1.05x the model (the matcher's similarities still held)."""
+    spec, sa = _attention_layers()
+    planted = Permutations(spec, random_permutations(spec, 5))
+    sb = apply_permutation(spec, planted, sa)
+    alive, most, trims = [], [0], []
+    real = _starts.signature_cost
+
+    def tracked(*args):
+        cost = real(*args)
+        most[0] = max(most[0], sum(ref() is not None for ref in alive))  # earlier costs still held
+        if cost is not None:
+            alive.append(weakref.ref(cost))
+        return cost
+
+    monkeypatch.setattr(_starts, "signature_cost", tracked)
+    monkeypatch.setattr(_starts, "TRIM_SECONDS", 0.0)
+    monkeypatch.setattr(_starts, "release_free_memory", lambda: trims.append(1))
+    perms = _starts.signature_start(spec, sa, sb, None)
+    assert len(alive) == len(spec.sizes) and most[0] == 0
+    assert len(trims) == len(spec.sizes)
+    assert Permutations(spec, perms) == planted.inverse()  # the planted permutation, as before

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -37,7 +38,8 @@ import numpy as np
 import torch
 
 import pyperm
-from pyperm.nn.align._matcher import WeightMatcher
+from pyperm._memory import release_free_memory
+from pyperm.nn.align._matcher import TRIM_SECONDS, WeightMatcher
 from pyperm.nn.align._objective import WeightMatchingResult, _check_state, _objective, _objective_keys
 from pyperm.nn.align._pieces import inner_of_pairs
 from pyperm.nn.permutations import Permutations, permute_entry
@@ -98,8 +100,9 @@ def match_from(
     first = matcher.match(state_a, init=None, seed=_same_seed(seed), **options)
     if start == "identity" or not stalled(spec, state_a, state_b, first.perms, matcher.keys):
         return first
-    second = matcher.match(state_a, init=signature_start(spec, state_a, state_b, keys), seed=_same_seed(seed),
-                           **options)  # fmt: skip
+    init = signature_start(spec, state_a, state_b, keys)
+    release_free_memory()  # the signatures' temporaries, before the second run's own (see signature_start)
+    second = matcher.match(state_a, init=init, seed=_same_seed(seed), **options)
     return max((first, second), key=lambda r: r.objective[-1])  # the identity start's on a tie
 
 
@@ -279,17 +282,22 @@ def signature_start(
     sb = _check_state(spec, state_b, "state_b")
     chosen = set(_objective_keys(spec, sa, keys))
     perms: dict[str, torch.Tensor] = {}
-    costs: dict[str, torch.Tensor] = {}
-    for g, n in spec.sizes.items():
+    trimmed = time.perf_counter()
+    # The Blocks inner groups last, each solved as soon as its cost is made, within the blocks its outer
+    # group (solved before it) pairs: their float64 costs are not all kept at once.
+    for g in [g for g in spec.sizes if g not in spec.blocks] + list(spec.blocks):
         cost = signature_cost(spec, sa, sb, g, chosen)
-        if cost is None:
-            perms[g] = torch.arange(n)
-        elif g in spec.blocks:  # solved below, within the blocks its outer group pairs
-            costs[g] = cost
+        if g in spec.blocks:
+            perms[g] = solve_inner_signatures(spec, g, cost, perms)
         else:
-            perms[g] = solve_signatures(cost)
-    for inner in spec.blocks:
-        perms[inner] = solve_inner_signatures(spec, inner, costs.get(inner), perms)
+            perms[g] = torch.arange(spec.sizes[g]) if cost is None else solve_signatures(cost)
+        del cost
+        if time.perf_counter() - trimmed >= TRIM_SECONDS:
+            # Each group's sorted copies of its tensors are freed into the heap, where the next group's
+            # allocations of other sizes leave them resident: after a weight-matching run (whose matcher
+            # keeps its similarities meanwhile) they took Stable Diffusion's UNet past that run's peak.
+            release_free_memory()
+            trimmed = time.perf_counter()
     return perms
 
 
