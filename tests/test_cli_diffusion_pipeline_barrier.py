@@ -14,19 +14,9 @@ pytest.importorskip("diffusers")
 
 from pyperm.cli import main  # noqa: E402
 from pyperm.commands._pipeline_barrier import DEFAULT_PROMPTS, draws_for, parse_prompts  # noqa: E402
-from pyperm.testing import tiny_pipeline  # noqa: E402
 
 NO_BARS = ["--no-progress"]
 PROMPTS = ["a red cat", "two dogs on a hill", "a boat"]
-
-
-@pytest.fixture(scope="module")
-def pipelines(tmp_path_factory):
-    """Two tiny random SD-1.x pipelines of different seeds (written once for the module; never modified)."""
-    root = tmp_path_factory.mktemp("pipelines")
-    tiny_pipeline(root / "pa", seed=0)
-    tiny_pipeline(root / "pb", seed=1)
-    return root / "pa", root / "pb"
 
 
 def _barrier(a, b, out, *extra):

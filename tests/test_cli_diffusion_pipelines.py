@@ -1,5 +1,5 @@
 """``pyperm align|merge|barrier --model hf`` on diffusers pipelines and their model folders (tiny random
-pipelines written here by :func:`pyperm.testing.tiny_pipeline`, no download)."""
+pipelines written by :func:`pyperm.testing.tiny_pipeline`, no download)."""
 
 from __future__ import annotations
 
@@ -13,19 +13,9 @@ import torch
 pytest.importorskip("diffusers")
 
 from pyperm.cli import main  # noqa: E402
-from pyperm.testing import tiny_pipeline  # noqa: E402
 
 NO_BARS = ["--no-progress"]
 MODELS = {"text_encoder": "CLIPTextModel", "unet": "UNet2DConditionModel", "vae": "AutoencoderKL"}
-
-
-@pytest.fixture(scope="module")
-def pipelines(tmp_path_factory):
-    """Two tiny random SD-1.x pipelines of different seeds (written once for the module; never modified)."""
-    root = tmp_path_factory.mktemp("pipelines")
-    tiny_pipeline(root / "pa", seed=0)
-    tiny_pipeline(root / "pb", seed=1)
-    return root / "pa", root / "pb"
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,18 @@ __all__ = ["SUPPORTED", "conditions", "diffusers_class_name", "diffusers_model",
 SUPPORTED = ("UNet2DConditionModel", "UNet2DModel", "AutoencoderKL")
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (a diffusers config or index); a CommandError naming the file if
+    it cannot be read or holds something else."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CommandError(f"--model hf: {path} is not a readable JSON file ({exc})") from exc
+    if not isinstance(data, dict):
+        raise CommandError(f"--model hf: {path} does not hold a JSON object")
+    return data
+
+
 def diffusers_class_name(folder: Path) -> str | None:
     """The ``_class_name`` of a diffusers model folder's ``config.json``, None for other folders.
 
@@ -43,13 +55,7 @@ def diffusers_class_name(folder: Path) -> str | None:
     config = folder / "config.json"
     if not config.is_file():
         return None
-    try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        raise CommandError(f"--model hf: {config} is not a readable JSON file ({exc})") from exc
-    if not isinstance(data, dict):
-        raise CommandError(f"--model hf: {config} does not hold a JSON object")
-    name = data.get("_class_name")
+    name = read_json_object(config).get("_class_name")
     return name if isinstance(name, str) else None
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pyperm.commands._common import CommandError
+from pyperm.commands._diffusers import read_json_object
 
 __all__ = ["INDEX", "Component", "is_pipeline", "read_pipelines", "run_pipeline"]
 
@@ -50,11 +51,8 @@ def is_pipeline(path: str | Path) -> bool:
 def _read_index(folder: Path) -> tuple[str, list[Component]]:
     """The pipeline class and the components (null entries left out) of ``folder``'s model_index.json."""
     index = folder / INDEX
-    try:
-        data = json.loads(index.read_text())
-    except (OSError, ValueError) as exc:
-        raise CommandError(f"--model hf: {index} is not a readable JSON file ({exc})") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("_class_name"), str):
+    data = read_json_object(index)
+    if not isinstance(data.get("_class_name"), str):
         raise CommandError(f"--model hf: {index} is not a diffusers pipeline index (no _class_name)")
     components = []
     for name, value in data.items():

@@ -33,13 +33,13 @@ with the components to evaluate one at a time instead.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pyperm.commands._common import CommandError
+from pyperm.commands._diffusers import read_json_object
 
 __all__ = ["DEFAULT_PROMPTS", "PromptDraws", "check_pipeline_options", "denoising_loss", "draws_for", "encode",
            "parse_prompts", "pipeline_barrier", "reconstruction_loss"]  # fmt: skip
@@ -277,12 +277,7 @@ def _schedule(folder: Path, components: list) -> dict[str, Any]:
     if not any(c.name == "scheduler" for c in components):
         return dict(_SD_SCHEDULE, source="Stable Diffusion's (no scheduler listed)")
     config = folder / "scheduler" / "scheduler_config.json"
-    try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        raise CommandError(f"--model hf: {config} is not a readable JSON file ({exc})") from exc
-    if not isinstance(data, dict):
-        raise CommandError(f"--model hf: {config} does not hold a JSON object")
+    data = read_json_object(config)
     schedule = {k: data.get(k, v) for k, v in _SD_SCHEDULE.items()}
     if "trained_betas" in data and data["trained_betas"] is not None:
         schedule["trained_betas"] = data["trained_betas"]
