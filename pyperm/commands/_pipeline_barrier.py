@@ -292,6 +292,7 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
     """The options that apply to pipeline folders only are refused for others, and those that do not apply to
     pipeline folders are refused for them."""
     from pyperm.commands._pipeline import is_pipeline
+    from pyperm.commands.barrier import refuse_data
 
     pipelines = args.model == "hf" and (is_pipeline(args.a) or is_pipeline(args.b))
     if not pipelines:
@@ -299,12 +300,7 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
             if value:
                 raise CommandError(f"{option}: applies to diffusers pipeline folders (model_index.json) only")
         return
-    if args.data:
-        raise CommandError(f"--data {args.data}: a pipeline is scored on its denoising loss over latents of "
-                           "--prompts, not on --data")  # fmt: skip
-    others = sorted(set(args.align) - {"weight"})
-    if others:
-        raise CommandError(f"--align {others[0]}: needs --data; pipeline folders align by --align weight")
+    refuse_data(args, "pipeline folders", "a pipeline is scored on its denoising loss over latents of --prompts")
 
 
 def pipeline_barrier(args: argparse.Namespace) -> int:

@@ -134,12 +134,20 @@ def _check_data_options(args: argparse.Namespace, diffusers: bool) -> None:
         if not args.data:
             raise CommandError("--data is required (except with --model hf on diffusers model folders)")
         return
+    refuse_data(args, "diffusers model folders", "a diffusers model folder is evaluated on its own loss over fixed "
+                "random draws (denoising for a UNet, reconstruction for a VAE)")  # fmt: skip
+
+
+def refuse_data(args: argparse.Namespace, folders: str, scored: str) -> None:
+    """Folders scored on their own loss (diffusers models, pipelines) take no ``--data``, so they align by
+    weights only: ``--data`` and the other ``--align`` methods are refused, saying how they are ``scored``."""
+    from pyperm.commands._common import CommandError
+
     if args.data:
-        raise CommandError(f"--data {args.data}: a diffusers model folder is evaluated on its own loss over fixed "
-                           "random draws (denoising for a UNet, reconstruction for a VAE), not on --data")  # fmt: skip
+        raise CommandError(f"--data {args.data}: {scored}, not on --data")
     others = sorted(set(args.align) - {"weight"})
     if others:
-        raise CommandError(f"--align {others[0]}: needs --data; diffusers model folders align by --align weight")
+        raise CommandError(f"--align {others[0]}: needs --data; {folders} align by --align weight")
 
 
 def _markdown(report: dict[str, Any], results: dict) -> str:
