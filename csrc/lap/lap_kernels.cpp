@@ -45,19 +45,6 @@
 namespace pyperm::cpu::PYPERM_ISA {
 namespace {
 
-// Lane-matched vector types: values of T, and integers of T's width (indices, masks).
-template <typename T> struct Lanes;
-template <> struct Lanes<double> {
-  typedef double Vec __attribute__((vector_size(kVecBytes)));
-  typedef int64_t IVec __attribute__((vector_size(kVecBytes)));
-  typedef int64_t Index;
-};
-template <> struct Lanes<float> {
-  typedef float Vec __attribute__((vector_size(kVecBytes)));
-  typedef int32_t IVec __attribute__((vector_size(kVecBytes)));
-  typedef int32_t Index;
-};
-
 template <typename V, typename S> inline V load(const S* p) { V r; std::memcpy(&r, p, sizeof(V)); return r; }
 template <typename V, typename S> inline void store(S* p, const V& x) { std::memcpy(p, &x, sizeof(V)); }
 template <typename V, typename S> inline V splat(S s) { return V{} + s; }

@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -55,9 +54,9 @@ struct Work {
 // is NaN or -inf, or a column has every entry forbidden. Writes the free rows.
 template <typename T>
 bool column_reduction(const T* c, int64_t n, Work<T>& w, int64_t& free_count, Status* status) {
-  typedef T Vec __attribute__((vector_size(kVecBytes)));
-  typedef typename std::conditional<sizeof(T) == 8, int64_t, int32_t>::type I;
-  typedef I IVec __attribute__((vector_size(kVecBytes)));
+  typedef typename Lanes<T>::Vec Vec;
+  typedef typename Lanes<T>::Index I;
+  typedef typename Lanes<T>::IVec IVec;
   constexpr int W = kVecBytes / int(sizeof(T));
   T* v = w.v;
   I* arg = reinterpret_cast<I*>(w.d);  // the searches' distances are not in use yet
@@ -116,9 +115,9 @@ bool column_reduction(const T* c, int64_t n, Work<T>& w, int64_t& free_count, St
 // tens of columns this beats a scalar loop, whose data-dependent branches mispredict.
 template <typename T>
 void two_smallest(const T* row, const T* v, int64_t m, T& u1, int32_t& j1, T& u2, int32_t& j2) {
-  typedef T Vec __attribute__((vector_size(kVecBytes)));
-  typedef typename std::conditional<sizeof(T) == 8, int64_t, int32_t>::type I;
-  typedef I IVec __attribute__((vector_size(kVecBytes)));
+  typedef typename Lanes<T>::Vec Vec;
+  typedef typename Lanes<T>::Index I;
+  typedef typename Lanes<T>::IVec IVec;
   constexpr int W = kVecBytes / int(sizeof(T));
   Vec first = Vec{} + kInf<T>, second = first;
   IVec first_j = IVec{} - 1, second_j = first_j, at;
@@ -207,9 +206,9 @@ constexpr int kShortVectors = 8;
 // (inserting a partial tail lane by lane stalled on store forwarding).
 template <int V, typename T>
 void two_smallest_short(const T* row, const T* v, int64_t m, T& u1, int32_t& j1, T& u2, int32_t& j2) {
-  typedef T Vec __attribute__((vector_size(kVecBytes)));
-  typedef typename std::conditional<sizeof(T) == 8, int64_t, int32_t>::type I;
-  typedef I IVec __attribute__((vector_size(kVecBytes)));
+  typedef typename Lanes<T>::Vec Vec;
+  typedef typename Lanes<T>::Index I;
+  typedef typename Lanes<T>::IVec IVec;
   constexpr int W = kVecBytes / int(sizeof(T));
   const Vec inf = Vec{} + kInf<T>;
   const int64_t last = m - W;  // the column of the last vector's first lane
