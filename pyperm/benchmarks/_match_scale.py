@@ -11,7 +11,7 @@ tensor's standard deviation), ``weight_matching`` with its defaults. The row giv
   first sweep alone, in which every similarity is computed whole;
 - the *floor*: the same similarity products, one whole product per tensor and axis a group acts on,
   as plain ``torch.matmul`` calls on tensors arranged beforehand (the arranging not timed), in the
-  model's dtype, timed in the same process, alternating with the first sweep (medians of
+  dtype weight matching runs its products in (bfloat16 for a bfloat16 model, float32 otherwise), timed in the same process, alternating with the first sweep (medians of
   ``--repeat``); ``first / floor`` is the price of reading the stored tensors in place;
 - the assignment solves' share of the call, and whether every group's planted permutation was found.
 
@@ -196,19 +196,22 @@ def _sync(device: Any) -> None:
 
 def floor_seconds(spec: Any, sa: dict, sb: dict) -> float:
     """The similarity products of one sweep computing every similarity whole, as plain ``torch.matmul`` calls
-    on tensors arranged beforehand (each (n, K), in the model's dtype): only the products are timed."""
+    on tensors arranged beforehand (each (n, K), in the dtype weight matching runs its products in by default:
+    bfloat16 for a bfloat16 model, else float32, so a float16 model's floor is not torch's float16 matmul on
+    a CPU without float16 arithmetic, 300 times slower): only the products are timed."""
     import torch
 
-    from pyperm.nn.align._matcher import WeightMatcher
+    from pyperm.nn.align._matcher import WeightMatcher, similarity_product_dtype
 
     matcher = WeightMatcher(spec, sb)
+    product = similarity_product_dtype(None, torch.float32, list(sb.values()))
     total = 0.0
     for g, where in matcher._where.items():
         for i, axis in where:
             piece = matcher._pieces[i]
             n = piece.shape[axis]
-            x = piece.of(sa[piece.key]).movedim(axis, 0).reshape(n, -1).contiguous()
-            y = piece.of(sb[piece.key]).movedim(axis, 0).reshape(n, -1).contiguous()
+            x = piece.of(sa[piece.key]).movedim(axis, 0).reshape(n, -1).to(product).contiguous()
+            y = piece.of(sb[piece.key]).movedim(axis, 0).reshape(n, -1).to(product).contiguous()
             _sync(x.device)
             started = time.perf_counter()
             torch.matmul(x, y.T)
