@@ -35,6 +35,7 @@ __all__ = [
     "scipy_bottleneck_greedy",
     "scipy_bottleneck_matching",
     "scipy_max_weight_greedy",
+    "sd_pipeline",
     "tiny_pipeline",
 ]
 
@@ -320,6 +321,30 @@ def tiny_pipeline(folder, seed: int = 0):
     what the tests and the documentation align and merge without downloading a checkpoint. Needs
     diffusers and transformers. Returns the pipeline.
     """
+    pipeline = sd_pipeline(TINY_PIPELINE, seed)
+    pipeline.save_pretrained(str(folder))
+    return pipeline
+
+
+#: The component configs of :func:`tiny_pipeline`: the UNet's, the VAE's and the text encoder's
+#: (``CLIPTextConfig`` arguments; its ``max_position_embeddings`` is also the tokenizer's length).
+TINY_PIPELINE = {
+    "unet": {"sample_size": 8, "in_channels": 4, "out_channels": 4, "layers_per_block": 1,
+             "block_out_channels": (32, 64), "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+             "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"), "cross_attention_dim": 16,
+             "attention_head_dim": 8, "norm_num_groups": 8},
+    "vae": {"in_channels": 3, "out_channels": 3, "down_block_types": ("DownEncoderBlock2D",) * 2,
+            "up_block_types": ("UpDecoderBlock2D",) * 2, "block_out_channels": (16, 32), "latent_channels": 4,
+            "norm_num_groups": 8, "sample_size": 16},
+    "text_encoder": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "max_position_embeddings": 8, "projection_dim": 16},
+}  # fmt: skip
+
+
+def sd_pipeline(configs: dict, seed: int = 0):
+    """A random ``StableDiffusionPipeline`` built from ``configs`` (the shape of :data:`TINY_PIPELINE`),
+    initialised from ``seed``, in eval mode; its tokenizer covers a 54-token alphabet (no vocabulary is
+    downloaded), its scheduler is SD's ``DDPMScheduler``, it has no safety checker."""
     import json
     import tempfile
     from pathlib import Path
@@ -328,36 +353,28 @@ def tiny_pipeline(folder, seed: int = 0):
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
+    from pyperm._staging import write_text
+
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for letter in "abcdefghijklmnopqrstuvwxyz":
         vocab[letter] = len(vocab)
         vocab[f"{letter}</w>"] = len(vocab)
-    from pyperm._staging import write_text
-
+    text = {"vocab_size": len(vocab), **configs["text_encoder"]}
     with tempfile.TemporaryDirectory() as tmp:  # the tokenizer's files, read back at once
         write_text(Path(tmp) / "vocab.json", json.dumps(vocab))
         write_text(Path(tmp) / "merges.txt", "#version: 0.2\n")
-        tokenizer = CLIPTokenizer(str(Path(tmp) / "vocab.json"), str(Path(tmp) / "merges.txt"), model_max_length=8)
+        tokenizer = CLIPTokenizer(str(Path(tmp) / "vocab.json"), str(Path(tmp) / "merges.txt"),
+                                  model_max_length=text["max_position_embeddings"])  # fmt: skip
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        text_encoder = CLIPTextModel(CLIPTextConfig(
-            vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-            max_position_embeddings=8, projection_dim=16, bos_token_id=0, eos_token_id=1, pad_token_id=1))  # fmt: skip
-        unet = UNet2DConditionModel(
-            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-            cross_attention_dim=16, attention_head_dim=8, norm_num_groups=8)  # fmt: skip
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), latent_channels=4,
-            norm_num_groups=8, sample_size=16)  # fmt: skip
-    pipeline = StableDiffusionPipeline(
+        text_encoder = CLIPTextModel(CLIPTextConfig(**text, bos_token_id=0, eos_token_id=1, pad_token_id=1))
+        unet = UNet2DConditionModel(**configs["unet"])
+        vae = AutoencoderKL(**configs["vae"])
+    return StableDiffusionPipeline(
         vae=vae.eval(), text_encoder=text_encoder.eval(), tokenizer=tokenizer, unet=unet.eval(),
         scheduler=DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, steps_offset=1,
                                 clip_sample=False),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False)  # fmt: skip
-    pipeline.save_pretrained(str(folder))
-    return pipeline
 
 
 @contextlib.contextmanager

@@ -145,6 +145,8 @@ def test_merge_three_checkpoints(tmp_path):
     assert merged.keys() == _trained(1).keys()
     ev = report["evaluation"]
     assert ev["merged"]["loss"] < ev["plain average (no alignment)"]["loss"]
+    assert report["peak_rss_bytes"][0] > 0
+    assert "peak resident memory, GB (the process)" in (out / "report.md").read_text()
 
 
 def test_user_model_file_is_traced(tmp_path):

@@ -87,6 +87,9 @@ def test_merge_pipelines_with_weights(pipelines, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert {r["name"]: r["action"] for r in report["components"] if "groups" in r} == dict.fromkeys(MODELS, "merged")
     assert json.loads((out / "unet" / "report.json").read_text())["weights"] == [0.7, 0.3]
+    # The process's peak, every component merged in it one after another.
+    assert report["peak_rss_bytes"][0] >= json.loads((out / "unet" / "report.json").read_text())["peak_rss_bytes"][0]
+    assert "peak resident memory, GB (the process)" in (out / "report.md").read_text()
 
 
 def _copy(src, dst):

@@ -163,6 +163,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(sd15-unet, 860M) 7 GB in float32, the SDXL UNet pair (sdxl-unet, 2.6B) 21 GB in "
                              "float32 and 10 GB in float16 or bfloat16; the Hugging Face rows need transformers, the "
                              "UNet rows diffusers, the others torchvision)")
+    parser.add_argument("--pipelines", metavar="DIR", default=None,
+                        help="also the pipeline table: pyperm merge --model hf --weights 0.7,0.3 of two SD-1.5-shaped "
+                             "pipeline folders (UNet, VAE, CLIP text encoder; B a planted permutation of A plus "
+                             "noise) written to DIR once per dtype of --dtypes, end to end in a fresh process: time, "
+                             "peak RSS, merged tensors against A's (needs diffusers and transformers; 9 GB of disk "
+                             "and about 12 GB of memory in float32)")
     parser.add_argument("--no-flat", action="store_true", help="skip the flat table (--models)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -262,6 +268,15 @@ def run(args: argparse.Namespace) -> int:
             table, failed = _match_ranks.rows(args.scale, args.dtypes, args.ranks, _report, device=args.device)
             failures += failed
             _print(_match_ranks.headers(args.device), table, args.markdown, args.write, "ranks")
+    if args.pipelines is not None:
+        from pyperm.benchmarks import _pipeline_merge
+
+        print(f"\npyperm merge of two SD-1.5-shaped pipelines in {args.pipelines}, end to end in a fresh process "
+              f"(B a planted permutation of A plus noise; merged = A + {_pipeline_merge.WEIGHTS[1]} x noise when "
+              "aligned)", flush=True)  # fmt: skip
+        table, failed = _pipeline_merge.rows(args.dtypes, args.pipelines, _report)
+        failures += failed
+        _print(_pipeline_merge.HEADERS, table, args.markdown, args.write, "pipelines")
     for f in failures:
         print("FAIL:", f, file=sys.stderr)
     return 1 if failures else 0

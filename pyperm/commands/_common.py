@@ -465,3 +465,12 @@ def float_state(state: dict, device: Any) -> dict:
 def on_device(state: dict, device: Any) -> dict:
     """The state on ``device`` in its own dtypes (on the CPU: the tensors themselves, no copy)."""
     return {k: v.to(device) for k, v in state.items()}
+
+
+def peak_memory_lines(peaks: list[int | None]) -> list[str]:
+    """report.md's line of peak resident memory: the process's, or one per rank (none when unknown)."""
+    known = [p for p in peaks if p is not None]
+    if not known:
+        return []
+    each = ", ".join(f"{p / 1e9:.2f}" for p in known)
+    return [f"- peak resident memory, GB ({'per rank' if len(known) > 1 else 'the process'}): {each}"]

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from pyperm._tables import markdown_table
+from pyperm.commands._common import peak_memory_lines
 
 __all__ = ["merge_markdown", "merge_report"]
 
@@ -44,6 +45,7 @@ def merge_markdown(report: dict[str, Any]) -> str:
         ),
         f"- written: {', '.join(f'`{p}`' for p in report['outputs'])}",
     ]
+    lines += peak_memory_lines(report.get("peak_rss_bytes", []))
     if "evaluation" in report:
         d = report["data"]
         lines += ["", f"## Test split of {d['name']} ({d['test_samples']} samples)", ""]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from pyperm.commands._common import CommandError
+from pyperm.commands._common import CommandError, peak_memory_lines
 from pyperm.commands._diffusers import read_json_object
 
 __all__ = ["INDEX", "Component", "is_pipeline", "read_pipelines", "run_pipeline"]
@@ -127,6 +127,7 @@ class PipelineRun:
 def run_pipeline(args: argparse.Namespace, job: PipelineRun) -> int:
     """Run ``job`` on every model component of the pipelines, copy the rest, write the pipeline's reports."""
     from pyperm._json import write_json
+    from pyperm._memory import peak_resident
     from pyperm._staging import write_text
     from pyperm.commands._hf import copy_files
     from pyperm.commands._over_ranks import launched
@@ -173,8 +174,9 @@ def run_pipeline(args: argparse.Namespace, job: PipelineRun) -> int:
         d.parent.mkdir(parents=True, exist_ok=True)
     copy_files(copies)  # model_index.json last
 
+    # The process's peak: every component ran in it, one after another.
     report = {"command": job.command, "pipeline": class_name, "inputs": job.inputs, "output": str(dest),
-              "components": rows}  # fmt: skip
+              "components": rows, "peak_rss_bytes": [peak_resident()]}  # fmt: skip
     write_json(out / "report.json", report)
     write_text(out / "report.md", _markdown(report))
     print(f"pipeline ({class_name}): {dest}")
@@ -202,7 +204,8 @@ def _markdown(report: dict[str, Any]) -> str:
 
     align = report["command"] == "align"
     lines = [f"# pyperm {report['command']}: {report['pipeline']} pipelines, component by component", "",
-             f"- inputs: {', '.join(f'`{p}`' for p in report['inputs'])}", f"- written: `{report['output']}`", ""]  # fmt: skip
+             f"- inputs: {', '.join(f'`{p}`' for p in report['inputs'])}", f"- written: `{report['output']}`",
+             *peak_memory_lines(report.get("peak_rss_bytes", [])), ""]  # fmt: skip
     rows = []
     for r in report["components"]:
         if "groups" not in r:

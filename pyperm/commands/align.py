@@ -240,6 +240,8 @@ def _moved(p: Any) -> int:
 
 
 def _markdown(report: dict[str, Any], barriers: dict | None) -> str:
+    from pyperm.commands._common import peak_memory_lines
+
     info = report["matching"]
     gap = report["max_output_change_of_b"]
     gap_text = (
@@ -256,10 +258,7 @@ def _markdown(report: dict[str, Any], barriers: dict | None) -> str:
         f"- largest change of B's outputs after permuting (should be ~0): {gap_text}",
         f"- written: {', '.join(f'`{p}`' for p in report['outputs'])}",
     ]
-    peaks = [p for p in report.get("peak_rss_bytes", []) if p is not None]
-    if peaks:
-        each = ", ".join(f"{p / 1e9:.2f}" for p in peaks)
-        lines.append(f"- peak resident memory, GB ({'per rank' if len(peaks) > 1 else 'the process'}): {each}")
+    lines += peak_memory_lines(report.get("peak_rss_bytes", []))
     if report["dropped_wrapper_entries"]:
         lines.append(
             f"- entries of B's checkpoint not written back (they describe the unpermuted model): {report['dropped_wrapper_entries']}"

@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     is written tensor by tensor, shard by shard, each tensor cast to the stored dtype when its turn
     comes (``merge_many`` itself holds the merged model in float32).
     """
+    from pyperm._memory import peak_resident
     from pyperm.checkpoints import LazyState, save_checkpoint
     from pyperm.commands._checkpoint_pair import load_for_model, refuse_inputs
     from pyperm.commands._merge_report import merge_markdown, merge_report
@@ -141,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         report["data"] = {"name": data.name, "test_samples": data.num_test}
         report["evaluation"] = evaluations
     written = save_checkpoint(ckpts[0], merged, ckpt_files[0], force=args.force, copies=copies)  # --model hf: the config and tokenizer beside the weights
+    report["peak_rss_bytes"] = [peak_resident()]  # after writing, which reads every merged tensor once more
     write_json(out / "report.json", report)
     write_text(out / "report.md", merge_markdown(report))
     print(f"merged {len(ckpts)} checkpoints in {result.iterations} rounds ({timer.seconds:.2f} s): {written[0]}")
