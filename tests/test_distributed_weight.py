@@ -113,7 +113,21 @@ def _planted():
          else t for k, t in b.items()}  # fmt: skip
     one = weight_matching(spec, a, b, seed=3, init="identity")
     assert stalled(spec, a, b, one.perms, list(spec.axes)), "the identity start should stall here"
-    return {"mobilenet_v2": (spec, a, b)}
+    problems = {"mobilenet_v2": (spec, a, b)}
+    # GroupNorm: Blocks groups whose whole groups move too (an outer group), solved one cost at a time.
+    from test_groupnorm import GNResNet
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = GNResNet()
+    spec = trace_model(model, torch.randn(1, 3, 8, 8)).spec
+    assert any(isinstance(outer, str) for outer in spec.blocks.values())
+    a = model.state_dict()
+    b = apply_permutation(spec, random_permutations(spec, g), a)
+    b = {k: t + 0.01 * t.float().std() * torch.randn(t.shape, generator=g) if t.is_floating_point() and t.numel() > 1
+         else t for k, t in b.items()}  # fmt: skip (not an exact copy: "best" runs its starts, as over ranks)
+    problems["gn_resnet"] = (spec, a, b)
+    return problems
 
 
 @pytest.mark.parametrize("init", ["best", "signatures"])

@@ -176,7 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     parser.add_argument("--write", metavar="DIR", default=None,
                         help="also write each table as DIR/bench-match-<table>.md, headed by this command and the "
-                             "date (the docs include docs/_generated/)")
+                             "date (the docs include docs/_generated/); the scale table of other models than the "
+                             "default's as bench-match-scale-<models>.md")
     parser.add_argument("--device", default="cpu",
                         help="where the flat and scale tables' models live (cpu, cuda, cuda:N); on a GPU the flat "
                              "table's reference is pyperm on the CPU, whose objective the GPU's must equal")
@@ -250,7 +251,9 @@ def run(args: argparse.Namespace) -> int:
                   "process", flush=True)  # fmt: skip
             table, failed = _match_scale.rows(args.scale, args.dtypes, args.repeat, _report, args.device)
             failures += failed
-            _print(_match_scale.headers(args.device), table, args.markdown, args.write, "scale")
+            # The default models' table is bench-match-scale.md; other models' get their own file beside it.
+            name = "scale" if args.scale == SCALE_DEFAULT else "scale-" + "-".join(args.scale)
+            _print(_match_scale.headers(args.device), table, args.markdown, args.write, name)
         if args.ranks is not None and args.checkpoints is not None:
             from pyperm.benchmarks import _align_ranks, _match_ranks
 

@@ -20,7 +20,8 @@ from collections.abc import Mapping
 import torch
 
 from pyperm._comm import Channel
-from pyperm.nn.align._starts import signature_cost, solve_inner_signatures, solve_signatures, stall_evidence
+from pyperm.nn.align._starts import (signature_cost, signature_order, solve_inner_signatures, solve_signatures,
+                                     stall_evidence)
 from pyperm.nn.permutations import Permutations
 from pyperm.nn.spec import PermutationSpec
 
@@ -42,7 +43,7 @@ def _summed_cost(spec: PermutationSpec, g: str, holders: list[int], sa: Mapping[
         chan.send(part.to(torch.float64), home)
         return None
     n = spec.sizes[g]
-    for r in holders[1:]:  # in rank order, as every rank walks the groups in the spec's order
+    for r in holders[1:]:  # in rank order, as every rank walks the groups in signature_order
         part = part + chan.recv((n, n), torch.float64, r).to(part.device)
     return part
 
@@ -54,7 +55,6 @@ def signature_start_over_ranks(spec: PermutationSpec, sa: Mapping[str, torch.Ten
     local = {k for k in chosen if owner[k] == chan.rank}
     holders = _holders(spec, owner, chosen)
     perms: dict[str, torch.Tensor] = {}
-    inner_costs: dict[str, torch.Tensor | None] = {}
 
     def share(g: str, solved: torch.Tensor | None) -> None:
         home = holders[g][0] if holders[g] else 0
@@ -63,17 +63,15 @@ def signature_start_over_ranks(spec: PermutationSpec, sa: Mapping[str, torch.Ten
         perm = solved if solved is not None else torch.empty(spec.sizes[g], dtype=torch.int64)
         perms[g] = chan.broadcast(perm.to(torch.int64), home).cpu()
 
-    for g in spec.sizes:
-        cost = _summed_cost(spec, g, holders[g], sa, sb, local, chan)
-        if g in spec.blocks:
-            inner_costs[g] = cost  # solved below, once its outer group is
-            continue
-        share(g, solve_signatures(cost) if cost is not None else None)
-    for inner in spec.blocks:
-        home = holders[inner][0] if holders[inner] else 0
-        cost = inner_costs.get(inner)
-        solved = solve_inner_signatures(spec, inner, cost, perms) if chan.rank == home and cost is not None else None
-        share(inner, solved)
+    for g in signature_order(spec):  # the same order on every rank
+        cost = _summed_cost(spec, g, holders[g], sa, sb, local, chan)  # None but at the group's home
+        if cost is None:
+            share(g, None)
+        elif g in spec.blocks:
+            share(g, solve_inner_signatures(spec, g, cost, perms))
+        else:
+            share(g, solve_signatures(cost))
+        del cost
     return perms
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -45,8 +45,8 @@ from pyperm.nn.align._pieces import inner_of_pairs
 from pyperm.nn.permutations import Permutations, permute_entry
 from pyperm.nn.spec import PermutationSpec
 
-__all__ = ["STARTS", "copy_start", "match_from", "optimal_copy", "signature_cost", "signature_start",
-           "solve_inner_signatures", "solve_signatures", "stall_evidence", "stalled"]
+__all__ = ["STARTS", "copy_start", "match_from", "optimal_copy", "signature_cost", "signature_order",
+           "signature_start", "solve_inner_signatures", "solve_signatures", "stall_evidence", "stalled"]
 
 logger = logging.getLogger(__name__)
 
@@ -282,23 +282,30 @@ def signature_start(
     sb = _check_state(spec, state_b, "state_b")
     chosen = set(_objective_keys(spec, sa, keys))
     perms: dict[str, torch.Tensor] = {}
-    trimmed = time.perf_counter()
-    # The Blocks inner groups last, each solved as soon as its cost is made, within the blocks its outer
-    # group (solved before it) pairs: their float64 costs are not all kept at once.
-    for g in [g for g in spec.sizes if g not in spec.blocks] + list(spec.blocks):
+    for g in signature_order(spec):
         cost = signature_cost(spec, sa, sb, g, chosen)
         if g in spec.blocks:
             perms[g] = solve_inner_signatures(spec, g, cost, perms)
         else:
             perms[g] = torch.arange(spec.sizes[g]) if cost is None else solve_signatures(cost)
         del cost
+    return perms
+
+
+def signature_order(spec: PermutationSpec) -> Iterator[str]:
+    """The groups in the order the signature start solves them, one cost at a time: the Blocks inner
+    groups last, each within the blocks its outer group (solved before it) pairs, so that their
+    float64 costs are not all kept at once. Between groups, every ``TRIM_SECONDS``, the free heap
+    pages go back to the system: each group's sorted copies of its tensors are freed into the heap,
+    where the next group's allocations of other sizes leave them resident (after a weight-matching
+    run, whose matcher keeps its similarities meanwhile, they took Stable Diffusion's UNet past that
+    run's peak)."""
+    trimmed = time.perf_counter()
+    for g in [g for g in spec.sizes if g not in spec.blocks] + list(spec.blocks):
+        yield g
         if time.perf_counter() - trimmed >= TRIM_SECONDS:
-            # Each group's sorted copies of its tensors are freed into the heap, where the next group's
-            # allocations of other sizes leave them resident: after a weight-matching run (whose matcher
-            # keeps its similarities meanwhile) they took Stable Diffusion's UNet past that run's peak.
             release_free_memory()
             trimmed = time.perf_counter()
-    return perms
 
 
 def signature_cost(spec: PermutationSpec, sa: Mapping[str, torch.Tensor], sb: Mapping[str, torch.Tensor], g: str,
