@@ -334,3 +334,40 @@ def test_signature_start_keeps_one_cost_and_returns_free_pages_as_it_goes(monkey
     assert len(alive) == len(spec.sizes) and most[0] == 0
     assert len(trims) == len(spec.sizes)
     assert Permutations(spec, perms) == planted.inverse()  # the planted permutation, as before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("shape", "axis"), [((40, 300), 0), ((12, 40, 3, 3), 1), ((40,), 0), ((7, 40), 1)])
+@pytest.mark.parametrize("per_unit", [1, 4])  # positions a unit owns: 4 for an outer group of blocks of 4
+def test_signatures_taken_in_chunks_equal_the_whole_tensor_sorted(monkeypatch, dtype, shape, axis, per_unit):
+    """A tensor's units' signatures come in chunks of SIGNATURE_CHUNK_BYTES (no whole sorted copy); a chunk of
+    one unit, of a few units, or the whole tensor give the same rows, for all positions or a subset in any order."""
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    some = torch.randperm(40, generator=torch.Generator().manual_seed(1))[:24]
+    n_all, n_some = 40 // per_unit, 24 // per_unit
+    whole_all = _starts._signature(t.movedim(axis, 0).reshape(n_all, -1))
+    whole_some = _starts._signature(t.index_select(axis, some).movedim(axis, 0).reshape(n_some, -1))
+    for chunk in (1, 3 * per_unit * t[0].numel() * t.element_size() if axis == 0 else 100, 1 << 30):
+        monkeypatch.setattr(_starts, "SIGNATURE_CHUNK_BYTES", chunk)
+        assert torch.equal(_starts._unit_signatures(t, axis, None, n_all), whole_all)
+        assert torch.equal(_starts._unit_signatures(t, axis, some, n_some), whole_some)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("shape", "axes"), [((64, 48), (0,)), ((64, 48), (1,)), ((64, 48), (0, 1)),
+                                             ((16, 24, 3, 3), (0, 1)), ((5, 7), (0, 1)), ((33,), (0,))])  # fmt: skip
+def test_the_objective_permutes_b_in_chunks_of_rows(monkeypatch, dtype, shape, axes):
+    """The objective makes permuted B a chunk of rows at a time (no whole copy); any chunk size gives the whole
+    tensors' sum, up to the float64 additions of the chunks."""
+    from pyperm.nn.align import _objective
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    indexes = {ax: torch.randperm(shape[ax], generator=gen) for ax in axes}
+    permuted = b
+    for ax, index in indexes.items():
+        permuted = permuted.index_select(ax, index)
+    want = float((a.double() * permuted.double()).sum())
+    for chunk in (1, 1000, 1 << 30):
+        monkeypatch.setattr(_objective, "CHUNK_BYTES", chunk)
+        assert _objective._permuted_dot(a, b, indexes) == pytest.approx(want, rel=1e-6, abs=1e-9)

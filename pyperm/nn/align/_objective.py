@@ -82,6 +82,10 @@ def _objective_keys(spec: PermutationSpec, sa: Mapping[str, torch.Tensor], keys:
     return list(dict.fromkeys(chosen))
 
 
+# Bytes of permuted B made at once by the objective (see _permuted_dot).
+CHUNK_BYTES = 8 << 20
+
+
 def _objective(
     spec: PermutationSpec,
     sa: Mapping[str, torch.Tensor],
@@ -98,13 +102,15 @@ def _objective(
         b = sb[key]
         if a.shape != b.shape:
             raise ValueError(f"state_a[{key!r}] has shape {tuple(a.shape)} but state_b has {tuple(b.shape)}")
+        indexes = {}
         for ax, g in enumerate(spec.axes[key]):
             if spec.structured:  # Segments, Tiled, Blocks: the spec builds the index
                 index = spec.axis_index(key, ax, perms) if set(spec.group_axes) & moved else None
-                b = b if index is None else index_select(b, ax, index.to(b.device))
+                if index is not None:
+                    indexes[ax] = index.to(b.device)
             elif g in moved:
-                b = index_select(b, ax, perms[g].to(b.device))
-        term = accurate_dot(a, b.to(a.device))
+                indexes[ax] = perms[g].to(b.device)
+        term = _permuted_dot(a, b, indexes)
         if not math.isfinite(term):
             # A NaN or infinity anywhere in either tensor makes its product non-finite.
             for name, t in (("state_a", sa[key]), ("state_b", sb[key])):
@@ -112,4 +118,30 @@ def _objective(
                     raise ValueError(f"{name}[{key!r}] contains NaN or infinite values")
             raise ValueError(f"the product of state_a[{key!r}] and state_b[{key!r}] overflows")
         total += term
+    return total
+
+
+def _permuted_dot(a: torch.Tensor, b: torch.Tensor, indexes: dict[int, torch.Tensor]) -> float:
+    """``sum(a * b')``, with ``b'`` B taken at ``indexes[ax]`` along each axis ``ax`` in it.
+
+    Permuted B is made in chunks of rows (first axis) of at most ``CHUNK_BYTES``, never whole: a
+    copy of each tensor in turn, of every size, left the heap 0.17x a Stable Diffusion UNet larger
+    than before the objective of a second start (the freed copies are reused by no later request).
+    A chunk holds a multiple of 1024 entries where it can, the rows accurate_dot takes, so that
+    the sum is the whole tensors' up to the float64 additions of the chunks.
+    """
+    if not indexes or a.ndim == 0:
+        return accurate_dot(a, b.to(a.device))
+    per_row = max(a[0].numel(), 1) if a.shape[0] else 1
+    align = 1024 // math.gcd(per_row, 1024)  # rows whose entries make whole rows of 1024
+    step = max(1, CHUNK_BYTES // (per_row * b.element_size()) // align * align)
+    first = indexes.get(0)
+    total = 0.0
+    for start in range(0, a.shape[0], step):
+        count = min(step, a.shape[0] - start)
+        part = b.narrow(0, start, count) if first is None else b.index_select(0, first[start:start + count])
+        for ax, index in indexes.items():
+            if ax:
+                part = index_select(part, ax, index)
+        total += accurate_dot(a.narrow(0, start, count), part.to(a.device))
     return total
