@@ -371,3 +371,32 @@ def test_the_objective_permutes_b_in_chunks_of_rows(monkeypatch, dtype, shape, a
     for chunk in (1, 1000, 1 << 30):
         monkeypatch.setattr(_objective, "CHUNK_BYTES", chunk)
         assert _objective._permuted_dot(a, b, indexes) == pytest.approx(want, rel=1e-6, abs=1e-9)
+
+
+def test_a_second_start_begins_with_the_first_runs_similarities_given_back(monkeypatch):
+    """After a stalled identity start, the matcher gives its similarities back before the signature start (whose
+    costs would otherwise sit on top of them), and the second run rebuilds them: the same answer as a fresh
+    matcher's from that start."""
+    spec, sa = _state(MODELS["resnet20"], 0)
+    sb = _planted(spec, sa)
+    events = []
+    real_release, real_signatures = WeightMatcher.release_similarities, _starts.signature_start
+
+    def release(self):
+        assert self._cache.held, "the first run keeps its similarities until then"
+        real_release(self)
+        assert not self._cache.held and all(g.cost is None for g in self._groups.values())
+        events.append("release")
+
+    def signatures(*args):
+        events.append("signatures")
+        return real_signatures(*args)
+
+    monkeypatch.setattr(WeightMatcher, "release_similarities", release)
+    monkeypatch.setattr(_starts, "signature_start", signatures)
+    monkeypatch.setattr(_starts, "stalled", lambda *args: True)  # force the second start
+    best = weight_matching(spec, sa, sb, seed=1)
+    assert events == ["release", "signatures"]
+    fresh = weight_matching(spec, sa, sb, seed=1, init="signatures")
+    identity = weight_matching(spec, sa, sb, seed=1, init="identity")
+    assert best.objective[-1] == max(fresh.objective[-1], identity.objective[-1])

@@ -401,6 +401,12 @@ class WeightMatcher:
             seconds={**self._seconds, "total": time.perf_counter() - started},
         )
 
+    def release_similarities(self) -> None:
+        """Frees the kept similarity matrices (up to the cost budget; each is rebuilt, and its group's
+        solver starts cold, at its next visit), and returns the free pages to the system."""
+        self._cache.release()
+        release_free_memory()
+
     def _update(self, perms: dict[Any, torch.Tensor], proposal: Mapping[str, torch.Tensor]) -> None:
         """Takes the proposal's permutations, and the Blocks indices made of them."""
         perms.update(proposal)

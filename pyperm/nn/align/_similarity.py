@@ -333,6 +333,12 @@ class CostCache:
     def next_step(self) -> None:
         self.step += 1
 
+    def release(self) -> None:
+        """Gives every kept similarity back (each is rebuilt at its next visit)."""
+        for group in self.held:
+            group.evict()
+        self.held.clear()
+
     def claim(self, group: GroupSimilarity) -> torch.Tensor:
         if group.cost is not None:
             self.held.pop(group)

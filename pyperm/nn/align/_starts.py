@@ -100,6 +100,11 @@ def match_from(
     first = matcher.match(state_a, init=None, seed=_same_seed(seed), **options)
     if start == "identity" or not stalled(spec, state_a, state_b, first.perms, matcher.keys):
         return first
+    # The first run's similarities are given back first: the second start moves most units of the groups
+    # it changes, so their similarities are rebuilt anyway (SD-1.5's UNet at 0.7x channels: the second
+    # run's one sweep took as long as the first run's first), and holding them (0.29x the model there)
+    # under the signature start's own costs made its peak the whole call's.
+    matcher.release_similarities()
     init = signature_start(spec, state_a, state_b, keys)
     release_free_memory()  # the signatures' temporaries, before the second run's own (see signature_start)
     second = matcher.match(state_a, init=init, seed=_same_seed(seed), **options)
