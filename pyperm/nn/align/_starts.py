@@ -303,10 +303,9 @@ def signature_order(spec: PermutationSpec) -> Iterator[str]:
     """The groups in the order the signature start solves them, one cost at a time: the Blocks inner
     groups last, each within the blocks its outer group (solved before it) pairs, so that their
     float64 costs are not all kept at once. Between groups, every ``TRIM_SECONDS``, the free heap
-    pages go back to the system: each group's sorted copies of its tensors are freed into the heap,
-    where the next group's allocations of other sizes leave them resident (after a weight-matching
-    run, whose matcher keeps its similarities meanwhile, they took Stable Diffusion's UNet past that
-    run's peak)."""
+    pages go back to the system: each group's temporaries are freed into the heap, where the next
+    group's allocations of other sizes leave them resident (they once took Stable Diffusion's UNet
+    past the weight-matching run's own peak)."""
     trimmed = time.perf_counter()
     for g in [g for g in spec.sizes if g not in spec.blocks] + list(spec.blocks):
         yield g
