@@ -98,12 +98,8 @@ def write_pair(name: str, dtype_name: str, folder: str | Path, seed: int = 0) ->
         raise ValueError(f"--checkpoints needs a Hugging Face scale model ({', '.join(_HF_CONFIGS)}), got {name!r}")
     folder = Path(folder)
     marker = {"model": name, "dtype": dtype_name, "seed": seed, "shard_bytes": SHARD_BYTES, "min_shards": MIN_SHARDS}
-    done = folder / "pair.json"
-    if done.exists() and json.loads(done.read_text()) == marker:
+    if pair_is_written(folder, marker):
         return folder
-    for part in ("a", "b"):
-        shutil.rmtree(folder / part, ignore_errors=True)
-    done.unlink(missing_ok=True)
     from pyperm.benchmarks._hf_models import _transformers
 
     transformers = _transformers()
@@ -131,8 +127,20 @@ def write_pair(name: str, dtype_name: str, folder: str | Path, seed: int = 0) ->
     _write_folder(folder / "a", config, lambda: ((k, a_tensor(k)) for k in keys), shard_bytes)
     _write_folder(folder / "b", config, b_tensors, shard_bytes)
     write_text(folder / "planted.json", json.dumps(planted.to_dict()))
-    write_text(done, json.dumps(marker))
+    write_text(folder / "pair.json", json.dumps(marker))
     return folder
+
+
+def pair_is_written(folder: Path, marker: dict[str, Any]) -> bool:
+    """Whether ``folder`` holds a whole pair written for ``marker`` (its ``pair.json``, written last);
+    if not, whatever part of a pair is there is removed, to be written anew."""
+    done = folder / "pair.json"
+    if done.exists() and json.loads(done.read_text()) == marker:
+        return True
+    for part in ("a", "b"):
+        shutil.rmtree(folder / part, ignore_errors=True)
+    done.unlink(missing_ok=True)
+    return False
 
 
 def _run(cmd: list[str], timeout: float) -> float:

@@ -54,6 +54,7 @@ def write_pipelines(folder: str | Path, dtype_name: str, seed: int = 0, configs:
     import torch
 
     from pyperm._staging import write_text
+    from pyperm.benchmarks._align_ranks import pair_is_written
     from pyperm.commands._common import build_model
     from pyperm.nn import Permutations
     from pyperm.nn.permutations import permute_entry
@@ -62,12 +63,8 @@ def write_pipelines(folder: str | Path, dtype_name: str, seed: int = 0, configs:
     configs = configs or SD15_PIPELINE
     folder = Path(folder)
     marker = {"dtype": dtype_name, "seed": seed, "noise": NOISE, "configs": json.loads(json.dumps(configs))}
-    done = folder / "pair.json"
-    if done.exists() and json.loads(done.read_text()) == marker:
+    if pair_is_written(folder, marker):
         return folder
-    for part in ("a", "b"):
-        shutil.rmtree(folder / part, ignore_errors=True)
-    done.unlink(missing_ok=True)
     dtype = getattr(torch, dtype_name)
     pipeline = sd_pipeline(configs, seed)
     pipeline.to(dtype)
@@ -86,7 +83,7 @@ def write_pipelines(folder: str | Path, dtype_name: str, seed: int = 0, configs:
                 scale = NOISE * float(b.std()) if b.numel() > 1 else 0.0
                 t.copy_((b + scale * torch.randn(b.shape, generator=gen)).to(t.dtype))
     pipeline.save_pretrained(str(folder / "b"))
-    write_text(done, json.dumps(marker))
+    write_text(folder / "pair.json", json.dumps(marker))
     return folder
 
 
