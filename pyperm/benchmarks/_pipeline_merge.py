@@ -67,7 +67,8 @@ def write_pipelines(folder: str | Path, dtype_name: str, seed: int = 0, configs:
         return folder
     dtype = getattr(torch, dtype_name)
     pipeline = sd_pipeline(configs, seed)
-    pipeline.to(dtype)
+    if dtype != torch.float32:  # (diffusers warns of any cast, even to float32)
+        pipeline.to(dtype)
     pipeline.save_pretrained(str(folder / "a"))
     gen = torch.Generator().manual_seed(seed + 2)
     for name in MODEL_COMPONENTS:
