@@ -108,3 +108,28 @@ def test_merge_command_with_weights(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*base, "--weights", "0.7,-0.3", "--out", str(tmp_path / "bad")])
     assert "argument --weights: expected comma-separated finite positive numbers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("weights", [None, [0.7, 0.3]])
+def test_two_models_are_each_matched_to_the_other_exactly_as_to_the_weighted_mean_of_the_others(monkeypatch, weights):
+    """With two models no running float64 sum is kept: each one's target is the other model as permuted now.
+    It is the same tensor, entry for entry, as the weighted mean of the others made from the float64 sum."""
+    from pyperm.nn.align._matcher import WeightMatcher
+
+    states = _states(2)
+    key = next(iter(states[0]))
+    w = [1.0, 1.0] if weights is None else weights
+    targets = []
+    real = WeightMatcher.match
+
+    def match(self, state_a, **options):
+        i = 0 if self.state_b[key].data_ptr() == states[0][key].data_ptr() else 1  # the model matched (B)
+        targets.append((i, {k: v.clone() for k, v in state_a.items()}))
+        return real(self, state_a, **options)
+
+    monkeypatch.setattr(WeightMatcher, "match", match)
+    merge_many(_spec(), states, weights=weights, seed=2)
+    i, target = targets[0]  # the first matching: neither model permuted yet
+    total = {k: w[0] * states[0][k].double() + w[1] * states[1][k].double() for k in target}
+    want = {k: ((total[k] - w[i] * states[i][k].double()) / w[1 - i]).float() for k in target}
+    assert all(torch.equal(target[k], want[k]) for k in target)
