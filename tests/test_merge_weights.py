@@ -133,3 +133,27 @@ def test_two_models_are_each_matched_to_the_other_exactly_as_to_the_weighted_mea
     total = {k: w[0] * states[0][k].double() + w[1] * states[1][k].double() for k in target}
     want = {k: ((total[k] - w[i] * states[i][k].double()) / w[1 - i]).float() for k in target}
     assert all(torch.equal(target[k], want[k]) for k in target)
+
+
+def test_no_matcher_keeps_an_earlier_matchings_target_alive(monkeypatch):
+    """MergeMany gives each matching a new target (the mean of the others, a whole model's worth of tensors); the
+    matchers let go of it when the matching ends, so the targets of earlier matchings are not kept alive, one
+    model per matcher, until that matcher's next matching."""
+    from pyperm.nn.align._matcher import WeightMatcher
+
+    matchers: set = set()
+    checked = []
+    real = WeightMatcher.match
+
+    def holds_a(m) -> bool:
+        terms = [t for g in (m._groups or {}).values() for t in g.all_terms]
+        return bool(m._state_a) or any(t.a is not None and t.order is None for t in terms)
+
+    def match(self, state_a, **options):
+        checked.append([holds_a(m) for m in matchers if m is not self])
+        matchers.add(self)
+        return real(self, state_a, **options)
+
+    monkeypatch.setattr(WeightMatcher, "match", match)
+    merge_many(_spec(), _states(3), seed=1)
+    assert sum(map(len, checked)) >= 4 and not any(any(c) for c in checked)

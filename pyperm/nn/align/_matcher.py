@@ -401,6 +401,17 @@ class WeightMatcher:
             seconds={**self._seconds, "total": time.perf_counter() - started},
         )
 
+    def release_a(self) -> None:
+        """Lets go of the last model A (the tensors :meth:`match` was given; its held arranged copies stay,
+        the matcher's own): between matches of a new A each (MergeMany's rounds) they would stay alive
+        until the next match, a whole model per matcher. The next match rebuilds every similarity, as
+        for any new A."""
+        self._state_a, self._a_views = {}, None
+        for group in (self._groups or {}).values():
+            group.a_changed()
+            for t in group.all_terms:
+                t.release_a()
+
     def release_similarities(self) -> None:
         """Frees the kept similarity matrices (up to the cost budget; each is rebuilt, and its group's
         solver starts cold, at its next visit), and returns the free pages to the system."""

@@ -196,6 +196,13 @@ class Term:
         self.a = ta
         self.snap = None
 
+    def release_a(self) -> None:
+        """Drops the views of model A's tensor until the next :meth:`set_a` (a held copy is kept)."""
+        self.source_a = None
+        if self.order is None:
+            self.a = None
+        self.snap = None
+
     def _take_arranged(self, hold: Callable[[int], bool]) -> None:
         """Holds arranged copies of A and B (see ``__init__``), if ``hold`` grants their bytes."""
         ta = self.source_a

@@ -165,9 +165,16 @@ def merge_many(
     # One matcher per model, which is always the B side of its matchings: its arrangement
     # and warm solvers carry over from round to round (and between a matching's two starts).
     matchers = [WeightMatcher(spec, s) for s in states]
+
+    def match(i: int, others: dict[str, torch.Tensor], init: Permutations, gen: torch.Generator) -> WeightMatchingResult:
+        try:
+            return matchers[i].match(others, init=init, seed=gen)
+        finally:
+            matchers[i].release_a()  # the next matching of model i has new others: nothing to keep of these
+
     return align_many(
         states,
-        lambda i, others, init, gen: matchers[i].match(others, init=init, seed=gen),
+        match,
         # Entry by entry (any subset of the keys; an entry no group permutes is the input tensor, not a copy).
         lambda perms, state: {k: permute_entry(spec, perms, k, t) for k, t in state.items()},
         Permutations.identity(spec),
@@ -240,12 +247,14 @@ def align_many(
                     continue
                 changed += 1
                 perms[i] = new
-                new_state = permute(new, states[i])
-                if total is not None:
-                    for k, v in new_state.items():
-                        if v.is_floating_point():
-                            total[k] += w[i] * (v.double() - permuted[i][k].double())
-                permuted[i] = new_state
+                # Entry by entry, each old permuted tensor let go as its new one is made: not two whole models.
+                old, permuted[i] = permuted[i], {}
+                for k, t in states[i].items():
+                    v = permute(new, {k: t})[k]
+                    if total is not None and v.is_floating_point():
+                        total[k] += w[i] * (v.double() - old[k].double())
+                    permuted[i][k] = v
+                    del old[k]
             history.append(changed)
             if bar is not None:
                 bar.update(1)
