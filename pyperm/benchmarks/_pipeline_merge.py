@@ -30,7 +30,7 @@ from typing import Any
 from pyperm.benchmarks._match_scale import _SD15_UNET, NOISE
 
 HEADERS = ["pipeline", "dtype", "params", "pipeline GB", "merge s", "peak RSS GB", "peak / pipeline",
-           "rounds (unet)", "tensors off", "median |merged - A| / |A|", "expected"]  # fmt: skip
+           "rounds (unet)", "tensors off", "median gap to A", "expected"]  # fmt: skip
 WEIGHTS = (0.7, 0.3)
 #: A merged tensor this far from A's (relative to A's norm) is misplaced: aligned, it is about
 #: ``WEIGHTS[1] * NOISE`` (0.003) away.

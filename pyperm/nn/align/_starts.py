@@ -46,7 +46,8 @@ from pyperm.nn.permutations import Permutations, permute_entry
 from pyperm.nn.spec import PermutationSpec
 
 __all__ = ["STARTS", "copy_start", "match_from", "optimal_copy", "signature_cost", "signature_order",
-           "signature_start", "solve_inner_signatures", "solve_signatures", "stall_evidence", "stalled"]
+           "signature_start", "solve_inner_signatures", "solve_signatures", "stall_evidence", "stalled",
+           "unstalled"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,17 @@ def match_from(
         if optimum is not None:
             return optimum
     first = matcher.match(state_a, init=None, seed=_same_seed(seed), **options)
-    if start == "identity" or not stalled(spec, state_a, state_b, first.perms, matcher.keys):
+    if start == "identity":
+        return first
+    return unstalled(matcher, first, spec, state_a, state_b, seed, keys, **options)
+
+
+def unstalled(matcher: WeightMatcher, first: WeightMatchingResult, spec: PermutationSpec,
+              state_a: Mapping[str, torch.Tensor], state_b: Mapping[str, torch.Tensor], seed: int | torch.Generator,
+              keys: Iterable[str] | None, **options: Any) -> WeightMatchingResult:  # fmt: skip
+    """``first`` (the identity start's result, by ``matcher``), or, when it stalled (:func:`stalled`), the
+    better of it and a second run of ``matcher`` from the signature start."""
+    if not stalled(spec, state_a, state_b, first.perms, matcher.keys):
         return first
     # The first run's similarities are given back first: the second start moves most units of the groups
     # it changes, so their similarities are rebuilt anyway (SD-1.5's UNet at 0.7x channels: the second

@@ -26,6 +26,7 @@ from pyperm._checks import check_merge_weights, check_positive_int, torch_genera
 from pyperm._progress import progress_bar
 from pyperm.nn._checks import check_spec, check_state
 from pyperm.nn.align._objective import WeightMatchingResult
+from pyperm.nn.align._starts import unstalled
 from pyperm.nn.align.weight import WeightMatcher
 from pyperm.nn.permutations import Permutations, permute_entry
 from pyperm.nn.spec import PermutationSpec
@@ -168,7 +169,14 @@ def merge_many(
 
     def match(i: int, others: dict[str, torch.Tensor], init: Permutations, gen: torch.Generator) -> WeightMatchingResult:
         try:
-            return matchers[i].match(others, init=init, seed=gen)
+            if not init.is_identity():
+                return matchers[i].match(others, init=init, seed=gen)
+            # Algorithm 3's start, with weight_matching's look for a stall: planted copies of a CLIP text
+            # encoder merged from the identity alone kept one layer's attention heads unaligned.
+            again = torch.Generator(device=gen.device)
+            again.set_state(gen.get_state())  # a second start visits the groups in the first one's orders
+            first = matchers[i].match(others, init=None, seed=gen)
+            return unstalled(matchers[i], first, spec, others, states[i], again, None)
         finally:
             matchers[i].release_a()  # the next matching of model i has new others: nothing to keep of these
 
