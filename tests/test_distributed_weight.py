@@ -96,36 +96,22 @@ def test_four_ranks_strided_match_one_process(tmp_path):
 
 def _planted():
     """MobileNetV2 and a permuted copy of it plus 1% noise: the identity start stalls there (one process)."""
-    from test_architectures import MobileNetV2
+    from _planted import planted_mobilenet_v2, planted_pair
+    from test_groupnorm import GNResNet
 
-    from pyperm.nn import apply_permutation, trace_model
     from pyperm.nn.align._starts import stalled
-    from pyperm.testing import random_permutations
 
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = MobileNetV2()
-    spec = trace_model(model, torch.randn(1, 3, 32, 32)).spec
-    a = model.state_dict()
     g = torch.Generator().manual_seed(1)
-    b = apply_permutation(spec, random_permutations(spec, g), a)
-    b = {k: t + 0.01 * t.float().std() * torch.randn(t.shape, generator=g) if t.is_floating_point() and t.numel() > 1
-         else t for k, t in b.items()}  # fmt: skip
+    spec, a, b, _ = planted_mobilenet_v2(g)
     one = weight_matching(spec, a, b, seed=3, init="identity")
     assert stalled(spec, a, b, one.perms, list(spec.axes)), "the identity start should stall here"
     problems = {"mobilenet_v2": (spec, a, b)}
     # GroupNorm: Blocks groups whose whole groups move too (an outer group), solved one cost at a time.
-    from test_groupnorm import GNResNet
-
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = GNResNet()
-    spec = trace_model(model, torch.randn(1, 3, 8, 8)).spec
+    spec, a, b, _ = planted_pair(model, torch.randn(1, 3, 8, 8), g)
     assert any(isinstance(outer, str) for outer in spec.blocks.values())
-    a = model.state_dict()
-    b = apply_permutation(spec, random_permutations(spec, g), a)
-    b = {k: t + 0.01 * t.float().std() * torch.randn(t.shape, generator=g) if t.is_floating_point() and t.numel() > 1
-         else t for k, t in b.items()}  # fmt: skip (not an exact copy: "best" runs its starts, as over ranks)
     problems["gn_resnet"] = (spec, a, b)
     return problems
 

@@ -163,20 +163,8 @@ def test_a_stalled_first_matching_is_restarted_from_the_signatures():
     """Each model's first matching runs from the identity (Algorithm 3) and, as weight_matching's default, looks
     for a stall: a planted copy of MobileNetV2 plus noise, on which the identity start alone stalls, is merged
     back into the first model's units."""
-    from test_architectures import MobileNetV2
+    from _planted import planted_mobilenet_v2
 
-    from pyperm.nn import Permutations, apply_permutation, trace_model
-    from pyperm.testing import random_permutations
-
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = MobileNetV2()
-    spec = trace_model(model, torch.randn(1, 3, 32, 32)).spec
-    a = model.state_dict()
-    g = torch.Generator().manual_seed(1)
-    planted = Permutations(spec, random_permutations(spec, g))
-    b = apply_permutation(spec, planted, a)
-    b = {k: t + 0.01 * t.float().std() * torch.randn(t.shape, generator=g) if t.is_floating_point() and t.numel() > 1
-         else t for k, t in b.items()}  # fmt: skip
+    spec, a, b, planted = planted_mobilenet_v2(torch.Generator().manual_seed(1))
     result = merge_many(spec, [a, b], seed=3)
     assert result.perms[1] == planted.inverse()
