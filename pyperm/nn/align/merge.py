@@ -11,9 +11,10 @@ start, a search from scratch). The warm start alone is a monotone ascent of Merg
 objective that settles in the first local optimum it meets: on three MNIST MLPs it ended
 below Algorithm 3 run plainly, whose restarts from the identity move away from such optima.
 With both starts a matching is at least as good as either alone, and a round that changes
-nothing still ends the rounds. A model's first matching, from the identity, also looks for a
-stall and then runs the signature start, as :func:`~pyperm.nn.weight_matching`'s default does
-(in one process; over ranks, :func:`pyperm.distributed.merge_many` runs the identity alone).
+nothing still ends the rounds. A matching from the identity (a model's first, and Algorithm 3's
+start in the later rounds) also looks for a stall and then runs the signature start, as
+:func:`~pyperm.nn.weight_matching`'s default does (in one process; over ranks,
+:func:`pyperm.distributed.merge_many` runs the identity alone).
 """
 
 from __future__ import annotations
