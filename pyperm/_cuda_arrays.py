@@ -24,7 +24,10 @@ import numpy as np
 from pyperm._arrays import check_ndim, check_real_dtype, is_dlpack_cuda, is_torch_tensor, real_float_tensor
 from pyperm._ext import cuda_module
 
-__all__ = ["DeviceArray", "as_device_array", "dtype_name", "empty_int64_like", "require_torch", "torch_launch"]
+__all__ = [
+    "DeviceArray", "as_cuda_tensor", "as_device_array", "dtype_name", "empty_int64_like", "like_input", "require_torch",
+    "torch_launch",
+]
 
 _CAI_DEFAULT_STREAM = 0  # legacy default stream: orders with every blocking stream
 
@@ -144,3 +147,39 @@ def empty_int64_like(src: DeviceArray, shape: tuple[int, ...]) -> tuple[Any, int
     torch = require_torch("the output arrays")
     out = torch.empty(shape, dtype=torch.int64, device=torch.device("cuda", src.device))
     return out, int(out.data_ptr())
+
+
+def as_cuda_tensor(x: Any, name: str, ndim: int) -> tuple[Any, str]:
+    """A CUDA array as a real float32/float64 torch tensor on its device (no copy where torch can
+    read it in place), and which library its outputs belong to ("torch" or "cupy").
+
+    For code that works in torch operations (the pipeline forms of the assignment solver);
+    the rank and dtype are checked before any device access, as in :func:`as_device_array`.
+    """
+    cuda_module()  # a RuntimeError saying why, before anything touches the device
+    torch = require_torch(name)
+    if is_torch_tensor(x):
+        if x.device.type != "cuda":
+            raise ValueError(f"{name} is on device {x.device}, not a CUDA device")
+        t, kind = x, "torch"
+    else:
+        if hasattr(x, "__cuda_array_interface__"):
+            cai = x.__cuda_array_interface__
+            check_ndim(tuple(int(s) for s in cai["shape"]), ndim, name)
+            check_real_dtype(np.dtype(cai["typestr"]), name)
+            ptr = int(cai["data"][0])
+            if ptr and cuda_module().pointer_device(ptr) < 0:
+                raise ValueError(f"{name} exposes __cuda_array_interface__ but its pointer is not CUDA device memory")
+        t = torch.from_dlpack(x) if hasattr(x, "__dlpack__") else torch.as_tensor(x, device="cuda")
+        kind = "cupy" if _is_cupy(x) else "torch"
+    check_ndim(tuple(t.shape), ndim, name)
+    return real_float_tensor(t.detach(), name).resolve_neg(), kind
+
+
+def like_input(kind: str, t: Any) -> Any:
+    """``t`` (a torch CUDA tensor) as the library ``kind`` names: CuPy input gets CuPy output."""
+    if kind == "cupy":
+        import cupy
+
+        return cupy.from_dlpack(t)
+    return t

@@ -18,6 +18,7 @@ from scipy.optimize import linear_sum_assignment as scipy_lsa
 import pyperm
 from pyperm._arrays import is_cuda_input, is_dlpack_cuda
 from pyperm.lap import _cuda as lap_cuda
+from pyperm.testing import limited_objective
 from pyperm.xcorr import _cuda as xcorr_cuda
 
 requires_cuda = pytest.mark.skipif(
@@ -528,6 +529,67 @@ def test_batch_reports_lowest_failing_problem():
     costs[2, :2] = float("inf")
     with pytest.raises(ValueError, match="problem 2 of the batch: cost matrix is infeasible"):
         pyperm.batch_linear_sum_assignment(costs)
+
+
+# ----------------------------------------------------------------- the pipeline forms on the device
+def _limited_or_plain(cost, rows, cols, limit):
+    cost = np.asarray(cost, dtype=np.float64)
+    return objective(cost, rows, cols) if limit is None else limited_objective(cost, rows, cols, limit)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("limit", [None, 0.4])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_ragged_forms_on_the_device(maximize, limit):
+    """A list of device tensors, a padded stack with sizes (DETR's shape) and one matrix with a
+    limit: answers on the device, with the CPU path's objectives."""
+    torch = _torch()
+    rng = np.random.default_rng(seed_of("ragged", maximize, limit))
+    blocks = [rng.random((int(n), int(m))).astype(np.float32) for n, m in rng.integers(0, 40, (12, 2))]
+    want = pyperm.batch_linear_sum_assignment(blocks, maximize, cost_limit=limit)
+    got = pyperm.batch_linear_sum_assignment([to_cuda(b) for b in blocks], maximize, cost_limit=limit)
+    stack = rng.standard_normal((64, 300, 50)).astype(np.float32)
+    sizes = np.stack([np.full(64, 300), rng.integers(0, 51, 64)], axis=1)
+    views = [stack[b, :n, :m] for b, (n, m) in enumerate(sizes)]
+    want += pyperm.batch_linear_sum_assignment(views, maximize, cost_limit=limit)
+    got += pyperm.batch_linear_sum_assignment(to_cuda(stack), maximize, sizes=sizes, cost_limit=limit)
+    for b, (cost, (rows, cols), (ref_rows, ref_cols)) in enumerate(zip(blocks + views, got, want)):
+        assert rows.device.type == "cuda" and rows.dtype == torch.int64 and cols.dtype == torch.int64
+        rows, cols = cpu(rows), cpu(cols)
+        assert np.all(np.diff(rows) > 0) and len(np.unique(cols)) == len(cols), b
+        got_value, want_value = (_limited_or_plain(cost, r, c, limit) for r, c in ((rows, cols), (ref_rows, ref_cols)))
+        assert abs(got_value - want_value) <= objective_tolerance(cost) + 1e-4, (b, got_value, want_value)
+    if limit is not None:
+        rows, cols = pyperm.linear_sum_assignment(to_cuda(blocks[0]), maximize, cost_limit=limit)
+        ref_rows, ref_cols = pyperm.linear_sum_assignment(blocks[0], maximize, cost_limit=limit)
+        assert rows.device.type == "cuda"
+        assert abs(_limited_or_plain(blocks[0], cpu(rows), cpu(cols), limit)
+                   - _limited_or_plain(blocks[0], ref_rows, ref_cols, limit)) <= 1e-4
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_ragged_forms_on_the_device_name_their_errors():
+    torch = _torch()
+    bad = torch.ones(2, 2, device="cuda")
+    bad[0] = float("inf")
+    good = torch.ones(2, 3, device="cuda")
+    with pytest.raises(ValueError, match="problem 1 of the batch: cost matrix is infeasible"):
+        pyperm.batch_linear_sum_assignment([good, bad])
+    with pytest.raises(ValueError, match="cost_limit=inf, a problem of costs .* largest matching"):
+        pyperm.batch_linear_sum_assignment([good, bad], cost_limit=float("inf"))
+    with pytest.raises(ValueError, match=r"costs\[1\] is not a CUDA array but costs\[0\] is"):
+        pyperm.batch_linear_sum_assignment([good, np.ones((2, 2))])
+    with pytest.raises(ValueError, match=r"costs\[1\] must be a 2-D array"):
+        pyperm.batch_linear_sum_assignment([good, torch.ones(3, device="cuda")])
+    # NaN outside a problem's sizes is padding, never read.
+    stack = torch.full((2, 3, 3), float("nan"), device="cuda")
+    stack[:, :2, :2] = 1.0
+    assert len(pyperm.batch_linear_sum_assignment(stack, sizes=[(2, 2), (1, 2)])) == 2
+    # Other device array types: the answers come back in the input's kind (torch for DLPack).
+    rows, _ = pyperm.batch_linear_sum_assignment([DLPackOnly(good), CudaArrayInterfaceOnly(good)])[1]
+    assert rows.device.type == "cuda" and rows.tolist() == [0, 1]
 
 
 @pytest.mark.cuda

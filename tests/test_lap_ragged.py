@@ -185,16 +185,6 @@ def test_sizes_need_a_padded_stack():
         pyperm.batch_linear_sum_assignment(np.ones((2, 2)), sizes=[(2, 2)])
 
 
-def test_cuda_forms_are_refused_for_now():
-    class FakeCuda:
-        __cuda_array_interface__ = {"shape": (2, 2, 2), "typestr": "<f8", "data": (0, False), "version": 3}
-
-    with pytest.raises(ValueError, match="not supported on CUDA yet"):
-        pyperm.batch_linear_sum_assignment([np.ones((2, 2)), FakeCuda()])
-    with pytest.raises(ValueError, match="not supported on CUDA yet"):
-        pyperm.batch_linear_sum_assignment(FakeCuda(), sizes=[(2, 2), (1, 1)])
-
-
 def test_threads_give_the_same_answers():
     """Enough work to spread over threads: each problem's answer does not depend on them."""
     rng = np.random.default_rng(7)

@@ -551,8 +551,8 @@ def test_opcheck_limited(maximize):
     torch.library.opcheck(torch.ops.pyperm.linear_sum_assignment_limited, (cost, maximize, 0.4))
 
 
-def test_compile_fullgraph_captures_a_cost_limit():
-    a, b = _points("cpu", 30, 2), _points("cpu", 20, 2, seed=1)
+def test_compile_fullgraph_captures_a_cost_limit(device):
+    a, b = _points(device, 30, 2), _points(device, 20, 2, seed=1)
     recorder = GraphRecorder()
     compiled = torch.compile(limited_cost, fullgraph=True, backend=recorder)
     assert torch.allclose(compiled(a, b), limited_cost(a, b))

@@ -69,6 +69,7 @@ for s in "${stages[@]}"; do
   bench)
     stage bench-lap-gpu 150 bench.log pyperm bench lap --device cuda --no-peers --repeat 5
     stage bench-lap-peers 150 bench.log pyperm bench lap --device cuda --quick --repeat 3
+    stage bench-lap-pipelines 90 bench.log pyperm bench lap --pipelines --device cuda --repeat 5
     stage bench-xcorr-gpu 90 bench.log pyperm bench xcorr --device cuda --dims 1024 4096 --batches 1024 4096
     stage bench-xcorr-cpu 90 bench.log pyperm bench xcorr --dims 1024 4096 --batches 1024 4096 --repeat 3
     stage bench-bvn-gpu 120 bench.log pyperm bench bvn --device cuda --no-reference --matrices 2

@@ -65,8 +65,9 @@ def linear_sum_assignment(cost: Any, maximize: bool = False, *, cost_limit: floa
         \tfrac{c}{2}(n + m - 2|M|)`: a pair is matched only if its value exceeds :math:`c`.
         Forbidden pairs stay unmatched instead of making the problem infeasible. ``inf``
         means no pair is too expensive: the matching has as many pairs as the allowed
-        pairs permit (``min(n, m)`` when none is forbidden), the best among those. Not yet
-        supported for CUDA arrays.
+        pairs permit (``min(n, m)`` when none is forbidden), the best among those. CUDA
+        arrays are solved on their device, except that with ``inf`` a matrix whose forbidden
+        pairs leave no complete matching raises a ValueError there (pass it on the CPU).
 
     Returns
     -------
@@ -171,8 +172,10 @@ def batch_linear_sum_assignment(
         ``linear_sum_assignment(problem_b, maximize, cost_limit=cost_limit)``, as int64
         numpy arrays, or torch tensors where that problem (or the stack) was a torch
         tensor. Indices refer to the problem itself (within ``n_b`` and ``m_b``).
-        The sequence forms, ``sizes`` and ``cost_limit`` are not yet supported for CUDA
-        arrays.
+        CUDA arrays (every element of a sequence on one device) are solved on their
+        device in one launch: the problems are laid into one padded stack there (each
+        oriented with its smaller side as rows), and the answers are int64 tensors on
+        that device (``sizes`` stays on the host).
 
     Raises
     ------

@@ -11,6 +11,9 @@ problem of a call on its threads with the GIL released:
 
 The batch forms give a list of ``(row_ind, col_ind)``, one per problem, each in the array type
 of its input (torch CPU tensors give torch tensors).
+
+CUDA arrays take every form to :mod:`pyperm.lap._padded_batch`, which lays the problems into one
+uniform stack on their device for one launch of the CUDA solver.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ from typing import Any
 import numpy as np
 
 from pyperm._arrays import check_real_dtype, is_cuda_input, like, real_float_array, to_numpy
+from pyperm._cuda_arrays import as_cuda_tensor, like_input
 from pyperm._ext import core
+from pyperm.lap import _padded_batch
 
 __all__ = ["batch_linear_sum_assignment", "check_cost_limit", "linear_sum_assignment_limited"]
 
-_CUDA_NOT_YET = "{what} is not supported on CUDA yet; pass CPU arrays"
 
 
 def check_cost_limit(value: Any, *, allow_negative: bool = False) -> float:
@@ -59,7 +63,9 @@ def linear_sum_assignment_limited(cost: Any, maximize: bool, cost_limit: Any) ->
     """One matrix with a cost limit (see :func:`pyperm.linear_sum_assignment`)."""
     limit = check_cost_limit(cost_limit)
     if is_cuda_input(cost):
-        raise ValueError(_CUDA_NOT_YET.format(what="cost_limit"))
+        tensor, kind = as_cuda_tensor(cost, "cost", 2)
+        (rows, cols), = _solve_on_device(_padded_batch.padded_problems(tensor[None], None), maximize, limit, "cost")
+        return like_input(kind, rows), like_input(kind, cols)
     arr = real_float_array(cost, "cost", 2)
     rows, cols = core.lap_solve_limited(arr, maximize, limit)
     return like(cost, rows, cols)
@@ -80,11 +86,12 @@ def batch_linear_sum_assignment(
 
 def _solve_sequence(costs: list | tuple, maximize: bool, threads: int, limit: float | None) -> list:
     """Each element read as a 2-D real array, all in float32 when all are float32, else float64."""
+    on_device = [is_cuda_input(cost) for cost in costs]
+    if any(on_device):
+        return _solve_sequence_on_device(costs, on_device, maximize, limit)
     arrays = []
     for b, cost in enumerate(costs):
         name = f"costs[{b}]"
-        if is_cuda_input(cost):
-            raise ValueError(_CUDA_NOT_YET.format(what=f"a sequence of matrices ({name} is a CUDA array)"))
         arr = to_numpy(cost, name)
         if arr.ndim != 2:
             raise ValueError(f"{name} must be a 2-D array, got shape {arr.shape}")
@@ -95,6 +102,28 @@ def _solve_sequence(costs: list | tuple, maximize: bool, threads: int, limit: fl
     arrays = [a if a.dtype == dtype and _rows_readable(a) else np.ascontiguousarray(a, dtype=dtype) for a in arrays]
     rows, cols, bounds = core.lap_solve_many(arrays, maximize, limit, threads)
     return [like(cost, rows[lo:hi], cols[lo:hi]) for cost, lo, hi in zip(costs, bounds[:-1], bounds[1:])]
+
+
+def _solve_sequence_on_device(costs: list | tuple, on_device: list[bool], maximize: bool, limit: float | None) -> list:
+    """Every element a CUDA array of one device, solved in one launch."""
+    if not all(on_device):
+        b = on_device.index(False)
+        raise ValueError(f"costs[{b}] is not a CUDA array but costs[{on_device.index(True)}] is: "
+                         "pass every matrix on one device")
+    tensors, kinds = zip(*(as_cuda_tensor(cost, f"costs[{b}]", 2) for b, cost in enumerate(costs)))
+    devices = [t.device for t in tensors]
+    if len(set(devices)) > 1:
+        b = next(b for b, d in enumerate(devices) if d != devices[0])
+        raise ValueError(f"costs[{b}] is on {devices[b]} but costs[0] is on {devices[0]}: "
+                         "pass every matrix on one device")
+    answers = _solve_on_device(_padded_batch.sequence_problems(list(tensors)), maximize, limit, "costs")
+    return [(like_input(kind, rows), like_input(kind, cols)) for kind, (rows, cols) in zip(kinds, answers)]
+
+
+def _solve_on_device(problems: _padded_batch.Problems, maximize: bool, limit: float | None, name: str) -> list:
+    from pyperm.lap import _cuda
+
+    return _padded_batch.solve_problems(problems, maximize, limit, _cuda.batch_linear_sum_assignment, name)
 
 
 def _rows_readable(a: np.ndarray) -> bool:
@@ -108,8 +137,10 @@ def _rows_readable(a: np.ndarray) -> bool:
 
 def _solve_padded(costs: Any, maximize: bool, threads: int, sizes: Any, limit: float | None) -> list:
     if is_cuda_input(costs):
-        what = "a padded stack with sizes" if sizes is not None else "cost_limit"
-        raise ValueError(_CUDA_NOT_YET.format(what=what))
+        tensor, kind = as_cuda_tensor(costs, "costs", 3)
+        size_arr = None if sizes is None else _check_sizes(sizes, tuple(tensor.shape))
+        answers = _solve_on_device(_padded_batch.padded_problems(tensor, size_arr), maximize, limit, "costs")
+        return [(like_input(kind, rows), like_input(kind, cols)) for rows, cols in answers]
     arr = real_float_array(costs, "costs", 3)
     batch, n_max, m_max = arr.shape
     if sizes is None:

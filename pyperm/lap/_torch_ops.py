@@ -79,9 +79,11 @@ def _batch_linear_sum_assignment_fake(costs: torch.Tensor, maximize: bool = Fals
 
 
 
-@torch.library.custom_op("pyperm::linear_sum_assignment_limited", mutates_args=(), device_types="cpu", tags=_TAGS)
+@torch.library.custom_op(
+    "pyperm::linear_sum_assignment_limited", mutates_args=(), device_types=("cpu", "cuda"), tags=_TAGS
+)
 def linear_sum_assignment_limited(cost: torch.Tensor, maximize: bool, cost_limit: float) -> Pair:
-    """One problem with lap's cost limit; see :func:`pyperm.linear_sum_assignment`."""
+    """One problem with lap's cost limit; see :func:`pyperm.linear_sum_assignment` (either device)."""
     return _ragged.linear_sum_assignment_limited(cost, maximize, cost_limit)
 
 
