@@ -239,3 +239,25 @@ def _bad(rank, world):
     with pytest.raises(TypeError, match="states must be a sequence"):
         pd.merge_many(spec, a)
     return True
+
+
+def _merge_planted(rank, world, spec, states):
+    mine = _share(list(spec.axes), rank, world, "strided")
+    r = pd.merge_many(spec, [{k: s[k] for k in mine} for s in states], seed=3)
+    return [dict(p.items()) for p in r.perms], r.iterations, r.history
+
+
+def test_merge_many_over_ranks_restarts_a_stall_as_one_process(tmp_path):
+    """A planted MobileNetV2 copy, on which the identity start alone stalls: the matchings over the ranks look for
+    the stall as one process's do, and the merge finds the planted units."""
+    from _planted import planted_mobilenet_v2
+
+    from pyperm.nn import merge_many
+
+    spec, a, b, planted = planted_mobilenet_v2(torch.Generator().manual_seed(1))
+    one = merge_many(spec, [a, b], seed=3)
+    assert one.perms[1] == planted.inverse()
+    for perms, iterations, history in values(run_ranks(_merge_planted, 2, tmp_path, spec, [a, b])):
+        assert (iterations, history) == (one.iterations, one.history)
+        for p, q in zip(perms, one.perms):
+            assert all(torch.equal(p[g], q[g]) for g in spec.sizes)

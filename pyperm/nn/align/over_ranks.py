@@ -169,11 +169,14 @@ def _search(spec: PermutationSpec, state_a: Mapping[str, torch.Tensor], state_b:
         result = run(spec.identity() if start in (None, "identity") else start, gen)
     else:
         # As one process: the identity start, and the signatures start too when the first looks stalled (both
-        # visit the groups in the same seeded orders); the better objective wins, the identity's on a tie.
-        result = run(spec.identity(), _same_seed(gen))
+        # visit the groups in the same seeded orders); the better objective wins, the identity's on a tie. The
+        # first run draws from ``gen`` itself, as the first matching of one process's merge_many does, so that
+        # merge_many's later draws stay in step with it.
+        again = _same_seed(gen)
+        result = run(spec.identity(), gen)
         local = [k for k in chosen if layout.owner[k] == chan.rank]
         if stalled_over_ranks(spec, sa, sb, result.perms, local, chan):
-            second = run(signature_start_over_ranks(spec, sa, sb, layout.owner, set(chosen), chan), _same_seed(gen))
+            second = run(signature_start_over_ranks(spec, sa, sb, layout.owner, set(chosen), chan), again)
             total = result.bytes_total + second.bytes_total  # both searches' (bytes_per_sweep: the winner's)
             result = second if second.objective[-1] > result.objective[-1] else result
             result.bytes_total = total
@@ -259,8 +262,9 @@ def merge_many(
     Every rank passes its share of every model (the same keys in each, as :func:`weight_matching`
     takes them). Each matching of a model to the mean of the others is a :func:`weight_matching`
     over the ranks from the model's permutations and from the identity (the better kept, as
-    :func:`pyperm.nn.merge_many` does), drawing its group orders from the same generator, so the
-    rounds, the permutations and the merged model equal one process's
+    :func:`pyperm.nn.merge_many` does; from the identity, ``init="best"``: when that run looks
+    stalled, a second runs from the signatures start), drawing its group orders from the same
+    generator, so the rounds, the permutations and the merged model equal one process's
     ``merge_many`` for the same seed (up to summation order, and except where a step is within
     rounding of a tie, as :func:`weight_matching`; each matching starts a fresh matcher).
 
@@ -313,7 +317,10 @@ def _merge(spec: PermutationSpec, shares: list[dict], group: Any, weights: list[
     """MergeMany's rounds over the ranks (the arguments checked, the same on every rank)."""
 
     def match(i: int, others: dict, init: Permutations, g: torch.Generator) -> DistributedMatchingResult:
-        return weight_matching(spec, others, shares[i], group=group, init=init, seed=g)
+        # From the identity, weight_matching's "best" looks for a stall and restarts from the signatures, as one
+        # process's merge_many does (a planted MobileNetV2 copy stays unaligned from the identity alone).
+        return weight_matching(spec, others, shares[i], group=group, init="best" if init.is_identity() else init,
+                               seed=g)
 
     def permute(perms: Permutations, state: dict) -> dict:
         return {k: permute_entry(spec, perms, k, t) for k, t in state.items()}
