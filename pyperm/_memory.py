@@ -50,21 +50,34 @@ def resident_bytes(field: str = "VmRSS") -> int:
     raise ValueError(f"field must be a memory line of /proc/self/status, got {field!r}")
 
 
+_highest_read = 0  # the largest peak_resident() has returned since the last reset
+
+
 def peak_resident() -> int | None:
     """The process's peak resident memory in bytes (mapped pages it touched included), or None where
-    ``/proc`` cannot tell (not Linux): for reports, which say "unknown" rather than fail."""
+    ``/proc`` cannot tell (not Linux): for reports, which say "unknown" rather than fail.
+
+    Never less than an earlier reading: the kernel reads VmHWM as the larger of the resident memory now
+    and a high-water mark it updates only at some events, so a peak read while it was the resident
+    memory itself can be missing from a later reading after memory was unmapped (a pipeline's report
+    then read less than one of its component's).
+    """
+    global _highest_read
     try:
-        return resident_bytes("VmHWM")
+        _highest_read = max(_highest_read, resident_bytes("VmHWM"))
     except OSError:
         return None
+    return _highest_read
 
 
 def reset_peak_resident() -> bool:
     """Restart the peak (``resident_bytes("VmHWM")``) from the current resident memory; False where the
     system cannot (not Linux)."""
+    global _highest_read
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        return True
     except OSError:
         return False
+    _highest_read = 0
+    return True

@@ -149,6 +149,29 @@ def test_merge_three_checkpoints(tmp_path):
     assert "peak resident memory, GB (the process)" in (out / "report.md").read_text()
 
 
+def test_merge_keeps_the_stored_dtype(tmp_path, monkeypatch):
+    """bfloat16 checkpoints are merged as bfloat16 (no float32 copy of any model): the file holds merge_many's
+    answer on the stored tensors, to the bit."""
+    from pyperm.nn import merge_many
+
+    half = [{k: v.to(torch.bfloat16) for k, v in _trained(i).items()} for i in (1, 2, 3)]
+    paths = [_write(tmp_path / f"h{i}", s, "safetensors") for i, s in enumerate(half)]
+    seen = []
+    real = merge_many
+
+    def recording(spec, states, **kwargs):
+        seen.append({v.dtype for s in states for v in s.values()})
+        return real(spec, states, **kwargs)
+
+    monkeypatch.setattr(pyperm.nn, "merge_many", recording)
+    out = tmp_path / "out"
+    assert main(["merge", *map(str, paths), "--model", MODEL, "--out", str(out), *NO_BARS]) == 0
+    assert seen == [{torch.bfloat16}]
+    merged = load_checkpoint(out / "merged.safetensors").state
+    want = real(MLP(WIDTHS).permutation_spec(), half).merged
+    assert all(merged[k].dtype == torch.bfloat16 and torch.equal(merged[k], want[k]) for k in want)
+
+
 def test_user_model_file_is_traced(tmp_path):
     (tmp_path / "net.py").write_text(
         "import torch\n"

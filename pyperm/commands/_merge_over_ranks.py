@@ -43,7 +43,7 @@ def _merge(args: argparse.Namespace, device: Any) -> int:
     from pyperm._memory import peak_resident
     from pyperm._staging import write_text
     from pyperm.checkpoints import LazyState
-    from pyperm.commands._common import Timer, float_state
+    from pyperm.commands._common import Timer, on_device
     from pyperm.commands._merge_report import merge_markdown, merge_report
 
     opened = open_on_ranks(args, args.checkpoints, split_by=0, stem=lambda first: "merged",
@@ -53,7 +53,7 @@ def _merge(args: argparse.Namespace, device: Any) -> int:
     rank, world, ckpts, out = opened.rank, opened.world, opened.ckpts, opened.out
     first = ckpts[0]
     mine = opened.mine
-    states = [float_state({k: c.state[k] for k in mine}, device) for c in ckpts]
+    states = [on_device({k: c.state[k] for k in mine}, device) for c in ckpts]  # as stored, as in one process
     with Timer() as timer:
         result = pd.merge_many(opened.loaded.spec, states, weights=args.weights, max_iter=args.max_iter,
                                seed=args.seed, progress=args.progress and rank == 0)  # fmt: skip

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     The checkpoints are memory-mapped (:func:`pyperm.checkpoints.load_checkpoint`); without ``--data``
     the model is built on the meta device (only its spec, keys and shapes are used). The merged model
     is written tensor by tensor, shard by shard, each tensor cast to the stored dtype when its turn
-    comes (``merge_many`` itself holds the merged model in float32).
+    comes. The models are merged in their stored dtypes.
     """
     from pyperm._memory import peak_resident
     from pyperm.checkpoints import LazyState, save_checkpoint
@@ -95,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
         build_model,
         check_inputs,
         checkpoint_outputs,
-        float_state,
         load_data,
+        on_device,
         prepare_out,
         resolve_device,
     )
@@ -128,7 +128,10 @@ def run(args: argparse.Namespace) -> int:
     data = load_data(args, device)
     check_inputs(loaded, data, device)
 
-    states = [float_state(c.state, device) for c in ckpts]
+    # As stored (load_for_model has checked that the checkpoints agree on every dtype): merge_many matches in
+    # the models' dtypes, as align does, and rounds each merged entry to it once, from a float64 mean. Two
+    # bfloat16 SDXL UNets stay bfloat16, read from the mapped files: float32 copies alone would be 20 GB.
+    states = [on_device(c.state, device) for c in ckpts]
     with Timer() as timer:
         result = merge_many(loaded.spec, states, weights=args.weights, max_iter=args.max_iter, seed=args.seed,
                             progress=args.progress)  # fmt: skip
