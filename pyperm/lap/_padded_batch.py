@@ -78,7 +78,8 @@ def sequence_problems(costs: list) -> Problems:
 
 
 def _uniform_stack(p: Problems, maximize: bool, limit: float | None):
-    """The (B, R, K) stack of the module docstring, and the per-problem (r, c, transposed) it used."""
+    """The (B, R, K) stack of the module docstring, and a (3, B, 1) int64 tensor on the device of the
+    per-problem rows ``r``, real columns ``c`` and whether the problem was transposed."""
     torch = sys.modules["torch"]
     device, dtype = p.flat.device, p.flat.dtype
     transposed = p.n > p.m
@@ -86,26 +87,26 @@ def _uniform_stack(p: Problems, maximize: bool, limit: float | None):
     private = r if limit is not None else np.zeros_like(r)
     rows = int(r.max())
     cols = int((c + private + rows - r).max())
-
-    def per_problem(values: np.ndarray):
-        return torch.as_tensor(values, dtype=torch.int64).to(device).view(-1, 1, 1)
-
-    r_t, c_t, t_t = per_problem(r), per_problem(c), per_problem(transposed).bool()
+    # Every per-problem number in one copy to the device.
+    facts = torch.as_tensor(np.stack([r, c, transposed, p.offsets, p.row_strides, c + private]),
+                            dtype=torch.int64).to(device)
+    r_t, c_t, t_t, offset_t, stride_t, fill_from_t = facts.view(6, -1, 1, 1)
+    t_t = t_t.bool()
     i = torch.arange(rows, device=device).view(1, -1, 1)
     j = torch.arange(cols, device=device).view(1, 1, -1)
     real = (i < r_t) & (j < c_t)
     # Entry (i, j) of the oriented problem is the input's (i, j), or (j, i) when transposed.
     src_row, src_col = torch.where(t_t, j, i), torch.where(t_t, i, j)
-    index = per_problem(p.offsets) + src_row * per_problem(p.row_strides) + src_col
+    index = offset_t + src_row * stride_t + src_col
     values = p.flat[torch.where(real, index, torch.zeros((), dtype=torch.int64, device=device))]
+
     def scalar(value: float):  # in the stack's dtype, so that a float64 limit keeps its digits
         return torch.tensor(value, dtype=dtype, device=device)
 
-    fill = torch.where((i >= r_t) & (j >= c_t + per_problem(private)), scalar(0.0),
-                       scalar(-math.inf if maximize else math.inf))
+    fill = torch.where((i >= r_t) & (j >= fill_from_t), scalar(0.0), scalar(-math.inf if maximize else math.inf))
     if limit is not None:
         fill = torch.where((i < r_t) & (j == c_t + i), scalar(limit), fill)
-    return torch.where(real, values, fill), r, c, transposed
+    return torch.where(real, values, fill), facts[:3].view(3, -1, 1)
 
 
 def solve_problems(
@@ -126,20 +127,17 @@ def solve_problems(
         return [(empty, empty) for _ in range(batch)]
     # An infinite limit leaves no row unmatched while a complete matching exists: the plain problem.
     stack_limit = None if limit == math.inf else limit
-    stack, r, c, transposed = _uniform_stack(p, maximize, stack_limit)
+    stack, (r_t, c_t, t_t) = _uniform_stack(p, maximize, stack_limit)
     try:
         _, col_of_row = solve_stack(stack, maximize)
     except ValueError as err:
         if limit == math.inf and "infeasible" in str(err):
-            raise ValueError(f"{err}: with cost_limit=inf, a problem of {name} whose forbidden pairs leave no "
+            raise ValueError(f"{err}; with cost_limit=inf, a problem of {name} whose forbidden pairs leave no "
                              "complete matching needs the largest matching, which is solved on the CPU only; "
                              "pass CPU arrays or a finite cost_limit") from None
         raise
-    device = col_of_row.device
-    i = torch.arange(col_of_row.shape[1], device=device).view(1, -1)
-    r_t = torch.as_tensor(r, device=device).view(-1, 1)
-    c_t = torch.as_tensor(c, device=device).view(-1, 1)
-    t_t = torch.as_tensor(transposed, device=device).view(-1, 1)
+    t_t = t_t.bool()
+    i = torch.arange(col_of_row.shape[1], device=col_of_row.device).view(1, -1)
     matched = (i < r_t) & (col_of_row < c_t)  # not a fill row, not a private (unmatched) column
     row_ind = torch.where(t_t, col_of_row, i)
     col_ind = torch.where(t_t, i, col_of_row)

@@ -32,7 +32,6 @@ from pyperm.lap import _padded_batch
 __all__ = ["batch_linear_sum_assignment", "check_cost_limit", "linear_sum_assignment_limited"]
 
 
-
 def check_cost_limit(value: Any, *, allow_negative: bool = False) -> float:
     """A ``cost_limit=``: a real scalar, finite or ``+inf``, non-negative unless allowed.
 
