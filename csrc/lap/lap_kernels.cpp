@@ -126,46 +126,6 @@ constexpr int64_t kCacheFromSize = int64_t(1) << 15;
 // (a problem of 1024 x 1024 ran 0.06-0.1 ms longer, caller's CPU, with a second thread).
 constexpr int64_t kEntriesPerThread = int64_t(1) << 20;
 
-// Bits k of the lanes k where a < b, and where !(a > b) (NaN lanes included), as one
-// compare instruction and one mask move per ISA: for loops over the few lanes that qualify.
-template <typename V> inline unsigned lanes_below(const V& a, const V& b) {
-  constexpr int lanes = int(sizeof(V) / sizeof(a[0]));
-#if defined(__AVX512F__)
-  static_assert(sizeof(V) == 64, "vector width");
-  if constexpr (lanes == 8) return _mm512_cmp_pd_mask(reinterpret_cast<__m512d>(a), reinterpret_cast<__m512d>(b), _CMP_LT_OQ);
-  else return _mm512_cmp_ps_mask(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b), _CMP_LT_OQ);
-#elif defined(__AVX2__)
-  static_assert(sizeof(V) == 32, "vector width");
-  if constexpr (lanes == 4) return unsigned(_mm256_movemask_pd(reinterpret_cast<__m256d>(a < b)));
-  else return unsigned(_mm256_movemask_ps(reinterpret_cast<__m256>(a < b)));
-#elif defined(__SSE2__)
-  static_assert(sizeof(V) == 16, "vector width");
-  if constexpr (lanes == 2) return unsigned(_mm_movemask_pd(reinterpret_cast<__m128d>(a < b)));
-  else return unsigned(_mm_movemask_ps(reinterpret_cast<__m128>(a < b)));
-#else
-  unsigned bits = 0;
-  for (int k = 0; k < lanes; ++k) bits |= unsigned(a[k] < b[k]) << k;
-  return bits;
-#endif
-}
-template <typename V> inline unsigned lanes_not_above(const V& a, const V& b) {
-  constexpr int lanes = int(sizeof(V) / sizeof(a[0]));
-#if defined(__AVX512F__)
-  if constexpr (lanes == 8) return _mm512_cmp_pd_mask(reinterpret_cast<__m512d>(a), reinterpret_cast<__m512d>(b), _CMP_NGT_UQ);
-  else return _mm512_cmp_ps_mask(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b), _CMP_NGT_UQ);
-#elif defined(__AVX2__)
-  if constexpr (lanes == 4) return unsigned(_mm256_movemask_pd(reinterpret_cast<__m256d>(~(a > b))));
-  else return unsigned(_mm256_movemask_ps(reinterpret_cast<__m256>(~(a > b))));
-#elif defined(__SSE2__)
-  if constexpr (lanes == 2) return unsigned(_mm_movemask_pd(reinterpret_cast<__m128d>(~(a > b))));
-  else return unsigned(_mm_movemask_ps(reinterpret_cast<__m128>(~(a > b))));
-#else
-  unsigned bits = 0;
-  for (int k = 0; k < lanes; ++k) bits |= unsigned(!(a[k] > b[k])) << k;
-  return bits;
-#endif
-}
-
 // The kCache smallest (value, index) pairs offered so far, ascending, ties in the order offered,
 // in one vector of kCache lanes (empty lanes: +inf and -1). An insertion is a few vector
 // instructions and no branch. These vectors are wider than an AVX2 or SSE2 register, which the
@@ -251,8 +211,8 @@ bool offer_row(const T* row, const T* v, int64_t m, T limit, const T* next, Sort
   auto block = [&](int64_t j) {
     const Vec r0 = load<Vec>(row + j) - load<Vec>(v + j);
     const Vec r1 = load<Vec>(row + j + W) - load<Vec>(v + j + W);
-    bad |= lanes_not_above(r0, minus_inf) | lanes_not_above(r1, minus_inf);
-    if (uint64_t hits = lanes_below(r0, worst_v) | uint64_t(lanes_below(r1, worst_v)) << W) {
+    bad |= lane_mask<Cmp::NotGreater>(r0, minus_inf) | lane_mask<Cmp::NotGreater>(r1, minus_inf);
+    if (uint64_t hits = lane_mask<Cmp::Less>(r0, worst_v) | lane_mask<Cmp::Less>(r1, worst_v) << W) {
       T r[2 * W];
       store(r, r0);
       store(r + W, r1);
@@ -352,7 +312,7 @@ bool column_k_smallest(const T* src, int64_t m_src, int64_t n_src, int64_t j0, i
     int64_t j = j0;
     for (; j + W <= j1; j += W) {
       Vec x = load<Vec>(r + j);
-      bad |= lanes_not_above(x, minus_inf);
+      bad |= lane_mask<Cmp::NotGreater>(x, minus_inf);
       auto lt = x < load<Vec>(worst + j);
       if (any(lt))
         for (int k = 0; k < W; ++k)
@@ -504,7 +464,7 @@ bool has_invalid(const T* c, int64_t total) {
   unsigned bad = 0;
   const Vec minus_inf = splat<Vec>(-kInf<T>);
   int64_t k = 0;
-  for (; k + W <= total; k += W) bad |= lanes_not_above(load<Vec>(c + k), minus_inf);
+  for (; k + W <= total; k += W) bad |= lane_mask<Cmp::NotGreater>(load<Vec>(c + k), minus_inf);
   for (; k < total; ++k) bad |= !(c[k] > -kInf<T>);
   return bad != 0;
 }
@@ -537,7 +497,7 @@ TwoSmallest<T> scan_two_smallest(const T* row, const T* v, int64_t m, bool* inva
   };
   unsigned bad = 0;  // lanes that met NaN or -inf (kCheck)
   auto checked = [&bad](Vec r) {
-    if constexpr (kCheck) bad |= lanes_not_above(r, splat<Vec>(-kInf<T>));
+    if constexpr (kCheck) bad |= lane_mask<Cmp::NotGreater>(r, splat<Vec>(-kInf<T>));
     else (void)bad;  // captured for kCheck only
     return r;
   };
@@ -783,8 +743,8 @@ class Solver {
     constexpr int kLine = W * int(sizeof(T)) >= 64 ? W : 64 / int(sizeof(T));
     auto lower = [&](const T* r, int64_t j, const IVec& iv) {
       Vec cv = load<Vec>(r + j), vv = load<Vec>(v + j);
-      bad |= lanes_not_above(cv, minus_inf);
-      if (lanes_below(cv, vv)) {
+      bad |= lane_mask<Cmp::NotGreater>(cv, minus_inf);
+      if (lane_mask<Cmp::Less>(cv, vv)) {
         auto lt = cv < vv;
         store(v + j, lt ? cv : vv);
         store(arg + j, lt ? iv : load<IVec>(arg + j));
@@ -797,8 +757,8 @@ class Solver {
     int64_t tied_from = r0;
     auto lower_or_tie = [&](const T* r, int64_t j, const IVec& iv) {
       Vec cv = load<Vec>(r + j), vv = load<Vec>(v + j);
-      bad |= lanes_not_above(cv, minus_inf);
-      if (lanes_not_above(cv, vv)) {  // lower or tied (or NaN, which takes nothing)
+      bad |= lane_mask<Cmp::NotGreater>(cv, minus_inf);
+      if (lane_mask<Cmp::NotGreater>(cv, vv)) {  // lower or tied (or NaN, which takes nothing)
         const IVec a = load<IVec>(arg + j), col = lane + Index(j);
         auto take = (cv < vv) | ((cv == vv) & (a < col) & (iv >= col));
         store(v + j, take ? cv : vv);

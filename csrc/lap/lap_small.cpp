@@ -175,26 +175,6 @@ void two_smallest_scalar(const T* row, const T* v, int64_t m, T& u1, int32_t& j1
   }
 }
 
-// Bit k set where lane k of a equals b: one compare and one mask move per ISA.
-template <typename V, typename T> inline uint64_t equal_bits(const V& a, T b) {
-  constexpr int lanes = int(sizeof(V) / sizeof(T));
-  const V bv = V{} + b;
-#if defined(__AVX512F__)
-  if constexpr (lanes == 8) return _mm512_cmp_pd_mask(reinterpret_cast<__m512d>(a), reinterpret_cast<__m512d>(bv), _CMP_EQ_OQ);
-  else return _mm512_cmp_ps_mask(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(bv), _CMP_EQ_OQ);
-#elif defined(__AVX2__)
-  if constexpr (lanes == 4) return uint64_t(_mm256_movemask_pd(reinterpret_cast<__m256d>(a == bv)));
-  else return uint64_t(_mm256_movemask_ps(reinterpret_cast<__m256>(a == bv)));
-#elif defined(__SSE2__)
-  if constexpr (lanes == 2) return uint64_t(_mm_movemask_pd(reinterpret_cast<__m128d>(a == bv)));
-  else return uint64_t(_mm_movemask_ps(reinterpret_cast<__m128>(a == bv)));
-#else
-  uint64_t bits = 0;
-  for (int k = 0; k < lanes; ++k) bits |= uint64_t(a[k] == b) << k;
-  return bits;
-#endif
-}
-
 // Vectors of a row two_smallest_short takes at most: it keeps them all in registers.
 constexpr int kShortVectors = 8;
 
@@ -231,9 +211,10 @@ void two_smallest_short(const T* row, const T* v, int64_t m, T& u1, int32_t& j1,
     return s;
   };
   auto lanes_equal = [last](const Vec* x, T u) {
+    const Vec uv = Vec{} + u;
     uint64_t bits = 0;
-    for (int k = 0; k + 1 < V; ++k) bits |= equal_bits(x[k], u) << (k * W);
-    return bits | equal_bits(x[V - 1], u) << last;
+    for (int k = 0; k + 1 < V; ++k) bits |= lane_mask<Cmp::Equal>(x[k], uv) << (k * W);
+    return bits | lane_mask<Cmp::Equal>(x[V - 1], uv) << last;
   };
   u1 = smallest(h);
   if (!(u1 < kInf<T>)) { u2 = u1; j1 = j2 = -1; return; }
