@@ -13,8 +13,7 @@ below Algorithm 3 run plainly, whose restarts from the identity move away from s
 With both starts a matching is at least as good as either alone, and a round that changes
 nothing still ends the rounds. A matching from the identity (a model's first, and Algorithm 3's
 start in the later rounds) also looks for a stall and then runs the signature start, as
-:func:`~pyperm.nn.weight_matching`'s default does (in one process; over ranks,
-:func:`pyperm.distributed.merge_many` runs the identity alone).
+:func:`~pyperm.nn.weight_matching`'s default does (over ranks too: :func:`pyperm.distributed.merge_many`).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from pyperm._checks import check_merge_weights, check_positive_int, torch_genera
 from pyperm._progress import progress_bar
 from pyperm.nn._checks import check_spec, check_state
 from pyperm.nn.align._objective import WeightMatchingResult
-from pyperm.nn.align._starts import unstalled
+from pyperm.nn.align._starts import _same_seed, unstalled
 from pyperm.nn.align.weight import WeightMatcher
 from pyperm.nn.permutations import Permutations, permute_entry
 from pyperm.nn.spec import PermutationSpec
@@ -170,25 +169,23 @@ def merge_many(
     # and warm solvers carry over from round to round (and between a matching's two starts).
     matchers = [WeightMatcher(spec, s) for s in states]
 
-    def match(i: int, others: dict[str, torch.Tensor], init: Permutations, gen: torch.Generator) -> WeightMatchingResult:
+    def match(i: int, others: dict[str, torch.Tensor], init: Permutations,
+              gen: torch.Generator) -> WeightMatchingResult:  # fmt: skip
         try:
             if not init.is_identity():
                 return matchers[i].match(others, init=init, seed=gen)
             # Algorithm 3's start, with weight_matching's look for a stall: planted copies of a CLIP text
             # encoder merged from the identity alone kept one layer's attention heads unaligned.
-            again = torch.Generator(device=gen.device)
-            again.set_state(gen.get_state())  # a second start visits the groups in the first one's orders
+            again = _same_seed(gen)  # a second start visits the groups in the first one's orders
             first = matchers[i].match(others, init=None, seed=gen)
             return unstalled(matchers[i], first, spec, others, states[i], again, None)
         finally:
             matchers[i].release_a()  # the next matching of model i has new others: nothing to keep of these
 
     return align_many(
+        spec,
         states,
         match,
-        # Entry by entry (any subset of the keys; an entry no group permutes is the input tensor, not a copy).
-        lambda perms, state: {k: permute_entry(spec, perms, k, t) for k, t in state.items()},
-        Permutations.identity(spec),
         max_iter,
         gen,
         progress,
@@ -197,10 +194,9 @@ def merge_many(
 
 
 def align_many(
+    spec: PermutationSpec,
     states: list[dict[str, torch.Tensor]],
     match: Callable[[int, dict[str, torch.Tensor], Permutations, torch.Generator], WeightMatchingResult],
-    permute: Callable[[Permutations, dict[str, torch.Tensor]], dict[str, torch.Tensor]],
-    identity: Permutations,
     max_iter: int,
     gen: torch.Generator,
     progress: bool,
@@ -208,8 +204,9 @@ def align_many(
 ) -> MergeResult:
     """MergeMany's rounds on ``states`` (whole state dicts, or one rank's shares of them): ``match(i,
     others, init, gen)`` weight-matches model ``i`` to the (weighted) mean of the others from ``init``
-    (its result's ``objective[-1]`` is the matching's final objective), ``permute`` applies
-    permutations to a state dict or to any part of one. ``weights``: checked ones, or None for equal weights.
+    (its result's ``objective[-1]`` is the matching's final objective). Permutations are applied entry by
+    entry (any subset of the keys; an entry no group permutes is the input tensor, not a copy).
+    ``weights``: checked ones, or None for equal weights.
 
     Each matching runs from the model's current permutations and, unless they are the identity,
     from the identity too, both with the generator's state at the matching (the same group
@@ -218,6 +215,7 @@ def align_many(
     rounded differently, do not keep a round from being the last."""
     n = len(states)
     w = [1.0] * n if weights is None else weights  # unnormalised ones: the equal-weight sums stay as they were
+    identity = Permutations.identity(spec)
     perms = [identity for _ in range(n)]
     permuted = [dict(s) for s in states]
     # A running weighted sum of the permuted models, so each model's "mean of the others" is one subtraction.
@@ -261,7 +259,7 @@ def align_many(
                 # Entry by entry, each old permuted tensor let go as its new one is made: not two whole models.
                 old, permuted[i] = permuted[i], {}
                 for k, t in states[i].items():
-                    v = permute(new, {k: t})[k]
+                    v = permute_entry(spec, new, k, t)
                     if total is not None and v.is_floating_point():
                         total[k] += w[i] * (v.double() - old[k].double())
                     permuted[i][k] = v
@@ -282,6 +280,6 @@ def align_many(
     del permuted, total  # before the merged model is made
     merged = {}
     for key in states[0]:  # one key at a time: one permuted tensor of each model at once, not whole models
-        merged.update(average([permute(p, {key: s[key]}) for p, s in zip(perms, states)], weights))
+        merged.update(average([{key: permute_entry(spec, p, key, s[key])} for p, s in zip(perms, states)], weights))
     logger.debug("merge_many: %d models, %d rounds, converged=%s", n, rounds, converged)
     return MergeResult(perms=perms, merged=merged, iterations=rounds, converged=converged, history=history)

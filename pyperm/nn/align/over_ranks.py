@@ -47,7 +47,7 @@ from pyperm.nn._checks import check_spec
 from pyperm.nn.align._pieces import blocks_index
 from pyperm.nn.align._objective import WeightMatchingResult, _check_dtype, _objective, _objective_keys
 from pyperm.nn.align.merge import MergeResult, align_many
-from pyperm.nn.permutations import Permutations, as_permutations, permute_entry
+from pyperm.nn.permutations import Permutations, as_permutations
 from pyperm.nn.spec import PermutationSpec
 
 __all__ = ["DistributedMatchingResult", "merge_many", "weight_matching"]
@@ -322,10 +322,7 @@ def _merge(spec: PermutationSpec, shares: list[dict], group: Any, weights: list[
         return weight_matching(spec, others, shares[i], group=group, init="best" if init.is_identity() else init,
                                seed=g)
 
-    def permute(perms: Permutations, state: dict) -> dict:
-        return {k: permute_entry(spec, perms, k, t) for k, t in state.items()}
-
-    return align_many(shares, match, permute, Permutations.identity(spec), max_iter, gen, progress, weights)
+    return align_many(spec, shares, match, max_iter, gen, progress, weights)
 
 
 def _waves(matcher: RankMatcher, order: list[str]) -> list[str]:
