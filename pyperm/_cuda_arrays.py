@@ -81,17 +81,24 @@ def _from_torch(t: Any, name: str, ndim: int) -> DeviceArray:
     return DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype_name(t), device, stream, t, "torch")
 
 
-def _from_cai(x: Any, name: str, ndim: int) -> DeviceArray:
+def _checked_cai(x: Any, name: str, ndim: int) -> tuple[dict, tuple[int, ...], np.dtype, int, int]:
+    """``x``'s ``__cuda_array_interface__`` with its rank, dtype and pointer checked (before any device
+    access): the interface, shape, dtype, pointer and device index."""
     cai = x.__cuda_array_interface__
     shape = tuple(int(s) for s in cai["shape"])
     check_ndim(shape, ndim, name)
     dtype = np.dtype(cai["typestr"])
     check_real_dtype(dtype, name)
-    kind = "cupy" if _is_cupy(x) else "torch"
     ptr = int(cai["data"][0])
     device = cuda_module().pointer_device(ptr) if ptr else 0
     if device < 0:
         raise ValueError(f"{name} exposes __cuda_array_interface__ but its pointer is not CUDA device memory")
+    return cai, shape, dtype, ptr, device
+
+
+def _from_cai(x: Any, name: str, ndim: int) -> DeviceArray:
+    cai, shape, dtype, ptr, device = _checked_cai(x, name, ndim)
+    kind = "cupy" if _is_cupy(x) else "torch"
     stream = cai.get("stream")
     if dtype not in (np.float32, np.float64) or dtype.byteorder not in ("=", "|", "<"):
         # Convert with the array's own library (or torch), on the array's device, after the
@@ -164,12 +171,7 @@ def as_cuda_tensor(x: Any, name: str, ndim: int) -> tuple[Any, str]:
         t, kind = x, "torch"
     else:
         if hasattr(x, "__cuda_array_interface__"):
-            cai = x.__cuda_array_interface__
-            check_ndim(tuple(int(s) for s in cai["shape"]), ndim, name)
-            check_real_dtype(np.dtype(cai["typestr"]), name)
-            ptr = int(cai["data"][0])
-            if ptr and cuda_module().pointer_device(ptr) < 0:
-                raise ValueError(f"{name} exposes __cuda_array_interface__ but its pointer is not CUDA device memory")
+            _checked_cai(x, name, ndim)
         t = torch.from_dlpack(x) if hasattr(x, "__dlpack__") else torch.as_tensor(x, device="cuda")
         kind = "cupy" if _is_cupy(x) else "torch"
     check_ndim(tuple(t.shape), ndim, name)
