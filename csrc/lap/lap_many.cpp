@@ -105,11 +105,17 @@ Status solve_one(const MatrixView<T>& p, bool maximize, CostLimit limit, Isa isa
                  int64_t* col_ind, int64_t* matched) {
   *matched = 0;
   if (p.n_rows == 0 || p.n_cols == 0) return Status::Ok;
-  const T bound = static_cast<T>(limit.limit);  // a huge double limit may be +inf as float
   const T sign = maximize ? T(-1) : T(1);
-  if (limit.has_limit && std::isfinite(bound)) {
-    const T dummy = sign * bound;
-    return solve_short_side_first<T, T>(p, sign, T(1), &dummy, isa, s.cost, s, row_ind, col_ind, matched);
+  if (limit.has_limit && std::isfinite(limit.limit)) {
+    // In double whatever T, as lap decides (it solves in float64): a float32 cost is above or
+    // below the limit as the two doubles compare (float32(0.1) > 0.1), and a limit beyond
+    // FLT_MAX stays finite. Maximising mirrors lap's objective: the values are negated and
+    // the limit kept, so the solution maximises the matched values minus limit / 2 per
+    // unmatched row and column, and a larger limit never matches fewer pairs (inf, below,
+    // matches as many as the allowed pairs permit).
+    const double dummy = limit.limit;
+    return solve_short_side_first<T, double>(p, static_cast<double>(sign), 1.0, &dummy, isa, s.wide, s, row_ind,
+                                             col_ind, matched);
   }
   Status st;
   if (p.row_stride == p.n_cols || p.n_rows <= 1) {

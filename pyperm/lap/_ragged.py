@@ -63,7 +63,7 @@ def linear_sum_assignment_limited(cost: Any, maximize: bool, cost_limit: Any) ->
     limit = check_cost_limit(cost_limit)
     if is_cuda_input(cost):
         tensor, kind = as_cuda_tensor(cost, "cost", 2)
-        (rows, cols), = _solve_on_device(_padded_batch.padded_problems(tensor[None], None), maximize, limit, "cost")
+        (rows, cols), = _solve_on_device(_padded_batch.padded_problems(tensor[None], None, limit), maximize, limit, "cost")
         return like_input(kind, rows), like_input(kind, cols)
     arr = real_float_array(cost, "cost", 2)
     rows, cols = core.lap_solve_limited(arr, maximize, limit)
@@ -115,7 +115,7 @@ def _solve_sequence_on_device(costs: list | tuple, on_device: list[bool], maximi
         b = next(b for b, d in enumerate(devices) if d != devices[0])
         raise ValueError(f"costs[{b}] is on {devices[b]} but costs[0] is on {devices[0]}: "
                          "pass every matrix on one device")
-    answers = _solve_on_device(_padded_batch.sequence_problems(list(tensors)), maximize, limit, "costs")
+    answers = _solve_on_device(_padded_batch.sequence_problems(list(tensors), limit), maximize, limit, "costs")
     return [(like_input(kind, rows), like_input(kind, cols)) for kind, (rows, cols) in zip(kinds, answers)]
 
 
@@ -138,7 +138,7 @@ def _solve_padded(costs: Any, maximize: bool, threads: int, sizes: Any, limit: f
     if is_cuda_input(costs):
         tensor, kind = as_cuda_tensor(costs, "costs", 3)
         size_arr = None if sizes is None else _check_sizes(sizes, tuple(tensor.shape))
-        answers = _solve_on_device(_padded_batch.padded_problems(tensor, size_arr), maximize, limit, "costs")
+        answers = _solve_on_device(_padded_batch.padded_problems(tensor, size_arr, limit), maximize, limit, "costs")
         return [(like_input(kind, rows), like_input(kind, cols)) for rows, cols in answers]
     arr = real_float_array(costs, "costs", 3)
     batch, n_max, m_max = arr.shape
