@@ -5,8 +5,9 @@ permutation per group of the :class:`~pyperm.nn.PermutationSpec`; ``merge_many``
 model), takes its start as ``init=`` and counts what it ran in ``iterations``:
 weight matching (Git Re-Basin Algorithm 1), activation matching (Git Re-Basin eq. 1,
 Tatro et al. Algorithm 1), straight-through-estimator matching (Git Re-Basin
-Algorithm 2), merging many models (Git Re-Basin Algorithm 3) and PAM, the proximal
-alternating minimization over permutations and a curve (Tatro et al. appendix E).
+Algorithm 2), Sinkhorn re-basin (Pena et al. 2023), merging many models (Git Re-Basin
+Algorithm 3) and PAM, the proximal alternating minimization over permutations and a curve
+(Tatro et al. appendix E).
 
 References
 ----------
@@ -18,6 +19,7 @@ Symmetries", ICLR 2023. N. J. Tatro, P.-Y. Chen, P. Das, I. Melnyk, P. Sattigeri
 from pyperm.nn.align.activation import ActivationMatchingResult, activation_matching
 from pyperm.nn.align.merge import MergeResult, merge_many
 from pyperm.nn.align.proximal import PAMIteration, PAMResult, pam
+from pyperm.nn.align.sinkhorn import SinkhornMatchingResult, sinkhorn_matching
 from pyperm.nn.align.ste import STEMatchingResult, ste_matching
 from pyperm.nn.align.weight import (
     WeightMatchingResult,
@@ -31,11 +33,13 @@ __all__ = [
     "PAMIteration",
     "PAMResult",
     "STEMatchingResult",
+    "SinkhornMatchingResult",
     "WeightMatchingResult",
     "activation_matching",
     "matching_objective",
     "merge_many",
     "pam",
+    "sinkhorn_matching",
     "ste_matching",
     "weight_matching",
 ]
