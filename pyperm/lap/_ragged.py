@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from pyperm._arrays import check_real_dtype, is_cuda_input, like, real_float_array, to_numpy
+from pyperm._arrays import check_real_dtype, is_cuda_input, is_torch_tensor, like, real_float_array, to_numpy
 from pyperm._cuda_arrays import as_cuda_tensor, like_input
 from pyperm._ext import core
 from pyperm.lap import _padded_batch
+from pyperm.lap._sparse import is_scipy_sparse
 
-__all__ = ["batch_linear_sum_assignment", "check_cost_limit", "linear_sum_assignment_limited"]
+__all__ = ["batch_linear_sum_assignment", "check_batch_costs", "check_cost_limit", "linear_sum_assignment_limited"]
 
 
 def check_cost_limit(value: Any, *, allow_negative: bool = False) -> float:
@@ -41,6 +43,11 @@ def check_cost_limit(value: Any, *, allow_negative: bool = False) -> float:
     """
     if isinstance(value, (str, bytes)) or value is None:
         raise TypeError(f"cost_limit must be a real number, got {type(value).__name__}")
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    if kind is not None and kind not in "biuf":  # a numpy string, object or complex array
+        raise TypeError(f"cost_limit must be a real number, got an array of dtype {value.dtype}")
+    if is_torch_tensor(value) and (value.is_complex() or value.is_quantized):
+        raise TypeError(f"cost_limit must be a real number, got a tensor of dtype {value.dtype}")
     shape = getattr(value, "shape", None)
     if shape is None and isinstance(value, (list, tuple)):
         shape = np.shape(value)
@@ -70,6 +77,17 @@ def linear_sum_assignment_limited(cost: Any, maximize: bool, cost_limit: Any) ->
     return like(cost, rows, cols)
 
 
+def check_batch_costs(costs: Any) -> None:
+    """Refuses, with a TypeError naming ``costs``, what numpy would misread as an array of
+    another shape: an iterator (read as one object) and an object array of matrices."""
+    if isinstance(costs, Iterator):
+        raise TypeError(f"costs must be a list or tuple of matrices or a (B, n, m) stack, got "
+                        f"{type(costs).__name__}: pass list(costs)")
+    if isinstance(costs, np.ndarray) and costs.dtype == object:
+        raise TypeError(f"costs is a numpy object array of shape {costs.shape}: pass a list of matrices "
+                        "(costs.tolist()) or a (B, n, m) stack of numbers")
+
+
 def batch_linear_sum_assignment(
     costs: Any, maximize: bool, threads: int, sizes: Any, cost_limit: Any
 ) -> list[tuple[Any, Any]]:
@@ -91,14 +109,18 @@ def _solve_sequence(costs: list | tuple, maximize: bool, threads: int, limit: fl
     arrays = []
     for b, cost in enumerate(costs):
         name = f"costs[{b}]"
+        if is_scipy_sparse(cost):
+            raise TypeError(f"{name} is a scipy.sparse matrix: the batch forms take dense matrices; solve each "
+                            "sparse one with pyperm.linear_sum_assignment")
         arr = to_numpy(cost, name)
         if arr.ndim != 2:
             raise ValueError(f"{name} must be a 2-D array, got shape {arr.shape}")
         check_real_dtype(arr.dtype, name)
         arrays.append(arr)
     dtype = np.float32 if arrays and all(a.dtype == np.float32 for a in arrays) else np.float64
-    # The core reads rows at any stride but wants each row's entries adjacent.
-    arrays = [a if a.dtype == dtype and _rows_readable(a) else np.ascontiguousarray(a, dtype=dtype) for a in arrays]
+    # The core reads rows at any stride but wants each row's entries adjacent, aligned and native
+    # (a fresh copy is all three; ascontiguousarray would hand an unaligned array back unchanged).
+    arrays = [a if a.dtype == dtype and _rows_readable(a) else np.array(a, dtype=dtype, order="C") for a in arrays]
     rows, cols, bounds = core.lap_solve_many(arrays, maximize, limit, threads)
     return [like(cost, rows[lo:hi], cols[lo:hi]) for cost, lo, hi in zip(costs, bounds[:-1], bounds[1:])]
 
@@ -126,9 +148,12 @@ def _solve_on_device(problems: _padded_batch.Problems, maximize: bool, limit: fl
 
 
 def _rows_readable(a: np.ndarray) -> bool:
-    """Whether the core can read ``a`` in place: contiguous entries within a row, rows in order."""
+    """Whether the core can read ``a`` in place: aligned native-order entries, contiguous within a
+    row, rows in order."""
     if a.size == 0:
         return True
+    if not (a.flags.aligned and a.dtype.isnative):
+        return False
     item = a.itemsize
     n, m = a.shape
     return (m <= 1 or a.strides[1] == item) and (n <= 1 or (a.strides[0] % item == 0 and a.strides[0] >= m * item))
