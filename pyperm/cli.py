@@ -14,6 +14,8 @@ BENCHMARKS = {
     "xcorr": ("pyperm.benchmarks.xcorr", "CrossCorrelation.update vs the bare BLAS product xa.T @ xb"),
     "match": ("pyperm.benchmarks.match", "weight matching (Git Re-Basin Algorithm 1): pyperm vs a reference"),
     "ste": ("pyperm.benchmarks.ste", "STE matching (Git Re-Basin Algorithm 2): a step vs its floor and vs re-matching"),
+    "sinkhorn": ("pyperm.benchmarks.sinkhorn", "two models: weight matching, STE and Sinkhorn re-basin (both losses), "
+                 "test barriers and times"),
     "curves": ("pyperm.benchmarks.curves", "a curve training step vs a plain training step of the same model and batch"),
     "teacher-student": (
         "pyperm.benchmarks.teacher_student",
