@@ -256,3 +256,52 @@ def test_the_search_alone_finds_planted_copies_of_an_mlp_from_the_barycenter(cou
     planted, copies = _planted(model.state_dict(), spec, count, noise=0.01)
     result = c2m3_merge(spec, copies, init="barycenter")
     assert all(found == plant.inverse() for found, plant in zip(result.perms, planted))
+
+
+# --------------------------------------------------------------------------- REPAIR of a merge
+
+
+def _mlp_batches():
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randn(32, 12, generator=gen) for _ in range(2)]
+
+
+def test_repair_many_of_two_states_is_repair():
+    from pyperm.nn import repair
+    from pyperm.nn.eval.repair import repair_many
+
+    model, _ = _mlp()
+    a, b = MLP([12, 20, 20, 3]).state_dict(), MLP([12, 20, 20, 3]).state_dict()
+    data = _mlp_batches()
+    for t in (0.5, 0.25):
+        expected = repair(model, None, a, b, data, t=t)
+        got = repair_many(model, None, [a, b], data, weights=[1 - t, t])
+        for key, v in expected.items():
+            torch.testing.assert_close(got[key], v, msg=key)
+
+
+def test_repair_many_gives_every_unit_the_models_mean_statistics():
+    from pyperm.nn.eval.repair import repair_many
+
+    model, spec = _mlp()
+    states = [MLP([12, 20, 20, 3]).state_dict() for _ in range(3)]
+    merged = c2m3_merge(spec, states, max_iter=5)
+    aligned = [p.apply(s) for p, s in zip(merged.perms, states)]
+    data = _mlp_batches()
+    repaired = repair_many(model, spec, aligned, data)
+    x = torch.cat(data)
+
+    def first_layer(state):
+        return torch.nn.functional.linear(x, state["layers.0.weight"], state["layers.0.bias"])
+
+    z = first_layer(repaired)
+    torch.testing.assert_close(z.std(0), sum(first_layer(s).std(0) for s in aligned) / 3, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(z.mean(0), sum(first_layer(s).mean(0) for s in aligned) / 3, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="at least two"):
+        repair_many(model, spec, aligned[:1], data)
+    with pytest.raises(TypeError, match="states must be a sequence"):
+        repair_many(model, spec, aligned[0], data)
+    with pytest.raises(ValueError, match="weights"):
+        repair_many(model, spec, aligned, data, weights=[0.5, 0.5, 0.5])
+    with pytest.raises(ValueError, match=r"states\[2\]"):
+        repair_many(model, spec, [*aligned[:2], MLP([12, 21, 20, 3]).state_dict()], data)
