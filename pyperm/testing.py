@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
+from pyperm._optional_imports import import_torchvision
+
 __all__ = [
     "assert_same_function",
     "dense_doubly_stochastic",
@@ -407,27 +409,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def import_torchvision():
-    """torchvision (ModuleNotFoundError when it is not installed).
-
-    The registry's torchvision wheels are built against the CUDA build of torch. Over the
-    CPU build their compiled detection operators (``nms``, ``roi_align``, ...) do not load,
-    and importing torchvision then fails while it registers shapes for those operators.
-    The models use none of them, so that one registration module is replaced by an empty
-    one and the import tried again.
-    """
-    import sys
-    import types
-
-    try:
-        import torchvision
-    except RuntimeError as exc:  # a torchvision built against another torch: its operators did not load
-        if "torchvision::" not in str(exc):
-            raise
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-        sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
-        import torchvision
-    return torchvision
