@@ -305,3 +305,35 @@ def test_repair_many_gives_every_unit_the_models_mean_statistics():
         repair_many(model, spec, aligned, data, weights=[0.5, 0.5, 0.5])
     with pytest.raises(ValueError, match=r"states\[2\]"):
         repair_many(model, spec, [*aligned[:2], MLP([12, 21, 20, 3]).state_dict()], data)
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def test_pyperm_merge_method_c2m3(tmp_path):
+    """``pyperm merge A B C --method c2m3``: the merged checkpoint is c2m3_merge's merge, the reports say so."""
+    import json
+
+    from pyperm.checkpoints import load_checkpoint
+    from pyperm.cli import main
+
+    widths = [8, 12, 12, 3]
+    states = [MLP(widths).state_dict() for _ in range(3)]
+    paths = []
+    for i, state in enumerate(states):
+        paths.append(tmp_path / f"m{i}.pt")
+        torch.save(state, paths[-1])
+    out = tmp_path / "out"
+    model = "mlp:" + ",".join(map(str, widths))
+    assert main(["merge", *map(str, paths), "--model", model, "--method", "c2m3", "--out", str(out),
+                 "--no-progress"]) == 0  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    assert report["method"] == "c2m3" and report["c2m3"]["cycle_error"] == 0.0
+    expected = c2m3_merge(MLP(widths).permutation_spec(), states)
+    assert report["c2m3"]["objective"] == pytest.approx(expected.final_objective)
+    merged = load_checkpoint(out / "merged.pt").state
+    for key, t in expected.merged.items():
+        torch.testing.assert_close(merged[key], t, msg=key)
+    assert "Frank-Wolfe iterations of C2M3" in (out / "report.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["merge", *map(str, paths), "--model", model, "--method", "zipit", "--out", str(out)])
