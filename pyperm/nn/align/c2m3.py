@@ -236,9 +236,8 @@ def c2m3_merge(
     start = _start_perms(spec, states, init, gen)
     matrices = _start(spec, init if start is None else start, n, gen, dtype, device)
     degree = 2 * max((_key_degree(spec, k) for k in keys), default=0)
-    first = 1 if anchor else 0
-    if anchor:  # the universe is the first model's space: its matrices stay the identity
-        matrices[0] = one_hot(spec, spec.identity(), dtype, device)
+    if anchor:  # the universe is the first model's space: it stays as it is (no matrices, no products)
+        matrices[0] = None
 
     objective, step_sizes, gaps = [], [], []
     converged = False
@@ -249,11 +248,12 @@ def c2m3_merge(
         objective.append(value)
         for _ in range(max_iter):
             iterations += 1
-            targets = [one_hot(spec, p, dtype, device) for p in _assign(spec, grads[first:])]
-            directions = [{g: torch.zeros_like(m) for g, m in matrices[0].items()}] if first else []
-            directions += [{g: t[g] - matrices[a][g] for g in t} for a, t in enumerate(targets, first)]
-            gap = sum(float((grads[a][g].double() * directions[a][g].double()).sum())
-                      for a in range(n) for g in grads[a])  # fmt: skip
+            free = [a for a in range(n) if matrices[a] is not None]
+            targets = _assign(spec, [grads[a] for a in free])
+            directions: list[dict | None] = [None] * n
+            for a, p in zip(free, targets):
+                directions[a] = {g: t - matrices[a][g] for g, t in one_hot(spec, p, dtype, device).items()}
+            gap = sum(float((grads[a][g].double() * directions[a][g].double()).sum()) for a in free for g in grads[a])
             gaps.append(gap)
             small = tol * max(abs(value), 1e-300)
             step = 0.0
@@ -266,7 +266,7 @@ def c2m3_merge(
                 objective.append(value)
                 converged = True
                 break
-            moved = [{g: m + step * d[g] for g, m in ms.items()} for ms, d in zip(matrices, directions)]
+            moved = _moved(matrices, directions, step)
             new_value, new_grads = _value_and_gradients(spec, tensors, moved, w, keys)
             if new_value < value:  # the fit's rounding promised a gain that is not there: stay
                 step_sizes[-1] = 0.0
@@ -281,8 +281,10 @@ def c2m3_merge(
     finally:
         if bar is not None:
             bar.close()
-    rounded = [Permutations(spec, p) for p in _assign(spec, [{g: m.detach() for g, m in ms.items()}
-                                                            for ms in matrices])]  # fmt: skip
+    free = [a for a in range(n) if matrices[a] is not None]
+    rounded = [Permutations.identity(spec)] * n
+    for a, p in zip(free, _assign(spec, [{g: m.detach() for g, m in matrices[a].items()} for a in free])):
+        rounded[a] = Permutations(spec, p)
     back = rounded[0].inverse()
     perms = [back.compose(p) for p in rounded]
     final = merge_objective(spec, states, perms, weights=weights)
@@ -572,8 +574,13 @@ def _entry_degree(entry: Any) -> int:
     return max((_entry_degree(p) for p in entry.parts), default=0)  # Segments, Interleaved: parts side by side
 
 
-def _relaxed(spec: PermutationSpec, tensors: list[dict], matrices: list[dict], keys: list[str]) -> list[dict]:
-    return [apply_relaxed(spec, ms, ts, keys) for ms, ts in zip(matrices, tensors)]
+def _relaxed(spec: PermutationSpec, tensors: list[dict], matrices: list[dict | None], keys: list[str]) -> list[dict]:
+    """Every model in the universe: its matrices multiplied in (None: the model held as it is)."""
+    return [ts if ms is None else apply_relaxed(spec, ms, ts, keys) for ms, ts in zip(matrices, tensors)]
+
+
+def _moved(matrices: list[dict | None], directions: list[dict | None], step: float) -> list[dict | None]:
+    return [None if ms is None else {g: m + step * d[g] for g, m in ms.items()} for ms, d in zip(matrices, directions)]
 
 
 def _pair_sum(universe: list[dict], w: list[float], keys: list[str]) -> tuple[float, dict[str, torch.Tensor]]:
@@ -591,7 +598,7 @@ def _value_and_gradients(spec: PermutationSpec, tensors: list[dict], matrices: l
                          keys: list[str]) -> tuple[float, list[dict[str, torch.Tensor]]]:  # fmt: skip
     """F at the matrices and its gradient with respect to every model's matrices: model ``a``'s is the
     similarity of its groups with ``w_a`` times the weighted sum of the others in the universe."""
-    leaves = [{g: m.detach().requires_grad_(True) for g, m in ms.items()} for ms in matrices]
+    leaves = [None if ms is None else {g: m.detach().requires_grad_(True) for g, m in ms.items()} for ms in matrices]
     with torch.enable_grad():
         universe = _relaxed(spec, tensors, leaves, keys)
     value, total = _pair_sum([{k: v.detach() for k, v in u.items()} for u in universe], w, keys)
@@ -603,7 +610,8 @@ def _value_and_gradients(spec: PermutationSpec, tensors: list[dict], matrices: l
                 seeds.append(wa * (total[k] - wa * u[k].detach()))
     if outputs:
         torch.autograd.backward(outputs, seeds)
-    grads = [{g: (m.grad if m.grad is not None else torch.zeros_like(m)) for g, m in ms.items()} for ms in leaves]
+    grads = [None if ms is None else {g: (m.grad if m.grad is not None else torch.zeros_like(m)) for g, m in ms.items()}
+             for ms in leaves]  # fmt: skip
     return value, grads
 
 
@@ -623,8 +631,7 @@ def _line_search(spec: PermutationSpec, tensors: list[dict], matrices: list[dict
     nodes = [0.5 - 0.5 * math.cos(math.pi * j / degree) for j in range(degree + 1)]
     values = [at_zero]
     for t in nodes[1:]:
-        moved = [{g: m + t * d[g] for g, m in ms.items()} for ms, d in zip(matrices, directions)]
-        values.append(_value(spec, tensors, moved, w, keys))
+        values.append(_value(spec, tensors, _moved(matrices, directions, t), w, keys))
     x = 2.0 * np.asarray(nodes) - 1.0  # [0, 1] onto [-1, 1], where the Chebyshev basis is well conditioned
     poly = np.polynomial.Chebyshev.fit(x, values, degree, domain=[-1, 1], window=[-1, 1])
     candidates = [-1.0, 1.0] + [float(r.real) for r in poly.deriv().roots() if abs(r.imag) < 1e-9 and -1 < r.real < 1]
