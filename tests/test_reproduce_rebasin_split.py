@@ -171,3 +171,33 @@ def test_split_on_tiny_cifar100_files_at_paper_scale(tmp_path):
     assert result["ts"] == [0.0, 0.5, 1.0] and result["best_t"] == 0.5
     assert set(result["scores"]) == {"A", "B", "union", "merged", "ensemble"}
     assert sp.split_json(models, result)["halves"]["A"] == models.halves["A"]
+
+
+def _cli(args, capsys):
+    from pyperm.cli import main
+
+    code = main(["reproduce", *args, "--no-progress"])
+    return code, capsys.readouterr().err
+
+
+def test_split_fractions_on_the_command_line(tmp_path, capsys):
+    # The shares reach the report, which refuses a split leaving B empty before any training.
+    code, err = _cli(["rebasin", "--smoke", "--split-fractions", "1,1", "--out", str(tmp_path / "a")], capsys)
+    assert code == 1 and "leave model B without training examples" in err
+    code, err = _cli(["teacher-student", "--smoke", "--split-fractions", "0.5,0.5", "--out", str(tmp_path / "b")],
+                     capsys)  # fmt: skip
+    assert code == 1 and "--split-fractions: the teacher-student report has no split-data experiment" in err
+    for bad in ("0.2", "0.2,1.5", "a,b"):
+        with pytest.raises(SystemExit) as exc:
+            _cli(["rebasin", "--smoke", "--split-fractions", bad, "--out", str(tmp_path / "c")], capsys)
+        assert exc.value.code == 2
+        assert "expected two shares in [0, 1]" in capsys.readouterr().err
+
+
+def test_split_fractions_of_run_are_checked(tmp_path):
+    from pyperm.reproduce import rebasin
+
+    with pytest.raises(TypeError, match="split_fractions must be a pair"):
+        rebasin.run(tmp_path, "smoke", split_fractions=0.2)
+    with pytest.raises(ValueError, match=r"split_fractions\[0\] must lie in \[0, 1\]"):
+        rebasin.run(tmp_path, "smoke", split_fractions=(-0.1, 0.5))

@@ -100,8 +100,8 @@ def _config(scale: str) -> dict[str, Any]:
 
 
 def run(out: Path, scale: str, *, data: str = "digits", device: Any = "cpu", seed: int = 0,
-        progress: bool = False) -> Path:
-    """Train the models, evaluate Figures 2-4 and Table 2, write the report.
+        progress: bool = False, split_fractions: Any = None) -> Path:
+    """Train the models, evaluate Figures 2-4, Table 2 and sec. 5.4 (Figures 5, 9, 10), write the report.
 
     Parameters
     ----------
@@ -117,6 +117,10 @@ def run(out: Path, scale: str, *, data: str = "digits", device: Any = "cpu", see
         Offsets every training seed and seeds the matchings.
     progress : bool
         Progress bars (training epochs, STE steps, paths).
+    split_fractions : pair of float, optional
+        Sec. 5.4's split: model A's shares of the examples of the first and of the second
+        half of the labels (B holds the rest); the scale's setting, the paper's
+        ``(0.2, 0.8)``, when None.
 
     Returns
     -------
@@ -126,12 +130,16 @@ def run(out: Path, scale: str, *, data: str = "digits", device: Any = "cpu", see
     Raises
     ------
     ValueError
-        An unknown ``scale``, a malformed ``data``, or a dataset file that is missing or
-        malformed (named).
+        An unknown ``scale``, a malformed ``data``, a dataset file that is missing or
+        malformed (named), or ``split_fractions`` outside [0, 1] or leaving A or B without
+        examples.
+    TypeError
+        ``split_fractions`` not a pair of numbers.
     """
     import torch
 
     from pyperm.reproduce._report import write_report
+    from pyperm.reproduce._splits import check_fractions, split_indices
     from pyperm.reproduce.rebasin import _experiments as ex
     from pyperm.reproduce.rebasin._findings import findings
     from pyperm.reproduce.rebasin import _split as sp
@@ -139,9 +147,12 @@ def run(out: Path, scale: str, *, data: str = "digits", device: Any = "cpu", see
     from pyperm.reproduce.rebasin._settings import mlp_name
 
     cfg = _config(scale)
+    if split_fractions is not None:
+        cfg = cfg | {"split_fractions": check_fractions(split_fractions, "split_fractions")}
     start = time.perf_counter()
     torch.manual_seed(seed)  # nothing here draws from the global RNG; this pins anything a dependency might
     loaded = _load(scale, data, device)
+    split_indices(loaded["y_train"], loaded["num_classes"], cfg["split_fractions"], seed)  # refused before training
     arch = mlp_name(loaded, cfg["width"], cfg["depth"])
     epochs = sum(e for _, e, _, _ in ex.training_epochs(scale, cfg, loaded, arch))
     epochs += sum(e for _, e, _, _, _ in sp.split_runs(scale, cfg, loaded, arch))
