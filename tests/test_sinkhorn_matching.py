@@ -14,6 +14,7 @@ from _digits import batches, digits, train
 from _structured_models import STRUCTURED, outputs, structured_model
 
 from pyperm.nn import Permutations, SinkhornMatchingResult, interpolate, sinkhorn_matching
+from pyperm.nn.align import _implicit_sinkhorn as implicit_module
 from pyperm.nn.align._implicit_sinkhorn import Potentials, implicit_sinkhorn, log_sinkhorn
 from pyperm.nn.models import MLP
 from pyperm.testing import one_thread, random_permutations
@@ -38,8 +39,13 @@ def _unrolled_sinkhorn(z: torch.Tensor, iters: int = 3000) -> torch.Tensor:
     return (z + f.unsqueeze(-1) + g.unsqueeze(-2)).exp()
 
 
+@pytest.mark.parametrize("solver", ["conjugate gradients", "factored"])
 @pytest.mark.parametrize("shape, scale", [((5, 5), 1.0), ((3, 4, 4), 1.0), ((6, 6), 4.0), ((1, 1), 1.0)])
-def test_implicit_gradient_equals_the_unrolled_gradient(shape, scale):
+def test_implicit_gradient_equals_the_unrolled_gradient(shape, scale, solver, monkeypatch):
+    """Both ways of solving the adjoint system: conjugate gradients, and the factored Schur complement
+    that takes over where they have not converged."""
+    if solver == "factored":
+        monkeypatch.setattr(implicit_module, "_CG_STEPS", 0)
     gen = torch.Generator().manual_seed(0)
     z = (scale * torch.randn(shape, generator=gen, dtype=torch.float64)).requires_grad_(True)
     w = torch.randn(shape, generator=gen, dtype=torch.float64)

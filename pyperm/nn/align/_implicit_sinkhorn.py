@@ -33,8 +33,10 @@ Schur complement, an ``n x n`` system
 of the ``(2n - 1)``-square one: its matrix has the constant vector as its null space
 (shifting :math:`f` up and :math:`g` down leaves :math:`S` alone) and the right-hand side
 sums to zero, so adding :math:`\mathbf 1\mathbf 1^\top / n` makes it regular without
-changing the answer. It is solved in float64: near a permutation its small eigenvalues
-are the ones that carry the gradient.
+changing the answer. It is symmetric positive definite, so conjugate gradients solve it by
+products with :math:`S` alone; where they are slow (:math:`S` near a permutation), it is
+formed and factored. All in float64: near a permutation its small eigenvalues are the
+ones that carry the gradient.
 
 References
 ----------
@@ -115,16 +117,60 @@ def _fixed_point_grad(s: torch.Tensor, grad_s: torch.Tensor) -> torch.Tensor:
     h = grad_s.to(torch.float64) * s64
     h_rows, h_cols = h.sum(-1), h.sum(-2)
     rows, cols = s64.sum(-1), s64.sum(-2)
-    scaled = s64 / rows.unsqueeze(-1)  # D_r^{-1} S
-    schur = torch.diag_embed(cols) - s64.transpose(-1, -2) @ scaled + 1.0 / n
-    rhs = h_cols - (scaled.transpose(-1, -2) @ h_rows.unsqueeze(-1)).squeeze(-1)
-    y_cols, info = torch.linalg.solve_ex(schur, rhs.unsqueeze(-1))
-    if bool((info != 0).any()):  # singular in float64: S is a permutation up to rounding
-        y_cols = torch.linalg.pinv(schur, hermitian=True) @ rhs.unsqueeze(-1)
-    y_cols = y_cols.squeeze(-1)
-    y_rows = (h_rows - (s64 @ y_cols.unsqueeze(-1)).squeeze(-1)) / rows
+    rhs = h_cols - _matvec(s64.transpose(-1, -2), h_rows / rows)
+    y_cols = _schur_solve(s64, rows, cols, rhs)
+    y_rows = (h_rows - _matvec(s64, y_cols)) / rows
     grad_z = h - s64 * (y_rows.unsqueeze(-1) + y_cols.unsqueeze(-2))
     return grad_z.to(grad_s.dtype)
+
+
+def _matvec(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (m @ x.unsqueeze(-1)).squeeze(-1)
+
+
+# Conjugate-gradient steps before the Schur complement is formed and factored instead; and the
+# residual, relative to the right-hand side's, at which they stop.
+_CG_STEPS = 60
+_CG_TOL = 1e-11
+
+
+def _schur_solve(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    r"""Solve :math:`(D_c - S^\top D_r^{-1} S + \mathbf 1\mathbf 1^\top/n)\,y = b` for every matrix of the batch.
+
+    The matrix is symmetric positive definite, so conjugate gradients solve it with products
+    by :math:`S` alone (``n^2`` each, where forming it costs ``n^3``); they converge fast while
+    :math:`S` is soft, and slowly as it nears a permutation, where the matrix is formed and
+    factored instead (float64 throughout).
+    """
+    n = s.shape[-1]
+
+    def apply(y: torch.Tensor) -> torch.Tensor:
+        return cols * y - _matvec(s.transpose(-1, -2), _matvec(s, y) / rows) + y.mean(-1, keepdim=True)
+
+    y = torch.zeros_like(rhs)
+    residual = rhs.clone()
+    direction = residual.clone()
+    square = residual.square().sum(-1)
+    bound = _CG_TOL**2 * square
+    for _ in range(min(_CG_STEPS, n + 1)):
+        if bool((square <= bound).all()):
+            return y
+        moved = apply(direction)
+        curvature = (direction * moved).sum(-1)
+        step = torch.where(curvature > 0, square / curvature.clamp_min(1e-300), torch.zeros_like(square))
+        y = y + step.unsqueeze(-1) * direction
+        residual = residual - step.unsqueeze(-1) * moved
+        new_square = residual.square().sum(-1)
+        ratio = torch.where(square > 0, new_square / square.clamp_min(1e-300), torch.zeros_like(square))
+        direction = residual + ratio.unsqueeze(-1) * direction
+        square = new_square
+    if bool((square <= bound).all()):
+        return y
+    schur = torch.diag_embed(cols) - s.transpose(-1, -2) @ (s / rows.unsqueeze(-1)) + 1.0 / n
+    solved, info = torch.linalg.solve_ex(schur, rhs.unsqueeze(-1))
+    if bool((info != 0).any()):  # singular in float64: S is a permutation up to rounding
+        solved = torch.linalg.pinv(schur, hermitian=True) @ rhs.unsqueeze(-1)
+    return solved.squeeze(-1)
 
 
 def implicit_sinkhorn(z: torch.Tensor, iters: int = 100, tol: float = 1e-6,
