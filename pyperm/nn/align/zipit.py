@@ -107,6 +107,25 @@ class ZipResult:
     model: nn.Module
     sites: dict[str, tuple[ActivationSite, ...]] = field(default_factory=dict)
     num_batches: int = 0
+    _builder: Any = field(default=None, repr=False, compare=False)
+
+    def partial(self, stop: str) -> ZippedModel:
+        """The partial zip stopped at group ``stop`` (one of :attr:`stops`), from this zip's matrices (no data
+        is read again): the groups up to ``stop`` zipped into a shared trunk, one tail per model after it.
+
+        Raises
+        ------
+        ValueError
+            ``stop`` is not one of :attr:`stops` (the message lists them).
+        """
+        if not isinstance(stop, str):
+            raise TypeError(f"stop must be a group name, got {type(stop).__name__}")
+        if stop not in self.spec.sizes:
+            raise ValueError(f"stop {stop!r} is not a group of the spec (groups: {list(self.spec.groups)})")
+        if stop not in self.stops:
+            raise ValueError(f"a zip cannot stop at group {stop!r}: the groups before it are read by a layer that "
+                             f"produces a later group; it can stop at {list(self.stops)}")  # fmt: skip
+        return self._builder.partial(stop)
 
     def permutations(self) -> Permutations | None:
         """When every group's zip pairs each unit of A with one of B (same-model merges forbidden, ``alpha=0``):
@@ -270,24 +289,44 @@ def zipit(
                                 model_b.state_dict())  # fmt: skip
     producer = _producer_axes(model_a, spec)
     maps = {g: (merge[g].float(), unmerge[g].float()) for g in pairings}
-    stops = _stops(spec, producer, traced.graph_module, list(state_a))
-    if stop is None:
-        state = {k: _zip_tensor(spec, k, producer[k], (state_a[k], state_b[k]), maps, set(spec.groups))
-                 for k in state_a}  # fmt: skip
-        model = copy.deepcopy(model_a)
-        model.load_state_dict(state)
-        zipped = tuple(spec.groups)
-    else:
-        if stop not in stops:
-            raise ValueError(f"a zip cannot stop at group {stop!r}: the groups before it are read by a layer that "
-                             f"produces a later group; it can stop at {list(stops)}")  # fmt: skip
-        zipped = _zipped_through(spec, producer, traced.graph_module, list(state_a), stop)
-        state = None
-        model = _partial(model_a, spec, producer, (state_a, state_b), maps, set(zipped), first)
+    order = _group_order(spec, producer, traced.graph_module, list(state_a))
+    builder = _Builder(model_a, spec, producer, (state_a, state_b), maps, order, first)
+    stops = builder.stops()
+    result = ZipResult(spec=spec, merge=merge, unmerge=unmerge, pairings=pairings, structured=tuple(sorted(structured)),
+                       stops=stops, stop=None, zipped=tuple(spec.groups), state=None, model=model_a, sites=sites,
+                       num_batches=used, _builder=builder)  # fmt: skip
     logger.debug("zipit: %d groups (%d structured), stop %s, %d batches", len(spec.groups), len(structured), stop, used)
-    return ZipResult(spec=spec, merge=merge, unmerge=unmerge, pairings=pairings, structured=tuple(sorted(structured)),
-                     stops=stops, stop=stop, zipped=tuple(zipped), state=state, model=model, sites=sites,
-                     num_batches=used)  # fmt: skip
+    if stop is None:
+        result.state = builder.full()
+        result.model = copy.deepcopy(model_a)
+        result.model.load_state_dict(result.state)
+    else:
+        result.model = result.partial(stop)
+        result.stop, result.zipped = stop, tuple(order[: order.index(stop) + 1])
+    return result
+
+
+class _Builder:
+    """What a zip needs to build its models once the matrices are found."""
+
+    def __init__(self, model_a: nn.Module, spec: PermutationSpec, producer: Mapping[str, int | None],
+                 states: tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]],
+                 maps: Mapping[str, tuple[torch.Tensor, torch.Tensor]], order: list[str], first: Any) -> None:  # fmt: skip
+        self.model_a, self.spec, self.producer, self.states = model_a, spec, producer, states
+        self.maps, self.order, self.first = maps, order, first
+
+    def stops(self) -> tuple[str, ...]:
+        return tuple(g for i, g in enumerate(self.order)
+                     if _trunk_keys(self.spec, self.producer, set(self.order[: i + 1])) is not None)  # fmt: skip
+
+    def full(self) -> dict[str, torch.Tensor]:
+        groups = set(self.spec.groups)
+        return {k: _zip_tensor(self.spec, k, self.producer[k], (self.states[0][k], self.states[1][k]), self.maps, groups)
+                for k in self.states[0]}  # fmt: skip
+
+    def partial(self, stop: str) -> ZippedModel:
+        zipped = set(self.order[: self.order.index(stop) + 1])
+        return _partial(self.model_a, self.spec, self.producer, self.states, self.maps, zipped, self.first)
 
 
 # --------------------------------------------------------------------------- statistics
@@ -326,19 +365,23 @@ def _collect(model_a: nn.Module, model_b: nn.Module, graphs: tuple[fx.GraphModul
                 pairs = {}
                 for i, r in enumerate(readings):
                     za, zb = r.take(held[0][(r.node, r.axis)], weights[0]), r.take(held[1][(r.node, r.axis)], weights[1])
-                    if not (bool(torch.isfinite(za).all()) and bool(torch.isfinite(zb).all())):
-                        raise ValueError(f"activations of group {r.first_group!r} at {r.node!r} contain NaN or "
-                                         "infinite values")  # fmt: skip
                     if i in plain:
                         z = torch.cat([za, zb], 1)
                         pairs[i] = (z, z)
                     else:
                         pairs[i] = (za, zb)
-                if on_device:
+                try:
+                    if on_device:
+                        for i, (x, y) in pairs.items():
+                            accs[i].update(x, y)
+                    else:
+                        accs.update({i: (x.numpy(), y.numpy()) for i, (x, y) in pairs.items()})
+                except ValueError:  # name the site whose activations are bad
                     for i, (x, y) in pairs.items():
-                        accs[i].update(x, y)
-                else:
-                    accs.update({i: (x.numpy(), y.numpy()) for i, (x, y) in pairs.items()})
+                        if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
+                            raise ValueError(f"activations of group {readings[i].first_group!r} at "
+                                             f"{readings[i].node!r} contain NaN or infinite values") from None
+                    raise
                 held[0].clear()
                 held[1].clear()
                 used += 1
@@ -464,12 +507,6 @@ def _group_order(spec: PermutationSpec, producer: Mapping[str, int | None], grap
     return sorted(spec.groups, key=lambda g: (last[g], spec.groups.index(g)))
 
 
-def _zipped_through(spec: PermutationSpec, producer: Mapping[str, int | None], graph: fx.GraphModule,
-                    keys: Sequence[str], stop: str) -> list[str]:  # fmt: skip
-    groups = _group_order(spec, producer, graph, keys)
-    return groups[: groups.index(stop) + 1]
-
-
 def _trunk_keys(spec: PermutationSpec, producer: Mapping[str, int | None], zipped: set[str]) -> set[str] | None:
     """The state entries of the trunk (producing zipped units), or None when a trunk entry reads an unzipped group
     or produces zipped and unzipped units (the zip cannot stop there)."""
@@ -485,12 +522,6 @@ def _trunk_keys(spec: PermutationSpec, producer: Mapping[str, int | None], zippe
             return None
         trunk.add(k)
     return trunk
-
-
-def _stops(spec: PermutationSpec, producer: Mapping[str, int | None], graph: fx.GraphModule,
-           keys: Sequence[str]) -> tuple[str, ...]:  # fmt: skip
-    groups = _group_order(spec, producer, graph, keys)
-    return tuple(g for i, g in enumerate(groups) if _trunk_keys(spec, producer, set(groups[: i + 1])) is not None)
 
 
 # --------------------------------------------------------------------------- merged tensors
