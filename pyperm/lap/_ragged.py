@@ -41,10 +41,14 @@ def check_cost_limit(value: Any, *, allow_negative: bool = False) -> float:
     negative limit (unless ``allow_negative``) or an array of more than one value; each
     message names ``cost_limit``.
     """
+    if isinstance(value, (int, float)):
+        # Plain numbers first, with no attribute lookups: under torch.compile with dynamic
+        # shapes the limit is a symbolic float, which Dynamo cannot ask for a shape or a dtype.
+        return _checked_limit(float(value), allow_negative)
     if isinstance(value, (str, bytes)) or value is None:
         raise TypeError(f"cost_limit must be a real number, got {type(value).__name__}")
-    kind = getattr(getattr(value, "dtype", None), "kind", None)
-    if kind is not None and kind not in "biuf":  # a numpy string, object or complex array
+    # Only numpy values are asked for a dtype: under torch.compile the limit may be a symbolic float.
+    if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind not in "biuf":
         raise TypeError(f"cost_limit must be a real number, got an array of dtype {value.dtype}")
     if is_torch_tensor(value) and (value.is_complex() or value.is_quantized):
         raise TypeError(f"cost_limit must be a real number, got a tensor of dtype {value.dtype}")
@@ -59,7 +63,12 @@ def check_cost_limit(value: Any, *, allow_negative: bool = False) -> float:
         limit = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"cost_limit must be a real number, got {type(value).__name__}") from None
-    if math.isnan(limit) or limit == -math.inf or (limit < 0 and not allow_negative):
+    return _checked_limit(limit, allow_negative)
+
+
+def _checked_limit(limit: float, allow_negative: bool) -> float:
+    # limit != limit is the NaN test that a symbolic float under torch.compile also answers.
+    if limit != limit or limit == -math.inf or (limit < 0 and not allow_negative):
         what = "finite or +inf" if allow_negative else "non-negative (finite or +inf)"
         raise ValueError(f"cost_limit must be {what}, got {limit}")
     return limit
