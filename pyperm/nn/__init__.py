@@ -14,6 +14,8 @@ from pyperm.nn.align import (
     SinkhornMatchingResult,
     STEMatchingResult,
     WeightMatchingResult,
+    ZippedModel,
+    ZipResult,
     activation_matching,
     c2m3_merge,
     cycle_consistency_error,
@@ -25,6 +27,7 @@ from pyperm.nn.align import (
     sinkhorn_matching,
     ste_matching,
     weight_matching,
+    zipit,
 )
 from pyperm.nn.curves import (
     BezierCurve,
@@ -84,6 +87,8 @@ __all__ = [
     "TraceResult",
     "TraceWarning",
     "WeightMatchingResult",
+    "ZipResult",
+    "ZippedModel",
     "activation_matching",
     "apply_permutation",
     "average",
@@ -118,4 +123,5 @@ __all__ = [
     "trace_model",
     "train_curve",
     "weight_matching",
+    "zipit",
 ]

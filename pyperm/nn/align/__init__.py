@@ -28,6 +28,7 @@ from pyperm.nn.align.weight import (
     matching_objective,
     weight_matching,
 )
+from pyperm.nn.align.zipit import ZippedModel, ZipResult, zipit
 
 __all__ = [
     "ActivationMatchingResult",
@@ -38,6 +39,8 @@ __all__ = [
     "STEMatchingResult",
     "SinkhornMatchingResult",
     "WeightMatchingResult",
+    "ZipResult",
+    "ZippedModel",
     "activation_matching",
     "c2m3_merge",
     "cycle_consistency_error",
@@ -49,4 +52,5 @@ __all__ = [
     "sinkhorn_matching",
     "ste_matching",
     "weight_matching",
+    "zipit",
 ]

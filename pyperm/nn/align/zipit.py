@@ -60,7 +60,7 @@ from pyperm.nn.trace.tracer import build_graph
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ZipResult", "zipit"]
+__all__ = ["ZipResult", "ZippedModel", "zipit"]
 
 
 @dataclass
