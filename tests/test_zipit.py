@@ -257,6 +257,14 @@ def test_merged_weights_are_m_w_u():
         out_a, out_b = part.model(x)
     assert torch.allclose(out_a, h @ (sa["2.weight"] @ u[:10]).T + sa["2.bias"], atol=1e-6)
     assert torch.allclose(out_b, h @ (sb["2.weight"] @ u[10:]).T + sb["2.bias"], atol=1e-6)
+    # The same heads as two checkpoints of the architecture, sharing the trunk's entries.
+    head_a, head_b = z.partial_states(g)
+    assert torch.equal(head_a["0.weight"], head_b["0.weight"])
+    for state, out in ((head_a, out_a), (head_b, out_b)):
+        copied = copy.deepcopy(a)
+        copied.load_state_dict(state)
+        with torch.no_grad():
+            assert torch.allclose(copied(x), out, atol=1e-10)
 
 
 def test_structured_groups_are_zipped_as_permutations():

@@ -118,6 +118,18 @@ class ZipResult:
         ValueError
             ``stop`` is not one of :attr:`stops` (the message lists them).
         """
+        self._check_stop(stop)
+        return self._builder.partial(stop)
+
+    def partial_states(self, stop: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The two heads of :meth:`partial` as state dicts of model A's architecture: head ``m`` is the zipped
+        trunk, then model ``m``'s own layers reading it through its unmerge. Loaded into a copy of model A,
+        head ``m`` computes output ``m`` of the partial zip; the trunk's entries are equal in both."""
+        self._check_stop(stop)
+        heads, _ = self._builder.partial_states(stop)
+        return heads[0], heads[1]
+
+    def _check_stop(self, stop: Any) -> None:
         if not isinstance(stop, str):
             raise TypeError(f"stop must be a group name, got {type(stop).__name__}")
         if stop not in self.spec.sizes:
@@ -125,7 +137,6 @@ class ZipResult:
         if stop not in self.stops:
             raise ValueError(f"a zip cannot stop at group {stop!r}: the groups before it are read by a layer that "
                              f"produces a later group; it can stop at {list(self.stops)}")  # fmt: skip
-        return self._builder.partial(stop)
 
     def permutations(self) -> Permutations | None:
         """When every group's zip pairs each unit of A with one of B (same-model merges forbidden, ``alpha=0``):
@@ -324,9 +335,13 @@ class _Builder:
         return {k: _zip_tensor(self.spec, k, self.producer[k], (self.states[0][k], self.states[1][k]), self.maps, groups)
                 for k in self.states[0]}  # fmt: skip
 
-    def partial(self, stop: str) -> ZippedModel:
+    def partial_states(self, stop: str) -> tuple[list[dict[str, torch.Tensor]], set[str]]:
         zipped = set(self.order[: self.order.index(stop) + 1])
-        return _partial(self.model_a, self.spec, self.producer, self.states, self.maps, zipped, self.first)
+        return _partial_states(self.spec, self.producer, self.states, self.maps, zipped)
+
+    def partial(self, stop: str) -> ZippedModel:
+        heads, trunk = self.partial_states(stop)
+        return _zipped_model(self.model_a, heads, trunk, self.first)
 
 
 # --------------------------------------------------------------------------- statistics
@@ -584,27 +599,32 @@ def _tail_tensor(spec: PermutationSpec, key: str, producer: int | None, t: torch
     return t
 
 
-def _partial(model_a: nn.Module, spec: PermutationSpec, producer: Mapping[str, int | None],
-             states: tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]],
-             maps: Mapping[str, tuple[torch.Tensor, torch.Tensor]], zipped: set[str], first: Any) -> ZippedModel:  # fmt: skip
-    """The trunk of the zipped groups and one tail per model, as a :class:`ZippedModel`."""
+def _partial_states(spec: PermutationSpec, producer: Mapping[str, int | None],
+                    states: tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]],
+                    maps: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                    zipped: set[str]) -> tuple[list[dict[str, torch.Tensor]], set[str]]:  # fmt: skip
+    """Both heads' states (the zipped trunk, then each model's tail reading it through its unmerge), and the
+    trunk's keys."""
     trunk = _trunk_keys(spec, producer, zipped)
     assert trunk is not None  # the stop was checked
-    heads = []
-    for m in (0, 1):
-        state = {}
-        for k in states[0]:
-            if k in trunk:
-                state[k] = _zip_tensor(spec, k, producer[k], (states[0][k], states[1][k]), maps, zipped)
-            else:
-                state[k] = _tail_tensor(spec, k, producer[k], states[m][k], m, maps, zipped)
+    merged = {k: _zip_tensor(spec, k, producer[k], (states[0][k], states[1][k]), maps, zipped) for k in trunk}
+    heads = [{k: merged[k] if k in trunk else _tail_tensor(spec, k, producer[k], states[m][k], m, maps, zipped)
+              for k in states[0]} for m in (0, 1)]  # fmt: skip
+    return heads, trunk
+
+
+def _zipped_model(model_a: nn.Module, heads: Sequence[Mapping[str, torch.Tensor]], trunk: set[str],
+                  first: Any) -> ZippedModel:  # fmt: skip
+    """The trunk and both tails as a :class:`ZippedModel` (copies of model A holding the heads' states)."""
+    modules = []
+    for state in heads:
         head = copy.deepcopy(model_a)
         head.load_state_dict(state)
-        heads.append(head)
+        modules.append(head)
     inputs = tuple(t.to(module_device(model_a)) for t in model_inputs(first, 0))
-    graph_a, frontend = build_graph(heads[0], inputs)
-    graph_b, _ = build_graph(heads[1], inputs, frontend)
-    shared = trunk | {k for k, t in states[0].items() if not t.is_floating_point()}
+    graph_a, frontend = build_graph(modules[0], inputs)
+    graph_b, _ = build_graph(modules[1], inputs, frontend)
+    shared = trunk | {k for k, t in heads[0].items() if not t.is_floating_point()}
     return ZippedModel(graph_a, graph_b, shared)
 
 
