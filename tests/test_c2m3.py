@@ -337,3 +337,16 @@ def test_pyperm_merge_method_c2m3(tmp_path):
     assert "Frank-Wolfe iterations of C2M3" in (out / "report.md").read_text()
     with pytest.raises(SystemExit):
         main(["merge", *map(str, paths), "--model", model, "--method", "zipit", "--out", str(out)])
+
+
+def test_merge_many_method_c2m3_runs_c2m3():
+    model, spec = _mlp()
+    states = [MLP([12, 20, 20, 3]).state_dict() for _ in range(3)]
+    result = merge_many(spec, states, method="c2m3", max_iter=7, seed=3)
+    expected = c2m3_merge(spec, states, max_iter=7, seed=3)
+    assert isinstance(result, C2M3Result) and result.perms == expected.perms
+    assert result.objective == expected.objective and result.iterations == expected.iterations
+    with pytest.raises(ValueError, match="method must be one of 'mergemany', 'c2m3'"):
+        merge_many(spec, states, method="zipit")
+    with pytest.raises(TypeError, match="method"):
+        merge_many(spec, states, method=1)

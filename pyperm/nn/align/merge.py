@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pyperm._checks import check_merge_weights, check_positive_int, torch_generator
+from pyperm._checks import check_choice, check_merge_weights, check_positive_int, torch_generator
 from pyperm._progress import progress_bar
 from pyperm.nn._checks import check_spec, check_state
 from pyperm.nn.align._objective import WeightMatchingResult
@@ -78,6 +78,7 @@ def merge_many(
     max_iter: int = 100,
     seed: int | torch.Generator = 0,
     progress: bool = False,
+    method: str = "mergemany",
 ) -> MergeResult:
     r"""Align several models to each other and average them (Git Re-Basin, Algorithm 3).
 
@@ -113,6 +114,10 @@ def merge_many(
         Seeds the order of the models in each round and the weight matchings' group orders.
     progress : bool, default False
         Show a progress bar over the rounds.
+    method : {"mergemany", "c2m3"}, default "mergemany"
+        ``"c2m3"``: C2M3's cycle-consistent Frank-Wolfe in a universe instead
+        (:func:`~pyperm.nn.c2m3_merge` with its defaults; ``max_iter`` counts its iterations,
+        ``seed`` seeds its start), which returns a :class:`~pyperm.nn.C2M3Result`.
 
     Returns
     -------
@@ -154,6 +159,10 @@ def merge_many(
     >>> result.perms[0].is_identity(), sorted(result.merged) == sorted(models[0].state_dict())
     (True, True)
     """
+    if check_choice(method, "method", ("mergemany", "c2m3")) == "c2m3":
+        from pyperm.nn.align.c2m3 import c2m3_merge  # c2m3 builds on this module: imported when asked for
+
+        return c2m3_merge(spec, states, weights=weights, max_iter=max_iter, seed=seed, progress=progress)
     check_spec(spec)
     if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
         raise TypeError(f"states must be a sequence of state dicts, got {type(states).__name__}")
