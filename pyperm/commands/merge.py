@@ -38,9 +38,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-iter", type=positive_int, default=100, help="most rounds over the models (default 100)"
     )
     parser.add_argument(
-        "--method", choices=("mergemany", "c2m3"), default="mergemany",
+        "--method", choices=("mergemany", "c2m3", "zipit"), default="mergemany",
         help="mergemany: Git Re-Basin's Algorithm 3 (default); c2m3: cycle-consistent Frank-Wolfe in a universe "
-             "(Crisostomi et al. 2024; one process; --max-iter counts its iterations)",
+             "(Crisostomi et al. 2024; one process; --max-iter counts its iterations); zipit: ZipIt! (Stoica et "
+             "al. 2024) of two checkpoints, merging features within and across them (needs --data)",
+    )  # fmt: skip
+    parser.add_argument("--alpha", type=float, default=0.3, help="zipit: the paper's alpha, in [0, 1] (default 0.3)")
+    parser.add_argument(
+        "--beta", type=float, default=0.125,
+        help="zipit: same-model merges per model as a fraction of half a group, in [0, 1] (default 0.125; 0: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stop", default=None, metavar="GROUP",
+        help="zipit: a partial zip up to this group of the spec (two heads written: zipped_a, zipped_b); the report "
+             "of a full zip lists the groups it can stop at",
     )  # fmt: skip
     parser.add_argument(
         "--weights", type=positive_floats, default=None, metavar="W1,W2,...",
@@ -114,8 +125,12 @@ def run(args: argparse.Namespace) -> int:
     check_weights(args)
     if args.model == "hf" and any(is_pipeline(p) for p in args.checkpoints):  # component by component
         return _merge_pipelines(args)
-    if launched() and args.method == "c2m3":
-        raise CommandError("--method c2m3 runs in one process: start it without torchrun")
+    if launched() and args.method in ("c2m3", "zipit"):
+        raise CommandError(f"--method {args.method} runs in one process: start it without torchrun")
+    if args.method == "zipit":
+        from pyperm.commands._zip import run_zipit
+
+        return run_zipit(args)
     if launched():  # under torchrun: the tensors split over the ranks
         from pyperm.commands._merge_over_ranks import merge_over_ranks
 
