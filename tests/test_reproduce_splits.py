@@ -76,7 +76,8 @@ def test_accuracy_by_half():
     labels = torch.tensor([0, 1, 5, 6])
     logits = torch.nn.functional.one_hot(torch.tensor([0, 2, 5, 5]), 10).float()
     assert accuracy_by_half(logits, labels, 10) == (0.5, 0.5)
-    assert accuracy_by_half(logits[:2], labels[:2], 10)[0] == 0.5 and np.isnan(accuracy_by_half(logits[:2], labels[:2], 10)[1])
+    first, second = accuracy_by_half(logits[:2], labels[:2], 10)
+    assert first == 0.5 and np.isnan(second)
 
 
 def _with_confidence(p, predicted, classes=4):

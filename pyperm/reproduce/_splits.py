@@ -145,4 +145,5 @@ def accuracy_by_half(logits: Any, labels: Any, num_classes: int) -> tuple[float,
     y = torch.as_tensor(labels).to(logits.device)
     correct = (logits.argmax(dim=-1) == y).cpu().numpy()
     first = first_half(y.cpu().numpy(), num_classes)
-    return tuple(float(correct[m].mean()) if m.any() else float("nan") for m in (first, ~first))  # type: ignore[return-value]
+    first_acc, second_acc = (float(correct[m].mean()) if m.any() else float("nan") for m in (first, ~first))
+    return first_acc, second_acc

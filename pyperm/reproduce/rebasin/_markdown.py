@@ -129,7 +129,8 @@ def split_section(data: dict, models: Any, split: dict, training_seconds: float)
                         f"accuracy on labels {k}-{2 * k - 1} (%)", "ECE (15 bins)"], rows),  # fmt: skip
         "",
         "The merged model is the weight-matched path's point of lowest test loss strictly between A and B (chosen "
-        "on the test split, as the paper's figure reads it). Matching time: " + ", ".join(f"{m} {s:.3f} s" for m, s in sec.items())
+        "on the test split, as the paper's figure reads it). Matching time: "
+        + ", ".join(f"{m} {s:.3f} s" for m, s in sec.items())
         + f". Time of the experiment: training {training_seconds:.1f} s, matching and evaluation "
         f"{split['seconds']:.1f} s.",
     ]
@@ -170,7 +171,8 @@ def settings(scale: str, cfg: dict, data: dict, arch: str, fig2: dict, table: di
         "barrier vs width": f"models {', '.join(str(w) for w in cfg['widths'])} (hidden width, {cfg['depth']} layers) "
                             f"on {data['name']}, {cfg['width_epochs']} epochs, {cfg['pairs']} pair(s) each",
         "split data": f"model A: {100 * cfg['split_fractions'][0]:g}% of the examples labelled 0-{half - 1} and "
-                      f"{100 * cfg['split_fractions'][1]:g}% of those labelled {half}-{2 * half - 1} (drawn from seed {seed}); "
+                      f"{100 * cfg['split_fractions'][1]:g}% of those labelled {half}-{2 * half - 1} (drawn from "
+                      f"seed {seed}); "
                       "model B the others",
         "split models": f"{split_models.setting['name']}: {_recipe(split_models.setting['recipe'])}, "
                         f"{split_models.setting['epochs']} epochs, batches of {split_models.setting['batch']}; "
