@@ -113,15 +113,17 @@ def _fixed_point_grad(s: torch.Tensor, grad_s: torch.Tensor) -> torch.Tensor:
     n = s.shape[-1]
     if n == 0:
         return torch.zeros_like(s)
+    # The entrywise work in S's dtype; the sums and the adjoint system in float64.
+    grad_s = grad_s.to(s.dtype)
+    h = grad_s * s
+    h_rows, h_cols = h.sum(-1, dtype=torch.float64), h.sum(-2, dtype=torch.float64)
     s64 = s.to(torch.float64)
-    h = grad_s.to(torch.float64) * s64
-    h_rows, h_cols = h.sum(-1), h.sum(-2)
     rows, cols = s64.sum(-1), s64.sum(-2)
     rhs = h_cols - _matvec(s64.transpose(-1, -2), h_rows / rows)
     y_cols = _schur_solve(s64, rows, cols, rhs)
     y_rows = (h_rows - _matvec(s64, y_cols)) / rows
-    grad_z = h - s64 * (y_rows.unsqueeze(-1) + y_cols.unsqueeze(-2))
-    return grad_z.to(grad_s.dtype)
+    # H - S o (y_r 1^T + 1 y_c^T), as S o (G - y_r 1^T - 1 y_c^T): no difference of large terms.
+    return s * (grad_s - (y_rows.unsqueeze(-1) + y_cols.unsqueeze(-2)).to(s.dtype))
 
 
 def _matvec(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
