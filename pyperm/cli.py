@@ -23,6 +23,8 @@ BENCHMARKS = {
     ),
     "pam": ("pyperm.benchmarks.pam", "one PAM outer iteration split into curve, projection, BvN and assignment time"),
     "trace": ("pyperm.benchmarks.trace", "tracing torchvision/timm models: permutable units, causes, time vs targets"),
+    "zipit": ("pyperm.benchmarks.zipit", "a ZipIt! zip of two ResNet-20s: whole time, its matching's share, and the "
+              "authors' matching on the same correlations"),
 }
 
 # The checkpoint and reproduction jobs, one module each in pyperm.commands with
