@@ -157,11 +157,12 @@ def test_split_on_tiny_cifar100_files_at_paper_scale(tmp_path):
     folder.mkdir()
     write_cifar100(folder, n_train=40, n_test=12)
     cfg = dict(SETTINGS["paper"], width=8, epochs=1, marks=[1], ste_epochs=1, ste_batch=8, eval_batch=8, batch=8,
-               split_points=3, split_conv={"width": 1, "recipe": "resnet_sgd", "batch": 8, "epochs": 1})  # fmt: skip
+               split_points=3, split_conv={"width": 1, "recipe": "resnet_sgd", "batch": 4, "epochs": 1})  # fmt: skip
     data = load_data(f"cifar100:{folder}", "cpu", 8, ste=8)
     ends = SimpleNamespace(name=mlp_name(data, 8, 3), states=[None], seeds=[1], snapshots=[{}])
     models = sp.train_split_models("paper", cfg, data, ends, "cpu", 0, EpochBar(False, 0))
-    assert models.setting == {"name": "resnet20:1,num_classes=100", "recipe": "resnet_sgd", "batch": 8, "epochs": 1}
+    assert models.setting == {"name": "resnet20:1,num_classes=100", "recipe": "resnet_sgd", "batch": 4, "epochs": 1,
+                              "ste_epochs": 1, "ste_batch": 4}  # fmt: skip
     assert models.union_source.startswith("trained") and models.states["union"] is not None
     y = data["y_train"].numpy()
     first, second = int((y < 50).sum()), int((y >= 50).sum())
@@ -169,6 +170,7 @@ def test_split_on_tiny_cifar100_files_at_paper_scale(tmp_path):
     result = sp.split_experiment(cfg, data, models, 0, False)
     assert all(path.bn_reset for path in result["paths"].values())
     assert result["ts"] == [0.0, 0.5, 1.0] and result["best_t"] == 0.5
+    assert result["ste_steps"] == 40 // 4  # one epoch of the training batches
     assert set(result["scores"]) == {"A", "B", "union", "merged", "ensemble"}
     assert sp.split_json(models, result)["halves"]["A"] == models.halves["A"]
 

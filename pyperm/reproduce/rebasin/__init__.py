@@ -79,18 +79,23 @@ def estimate_seconds(scale: str, data: str = "digits", device: Any = "cpu") -> f
 def _split_seconds(scale: str, cfg: dict, info: dict, fig2: str, n_train: int, n_test: int, device: Any) -> float:
     """Sec. 5.4's part of :func:`estimate_seconds`: A's, B's (and the union model's) training, STE, the paths."""
     from pyperm.reproduce._estimate import forward_seconds, step_seconds
+    from pyperm.reproduce.rebasin._settings import split_setting
     from pyperm.reproduce.rebasin._split import split_runs
 
     shape = info["input_shape"]
     total = 0.0
-    model = fig2
-    for model, epochs, batch, _, share in split_runs(scale, cfg, info, fig2):
+    runs = split_runs(scale, cfg, info, fig2)
+    model, batch = runs[0][0], runs[0][2]
+    for _, epochs, _, _, share in runs:
         total += epochs * math.ceil(share * n_train / batch) * step_seconds(model, shape, batch, device)
-    total += 2 * cfg["ste_epochs"] * math.ceil(n_train / cfg["ste_batch"]) * step_seconds(model, shape,
-                                                                                          cfg["ste_batch"], device)
-    # Four paths on the test split (and BatchNorm statistics on the training split for a conv model).
+    setting = split_setting(scale, cfg, info)
+    ste_steps = setting["ste_epochs"] * math.ceil(n_train / setting["ste_batch"])
+    total += 2 * ste_steps * step_seconds(model, shape, setting["ste_batch"], device)
+    # Four paths on the test split (and BatchNorm statistics on the training split for a conv model), timed
+    # from the training step's probe (a probe of a wide ResNet at another batch would take minutes on a CPU).
     per_point = n_test + (0 if model.startswith("mlp") else n_train)
-    return total + forward_seconds(model, shape, 4 * cfg["split_points"] * per_point + 4 * n_test, device)
+    samples = 4 * cfg["split_points"] * per_point + 4 * n_test
+    return total + forward_seconds(model, shape, samples, device, batch=batch)
 
 
 def _config(scale: str) -> dict[str, Any]:

@@ -151,7 +151,6 @@ def settings(scale: str, cfg: dict, data: dict, arch: str, fig2: dict, table: di
 
     opt = _recipe(cfg["recipe"])
     half = data["num_classes"] // 2
-    fig2_ste_epochs = cfg["ste_epochs"]
     k = cfg["fig3_train_batches"]
     fig3_train = data["num_train_eval"] if k is None else min(data["num_train_eval"], k * cfg["eval_batch"])
     seeds = ", ".join(str(r["model"]).removeprefix("seed ") for r in table["rows"][:-2])
@@ -178,8 +177,8 @@ def settings(scale: str, cfg: dict, data: dict, arch: str, fig2: dict, table: di
                         f"{split_models.setting['epochs']} epochs, batches of {split_models.setting['batch']}; "
                         f"A, B from seeds {split_models.seeds['A']}, {split_models.seeds['B']}; union model: "
                         f"{split_models.union_source}",
-        "split comparisons": f"naive, weight, activation and STE matching ({fig2_ste_epochs} STE epochs, "
-                             f"{split['ste_steps']} steps), the logit ensemble and the union model; "
+        "split comparisons": f"naive, weight, activation and STE matching ({split_models.setting['ste_epochs']} "
+                             f"STE epochs, {split['ste_steps']} steps), the logit ensemble and the union model; "
                              f"{cfg['split_points']} points, on the whole test split",
         "calibration": "top-label expected calibration error over 15 equal-width confidence bins",
     }  # fmt: skip

@@ -55,7 +55,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
               # first endpoint after 20 epochs (under a constant step, the same run as training 20 epochs).
               "split_fractions": (0.2, 0.8), "split_epochs": 20, "split_points": 25,
               # On CIFAR: ResNet20 at the authors' width (their Fig. 5 plot reads the "width multiplier = 32" runs).
-              "split_conv": {"width": 32, "recipe": "resnet_sgd", "batch": 100, "epochs": 250}},
+              # STE there: one epoch of the training batches (each step a weight matching of a 32x ResNet20).
+              "split_conv": {"width": 32, "recipe": "resnet_sgd", "batch": 100, "epochs": 250, "ste_epochs": 1}},
 }  # fmt: skip
 
 # Each setting at --scale paper beside the line of the paper (or of the authors' code) that states it.
@@ -112,7 +113,8 @@ def fig4_models(scale: str, cfg: dict, data: dict) -> list[tuple[str, str]]:
 
 
 def split_setting(scale: str, cfg: dict, data: dict) -> dict[str, Any]:
-    """Sec. 5.4's models A, B and the union model: ``name``, ``recipe``, ``batch``, ``epochs``.
+    """Sec. 5.4's models A, B and the union model: ``name``, ``recipe``, ``batch``, ``epochs``, and STE
+    matching's ``ste_epochs`` and ``ste_batch``.
 
     Figure 2's MLP and recipe for ``split_epochs``, except at ``--scale paper`` on CIFAR,
     where the paper's ResNet20 is trained with the authors' recipe (``cfg["split_conv"]``).
@@ -120,6 +122,7 @@ def split_setting(scale: str, cfg: dict, data: dict) -> dict[str, Any]:
     if scale == "paper" and data["name"] in ("cifar10", "cifar100"):
         conv = cfg["split_conv"]
         return {"name": f"resnet20:{conv['width']},num_classes={data['num_classes']}", "recipe": conv["recipe"],
-                "batch": conv["batch"], "epochs": conv["epochs"]}  # fmt: skip
+                "batch": conv["batch"], "epochs": conv["epochs"], "ste_epochs": conv.get("ste_epochs", 1),
+                "ste_batch": conv["batch"]}  # fmt: skip
     return {"name": mlp_name(data, cfg["width"], cfg["depth"]), "recipe": cfg["recipe"], "batch": cfg["batch"],
-            "epochs": cfg["split_epochs"]}  # fmt: skip
+            "epochs": cfg["split_epochs"], "ste_epochs": cfg["ste_epochs"], "ste_batch": cfg["ste_batch"]}  # fmt: skip

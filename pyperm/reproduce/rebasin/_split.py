@@ -130,7 +130,13 @@ def split_experiment(cfg: dict, data: dict, models: SplitModels, seed: int, prog
                                                   data["train_eval"]).perms  # fmt: skip
     seconds["activation"] = time.perf_counter() - t
     t = time.perf_counter()
-    ste = pnn.ste_matching(model, spec, sa, sb, data["ste"], epochs=cfg["ste_epochs"], lr=1e-3, seed=seed,
+    size = models.setting["ste_batch"]
+    if size == cfg["ste_batch"]:
+        ste_data = data["ste"]
+    else:
+        ste_data = [(data["x_train"][i : i + size], data["y_train"][i : i + size])
+                    for i in range(0, len(data["y_train"]), size)]  # fmt: skip
+    ste = pnn.ste_matching(model, spec, sa, sb, ste_data, epochs=models.setting["ste_epochs"], lr=1e-3, seed=seed,
                            progress=progress)  # fmt: skip
     perms["ste"] = ste.perms
     seconds["ste"] = time.perf_counter() - t
@@ -173,7 +179,7 @@ def split_experiment(cfg: dict, data: dict, models: SplitModels, seed: int, prog
 def split_json(models: SplitModels, result: dict) -> dict[str, Any]:
     """What report.json keeps of the experiment."""
     return {"model": models.setting["name"], "epochs": models.setting["epochs"], "recipe": models.setting["recipe"],
-            "batch": models.setting["batch"], "halves": models.halves, "seeds": models.seeds,
+            "batch": models.setting["batch"], "ste_epochs": models.setting["ste_epochs"], "halves": models.halves, "seeds": models.seeds,
             "union_model": models.union_source, "ts": result["ts"],
             "paths": {label: r.to_dict() for label, r in result["paths"].items()}, "ensemble": result["ensemble"],
             "scores": result["scores"], "best_t": result["best_t"], "matching_seconds": result["matching_seconds"],
