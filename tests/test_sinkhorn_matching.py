@@ -251,3 +251,11 @@ def test_bad_arguments_name_themselves(pair):
     for name, value in (("data", data), ("loss_fn", F.cross_entropy), ("max_batches", 2)):
         with pytest.raises(ValueError, match=name):
             sinkhorn_matching(model, spec, sa, sb, **{name: value}, loss="distance")
+
+
+def test_progress_bar_counts_the_steps(capsys):
+    pytest.importorskip("tqdm")
+    _, spec, sa, sb, _ = _planted_mlp([8, 12, 3])
+    result = sinkhorn_matching(None, spec, sa, sb, loss="distance", epochs=3, progress=True)
+    assert result.iterations == 3
+    assert "Sinkhorn matching" in capsys.readouterr().err
