@@ -251,14 +251,20 @@ def c2m3_merge(
             free = [a for a in range(n) if matrices[a] is not None]
             targets = _assign(spec, [grads[a] for a in free])
             directions: list[dict | None] = [None] * n
+            vertex: list[dict | None] = [None] * n
             for a, p in zip(free, targets):
+                vertex[a] = p
                 directions[a] = {g: t - matrices[a][g] for g, t in one_hot(spec, p, dtype, device).items()}
             gap = sum(float((grads[a][g].double() * directions[a][g].double()).sum()) for a in free for g in grads[a])
             gaps.append(gap)
             small = tol * max(abs(value), 1e-300)
             step = 0.0
             if gap > small:
-                step, gain = _line_search(spec, tensors, matrices, directions, w, keys, degree, value)
+                # F at the segment's end, where every free model is at its permutations: gathers, no products
+                ends = [ts if p is None else {k: permute_entry(spec, p, k, ts[k]) for k in keys}
+                        for ts, p in zip(tensors, vertex)]  # fmt: skip
+                at_one = _pair_sum(ends, w, keys)[0]
+                step, gain = _line_search(spec, tensors, matrices, directions, w, keys, degree, value, at_one)
                 if gain <= small:
                     step = 0.0
             step_sizes.append(step)
@@ -622,16 +628,18 @@ def _value(spec: PermutationSpec, tensors: list[dict], matrices: list[dict], w: 
 
 @torch.no_grad()
 def _line_search(spec: PermutationSpec, tensors: list[dict], matrices: list[dict], directions: list[dict],
-                 w: list[float], keys: list[str], degree: int, at_zero: float) -> tuple[float, float]:  # fmt: skip
+                 w: list[float], keys: list[str], degree: int, at_zero: float,
+                 at_one: float) -> tuple[float, float]:  # fmt: skip
     """The step in [0, 1] that maximises F along ``matrices + t * directions``, and its gain over ``at_zero``.
 
     F is a polynomial of degree at most ``degree`` in t there: it is interpolated exactly through
-    ``degree + 1`` values at Chebyshev points of [0, 1] (t = 0 is the known one), then maximised
-    over the stationary points in the segment and its ends."""
+    ``degree + 1`` values at Chebyshev points of [0, 1] (the ends, ``at_zero`` and ``at_one``, are
+    known), then maximised over the stationary points in the segment and its ends."""
     nodes = [0.5 - 0.5 * math.cos(math.pi * j / degree) for j in range(degree + 1)]
     values = [at_zero]
-    for t in nodes[1:]:
+    for t in nodes[1:-1]:
         values.append(_value(spec, tensors, _moved(matrices, directions, t), w, keys))
+    values.append(at_one)
     x = 2.0 * np.asarray(nodes) - 1.0  # [0, 1] onto [-1, 1], where the Chebyshev basis is well conditioned
     poly = np.polynomial.Chebyshev.fit(x, values, degree, domain=[-1, 1], window=[-1, 1])
     candidates = [-1.0, 1.0] + [float(r.real) for r in poly.deriv().roots() if abs(r.imag) < 1e-9 and -1 < r.real < 1]
