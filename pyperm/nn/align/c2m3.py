@@ -20,7 +20,8 @@ relaxed to doubly stochastic matrices and optimised by Frank-Wolfe:
    (:func:`pyperm.batch_linear_sum_assignment`), one call per block size;
 3. the step towards those permutations is the exact maximiser of :math:`F` on the segment:
    along it :math:`F` is a polynomial in the step, of degree twice the most matrices one tensor
-   is multiplied by, found exactly from that many evaluations;
+   is multiplied by, found exactly from its values at that many points (the far end, where every
+   model is at its permutations, by gathers);
 4. at the end each matrix is rounded to its nearest permutation (an assignment again), and all
    permutations are composed with the inverse of the first model's, so the merged model lives
    in the first model's basin (as :func:`~pyperm.nn.merge_many`'s does).
@@ -199,9 +200,9 @@ def c2m3_merge(
     Notes
     -----
     Each iteration costs one pass of relaxed products with their gradients over all models
-    and as many products without gradients as the degree of the line search (4 for an MLP:
-    two matrices per weight), each a product of an ``(n, n)`` matrix with the tensor: dense,
-    unlike weight matching's gathers. The models are copied once into the working dtype
+    but the first and one pass without gradients per interior point of the line search (its
+    degree less one: 3 for an MLP, whose weights take two matrices each), every product a
+    dense ``(n, n)`` matrix times a tensor, where weight matching gathers rows. The models are copied once into the working dtype
     (float64 if any matched entry is float64, else float32).
 
     References
