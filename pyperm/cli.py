@@ -16,6 +16,8 @@ BENCHMARKS = {
     "ste": ("pyperm.benchmarks.ste", "STE matching (Git Re-Basin Algorithm 2): a step vs its floor and vs re-matching"),
     "sinkhorn": ("pyperm.benchmarks.sinkhorn", "two models: weight matching, STE and Sinkhorn re-basin (both losses), "
                  "test barriers and times"),
+    "merge": ("pyperm.benchmarks.merge", "many models: MergeMany, C2M3 (and the authors' Frank-Wolfe), with and without "
+              "REPAIR: merged test loss, pair barriers, cycle error, objective, time"),
     "curves": ("pyperm.benchmarks.curves", "a curve training step vs a plain training step of the same model and batch"),
     "teacher-student": (
         "pyperm.benchmarks.teacher_student",
