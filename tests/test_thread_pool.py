@@ -224,3 +224,11 @@ def test_exit_with_the_workers_started_does_not_hang():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"workers {core.hardware_threads() - 1}" in proc.stdout
+
+
+def test_bench_threads_goal_prints_its_tables(capsys):
+    from pyperm.cli import main
+
+    assert main(["bench", "lap", "--threads-goal", "--crossover", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "default / threads=1" in out and "crossover:" in out

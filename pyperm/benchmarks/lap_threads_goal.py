@@ -111,8 +111,9 @@ def run(args: argparse.Namespace) -> int:
     repeat = max(args.repeat, 5)
     load = getattr(args, "load", 0) or 0
     rng = np.random.default_rng(args.seed)
-    print(f"pyperm {pyperm.__version__}, kernels: {kernels()}, hardware threads: {core.hardware_threads()}, "
-          f"cost model: {core.work_per_thread()} units per thread, medians of {repeat} alternating calls, "
+    model = f"{core.work_per_thread()} units per thread" if hasattr(core, "work_per_thread") else "none"
+    print(f"pyperm {pyperm.__version__} ({pyperm.__file__}), kernels: {kernels()}, hardware threads: "
+          f"{core.hardware_threads()}, cost model: {model}, medians of {repeat} alternating calls, "
           f"{load} spinning processes beside")
     blocks = detr_blocks(rng)
     stack = rng.random((256, 128, 128))
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
                     lambda t: pyperm.batch_linear_sum_assignment(stack, threads=t),
                     lambda a: objective(stack, zip(*a)), max(3, repeat // 4)),
         ]  # fmt: skip
-        cross = crossover(rng, repeat) if getattr(args, "crossover", False) else None
+        cross = crossover(rng, repeat) if getattr(args, "crossover", False) and hasattr(core, "set_cost_model") else None
     finally:
         stop_load(procs)
     print(text_table(["case", "default ms", "threads=1 ms", "default / 1", "speed-up", "spread default",
@@ -147,3 +148,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"crossover: {'none' if first is None else cross[first][1]} work units; "
               f"kWorkPerThread = {core.work_per_thread()} (loops below {2 * core.work_per_thread()} stay serial)")
     return 0
+
+
+if __name__ == "__main__":
+    # Also runs as a script, against any build of pyperm on the path (an older one: no crossover).
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--load", type=int, default=0)
+    parser.add_argument("--crossover", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    sys.exit(run(parser.parse_args()))
