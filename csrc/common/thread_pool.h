@@ -24,11 +24,13 @@ int hardware_threads();
 // The cost model. Work is counted in units of about one cost-matrix entry scanned by the
 // assignment kernels (callers with other kinds of work convert to it). A loop gets one
 // thread per kWorkPerThread units at most, so it stays on the calling thread below twice
-// that. Why this value: it is about the work at which a loop on two threads of this pool
-// starts to beat one thread on an idle machine (`pyperm bench lap --threads-goal --crossover`
-// measures it: the smallest batch of small problems from which on two threads win), doubled, so
-// that a loop that does go parallel gains at least as much as waking a worker can cost it.
-constexpr int64_t kWorkPerThread = int64_t(1) << 16;
+// that. Why this value: it is about the crossover, the work from which on two threads of this
+// pool beat one, measured on the 2-core development machine by `pyperm bench lap
+// --threads-goal --crossover` (batches of 100 x 25 problems, DETR's size) with the benchmark
+// run under `chrt -f 1` so that its threads find the cores idle as on a quiet machine: two
+// threads won from about 18,000 units on, and by a third at twice that. A second thread comes
+// only at twice the crossover, where its gain covers the worker's wake-up with room for noise.
+constexpr int64_t kWorkPerThread = int64_t(1) << 14;
 
 // How many threads a loop of `work` units may use: at most `threads` (<= 0: all hardware
 // threads), at most one per kWorkPerThread units, at least 1.

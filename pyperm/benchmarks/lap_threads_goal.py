@@ -8,7 +8,8 @@
 - ``--crossover``: the measurement behind the cost model's kWorkPerThread (csrc/common/thread_pool.h).
   With the model switched off, batches of B small problems (100 x 25, DETR's typical block) are
   timed on two threads and on one, for growing B; the crossover is the work of the smallest batch
-  whose two-thread median beats one thread's.
+  from which on the two-thread median beats one thread's. Run it where the cores are idle (or
+  under ``chrt -f 1``, which gives the benchmark's threads the cores as on a quiet machine).
 
 The two settings of each case are timed alternately, call by call, so that a change in the
 machine's load shows in both; every answer is checked against ``threads=1``'s objective first.
@@ -84,7 +85,7 @@ def crossover(rng: np.random.Generator, repeat: int) -> list:
     rows = []
     before = core.set_cost_model(False)
     try:
-        for batch in (2, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+        for batch in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96):
             stack = rng.random((batch, n, m))
             times = alternate({t: (lambda t=t: pyperm.batch_linear_sum_assignment(stack, threads=t)) for t in (2, 1)},
                               repeat)  # fmt: skip
