@@ -232,3 +232,27 @@ def test_bench_threads_goal_prints_its_tables(capsys):
     assert main(["bench", "lap", "--threads-goal", "--crossover", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "default / threads=1" in out and "crossover:" in out
+
+
+@pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
+def test_pool_alone_under_a_sanitizer(tmp_path, sanitizer):
+    # The pool's source built on its own with a stress run (tests/cpp/thread_pool_stress.cpp):
+    # ThreadSanitizer reports any data race between callers, workers and the fork.
+    import os
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pool = os.path.join(root, "csrc", "common", "thread_pool.cpp")
+    compiler = shutil.which("g++") or shutil.which("clang++")
+    if compiler is None or not os.path.exists(pool):
+        pytest.skip("needs a C++ compiler and pyperm's source tree")
+    exe = tmp_path / "stress"
+    build = subprocess.run([compiler, "-std=c++17", "-O1", "-g", f"-fsanitize={sanitizer}",
+                            "-I", os.path.join(root, "csrc"), os.path.join(root, "tests", "cpp", "thread_pool_stress.cpp"),
+                            pool, "-o", str(exe), "-lpthread"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    if build.returncode != 0:
+        pytest.skip(f"this compiler cannot build with -fsanitize={sanitizer}: {build.stderr.strip()[-200:]}")
+    env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1 die_after_fork=0", ASAN_OPTIONS="detect_leaks=0")
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "wrong=0 child=ok" in run.stdout
