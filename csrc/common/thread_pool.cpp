@@ -87,6 +87,9 @@ class Pool {
 
   int workers() const { return static_cast<int>(threads_.size()); }
 
+  // Workers not asleep: each is one of the kernel's runnable threads, though not a competitor.
+  int awake() const { return awake_.load(std::memory_order_relaxed); }
+
   // Runs the loop with up to `helpers` workers beside the calling thread, or returns false
   // without running anything when another loop owns the workers.
   bool try_run(Loop& loop, int helpers) {
@@ -130,9 +133,12 @@ class Pool {
  private:
   void work() {
     uint64_t seen = 0;
+    awake_.fetch_add(1, std::memory_order_relaxed);
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
+      awake_.fetch_sub(1, std::memory_order_relaxed);
       wake_.wait(lock, [&] { return stopping_ || (generation_ != seen && open_seats_ > 0); });
+      awake_.fetch_add(1, std::memory_order_relaxed);
       if (stopping_) return;
       seen = generation_;
       --open_seats_;
@@ -146,6 +152,7 @@ class Pool {
   }
 
   std::atomic<bool> owned_{false};  // whether a loop (or the shutdown) owns the workers
+  std::atomic<int> awake_{0};
   std::mutex mutex_;
   std::condition_variable wake_, done_;
   Loop* loop_ = nullptr;  // the loop being run, while one is
@@ -164,10 +171,10 @@ std::mutex g_create_mutex;
 std::atomic<bool> g_exiting{false};
 
 // Cores with nothing to run, by the kernel's count of runnable threads (the fourth field of
-// /proc/loadavg, "running/total"), the calling thread being one of them; -1 when unknown.
-// On a machine whose cores are all busy a woken worker waits for a turn, often longer than the
-// loop takes serially, so a loop takes helpers only for idle cores.
-int idle_cores() {
+// /proc/loadavg, "running/total"), the calling thread and `own` awake workers of the pool being
+// among them; -1 when unknown. On a machine whose cores are all busy a woken worker waits for a
+// turn, often longer than the loop takes serially, so a loop takes helpers only for idle cores.
+int idle_cores(int own) {
   static const int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);  // pread: no shared offset
   static const int cpus = std::max(1, get_nprocs());
   if (fd < 0) return -1;
@@ -181,7 +188,7 @@ int idle_cores() {
   while (p > buf && p[-1] >= '0' && p[-1] <= '9') --p;
   if (p == slash) return -1;
   const long running = std::strtol(p, nullptr, 10);
-  return static_cast<int>(std::max<long>(0, cpus - running));
+  return static_cast<int>(std::max<long>(0, cpus - std::max<long>(1, running - own)));
 }
 
 void forget_pool_in_child() {
@@ -223,7 +230,8 @@ void parallel_for(int64_t n_tasks, int threads, const std::function<void(int64_t
   loop.n_tasks = n_tasks;
   int helpers = threads - 1;
   if (helpers > 0 && g_cost_model.load(std::memory_order_relaxed)) {
-    const int idle = idle_cores();
+    const Pool* p = g_pool.load(std::memory_order_acquire);
+    const int idle = idle_cores(p == nullptr ? 0 : p->awake());
     if (idle >= 0) helpers = std::min(helpers, idle);
   }
   if (helpers <= 0 || g_exiting.load(std::memory_order_relaxed) || !pool()->try_run(loop, helpers))
