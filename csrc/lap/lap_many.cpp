@@ -140,13 +140,10 @@ Status solve_many(const MatrixView<T>* problems, int64_t count, bool maximize, C
                   Isa isa, int64_t* failed) {
   if (count <= 0) return Status::Ok;
   std::vector<Status> status(static_cast<size_t>(count), Status::Ok);
-  // A thread costs tens of microseconds to start (far more on a loaded machine, where it waits
-  // to be scheduled): batches of a few small problems stay on the calling thread.
-  constexpr int64_t kEntriesPerWorker = int64_t(1) << 15;
-  int64_t entries = 0;
-  for (int64_t b = 0; b < count; ++b) entries += problems[b].n_rows * problems[b].n_cols;
-  const int64_t workers = std::max<int64_t>(
-      1, std::min({static_cast<int64_t>(threads > 0 ? threads : hardware_threads()), count, entries / kEntriesPerWorker}));
+  // Batches of a few small problems stay on the calling thread (the cost model of thread_pool.h).
+  int64_t work = 0;
+  for (int64_t b = 0; b < count; ++b) work += assignment_work(problems[b].n_rows, problems[b].n_cols);
+  const int64_t workers = std::min<int64_t>(threads_for_work(threads, work), count);
   std::atomic<int64_t> next{0};
   // One task per worker, each pulling problems until none is left: uneven problems balance,
   // and each worker keeps its scratch buffers from one problem to the next.
