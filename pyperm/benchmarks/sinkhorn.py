@@ -27,6 +27,7 @@ the midpoint loss's barrier at or below weight matching's, its time at most STE'
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -43,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", choices=SCALES, default="smoke",
                         help="the pair and STE's epochs of pyperm reproduce rebasin at this scale")
     parser.add_argument("--seeds", type=positive_int, default=1, help="pairs (seeds 0, 1, ...)")
+    parser.add_argument("--repeat", type=positive_int, default=1,
+                        help="timed runs of each method (median reported; every run gives the same answer)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: the process's CPU time, every thread's (steady on a busy machine; with "
@@ -200,9 +203,12 @@ def run(args: argparse.Namespace) -> int:
             methods |= _authors_methods(args.authors, model, sa, sb, loaded, cfg, DISTANCE_STEPS)
         found = {"naive": (sb, 0, 0.0)}
         for label, call in methods.items():
-            start = timer()
-            pb, steps = call()
-            found[label] = (pb, steps, timer() - start)
+            times = []
+            for _ in range(args.repeat):
+                start = timer()
+                pb, steps = call()
+                times.append(timer() - start)
+            found[label] = (pb, steps, statistics.median(times))
             print(f"  pair {seed}: {label} {found[label][2]:.2f} s", flush=True)
         for label, (pb, steps, took) in found.items():
             result = pnn.barrier(model, sa, pb, loaded["test"], num_points=cfg["points"])
