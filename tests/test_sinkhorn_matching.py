@@ -42,10 +42,18 @@ def _unrolled_sinkhorn(z: torch.Tensor, iters: int = 3000) -> torch.Tensor:
 @pytest.mark.parametrize("solver", ["conjugate gradients", "factored"])
 @pytest.mark.parametrize("shape, scale", [((5, 5), 1.0), ((3, 4, 4), 1.0), ((6, 6), 4.0), ((1, 1), 1.0)])
 def test_implicit_gradient_equals_the_unrolled_gradient(shape, scale, solver, monkeypatch):
-    """Both ways of solving the adjoint system: conjugate gradients, and the factored Schur complement
-    that takes over where they have not converged."""
+    """Both ways of solving the adjoint system: conjugate gradients (here on small matrices, which are
+    otherwise factored at once; they must converge: factoring is refused), and the factored Schur
+    complement."""
     if solver == "factored":
         monkeypatch.setattr(implicit_module, "_CG_STEPS", 0)
+    else:
+        monkeypatch.setattr(implicit_module, "_FACTOR_UP_TO", 0)
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("the conjugate gradients did not converge")
+
+        monkeypatch.setattr(torch.linalg, "solve_ex", refuse)
     gen = torch.Generator().manual_seed(0)
     z = (scale * torch.randn(shape, generator=gen, dtype=torch.float64)).requires_grad_(True)
     w = torch.randn(shape, generator=gen, dtype=torch.float64)

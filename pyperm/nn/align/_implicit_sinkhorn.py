@@ -134,6 +134,10 @@ def _matvec(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 # residual, relative to the right-hand side's, at which they stop.
 _CG_STEPS = 60
 _CG_TOL = 1e-11
+# Up to this size the complement is formed and factored at once: its n^3 work costs less than the
+# fixed cost of the conjugate-gradient steps' small operations (the crossover was near 100 units on
+# the development machine).
+_FACTOR_UP_TO = 96
 
 
 def _schur_solve(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
@@ -142,7 +146,7 @@ def _schur_solve(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, rhs: t
     The matrix is symmetric positive definite, so conjugate gradients solve it with products
     by :math:`S` alone (``n^2`` each, where forming it costs ``n^3``); they converge fast while
     :math:`S` is soft, and slowly as it nears a permutation, where the matrix is formed and
-    factored instead (float64 throughout).
+    factored instead, as it is at once for small ``n`` (float64 throughout).
     """
     n = s.shape[-1]
 
@@ -154,7 +158,7 @@ def _schur_solve(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, rhs: t
     direction = residual.clone()
     square = residual.square().sum(-1)
     bound = _CG_TOL**2 * square
-    for _ in range(min(_CG_STEPS, n + 1)):
+    for _ in range(0 if n <= _FACTOR_UP_TO else _CG_STEPS):
         if bool((square <= bound).all()):
             return y
         moved = apply(direction)
