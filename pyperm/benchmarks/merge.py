@@ -69,8 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--authors-models", type=_counts, default=[3],
                         help="the counts of --models at which the authors' code runs (default 3: theirs is slow)")
     parser.add_argument("--authors-iter", type=positive_int, default=AUTHORS_MAX_ITER,
-                        help=f"most Frank-Wolfe iterations of theirs and of ours beside it (default {AUTHORS_MAX_ITER}, "
-                             "their merging setting)")
+                        help="most Frank-Wolfe iterations of theirs and of ours beside it "
+                             f"(default {AUTHORS_MAX_ITER}, their merging setting)")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     parser.add_argument("--write", metavar="DIR", default=None,
                         help="also write the table as DIR/bench-merge-<data>-<scale>.md (the docs include "

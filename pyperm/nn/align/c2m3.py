@@ -202,8 +202,8 @@ def c2m3_merge(
     Each iteration costs one pass of relaxed products with their gradients over all models
     but the first and one pass without gradients per interior point of the line search (its
     degree less one: 3 for an MLP, whose weights take two matrices each), every product a
-    dense ``(n, n)`` matrix times a tensor, where weight matching gathers rows. The models are copied once into the working dtype
-    (float64 if any matched entry is float64, else float32).
+    dense ``(n, n)`` matrix times a tensor, where weight matching gathers rows. The models are
+    copied once into the working dtype (float64 if any matched entry is float64, else float32).
 
     References
     ----------
@@ -367,7 +367,8 @@ def merge_objective(
         permuted = [permute_entry(spec, p, key, s[key].detach()).double() for p, s in zip(perms, states)]
         whole = sum(wa * u for wa, u in zip(w, permuted))
         # sum_{a<b} w_a w_b <U_a, U_b> = (|sum_a w_a U_a|^2 - sum_a w_a^2 |U_a|^2) / 2, in float64
-        total += 0.5 * (float((whole * whole).sum()) - sum(wa * wa * float((u * u).sum()) for wa, u in zip(w, permuted)))
+        own = sum(wa * wa * float((u * u).sum()) for wa, u in zip(w, permuted))
+        total += 0.5 * (float((whole * whole).sum()) - own)
     return total
 
 
@@ -528,7 +529,8 @@ def _matched_keys(spec: PermutationSpec, state: Mapping[str, torch.Tensor]) -> l
 # ------------------------------------------------------------------ the search
 
 
-def _start_perms(spec: PermutationSpec, states: list[dict], init: Any, gen: torch.Generator) -> list[Permutations] | None:
+def _start_perms(spec: PermutationSpec, states: list[dict], init: Any,
+                 gen: torch.Generator) -> list[Permutations] | None:  # fmt: skip
     """The start's permutations of every model, or None for the barycenter start (not a permutation)."""
     n = len(states)
     if isinstance(init, str):
