@@ -243,6 +243,7 @@ def test_bad_arguments_name_themselves(pair):
         (dict(loss_fn="ce"), TypeError, "loss_fn"),
         (dict(max_batches=0), ValueError, "max_batches"),
         (dict(device=3), TypeError, "device"),
+        (dict(seed="zero"), TypeError, "seed"),
         (dict(device="gpu7"), ValueError, "device"),
         (dict(data=iter(data)), TypeError, "data"),
     ]

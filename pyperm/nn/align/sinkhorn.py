@@ -41,7 +41,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pyperm._checks import check_callable, check_choice, check_int, check_positive_int, check_positive_real
+from pyperm._checks import (
+    check_callable,
+    check_choice,
+    check_int,
+    check_positive_int,
+    check_positive_real,
+    torch_generator,
+)
 from pyperm._progress import progress_bar
 from pyperm.nn._checks import check_module, check_pair, check_spec
 from pyperm.nn._runtime import check_batches, inputs_and_targets, iterate_batches, module_device, num_batches, to_device
@@ -237,11 +244,12 @@ def sinkhorn_matching(
         for name, value in (("data", data), ("loss_fn", loss_fn), ("max_batches", max_batches)):
             if value is not None:
                 raise ValueError(f"{name} is not used by loss='distance' (it reads no data); pass None")
+    gen = torch_generator(seed)
     target = _target_device(model, state_a, device, loss)
 
     sa = {k: v.detach().to(target) for k, v in state_a.items()}
     sb = {k: v.detach().to(target) for k, v in state_b.items()}
-    start = _initial_perms(init, spec, sa, sb, seed)
+    start = _initial_perms(init, spec, sa, sb, gen)
     scores = _Scores(spec, start, _score_dtype(sa), target, sinkhorn_iters, sinkhorn_tol, tau)
     objective = _midpoint_loss(model, spec, sa, sb, loss_fn) if loss == "midpoint" else _distance_loss(spec, sa, sb)
     optimizer = torch.optim.Adam(scores.parameters(), lr=lr)
