@@ -18,6 +18,14 @@ from pyperm.nn import PermutationSpec, activation_matching, apply_permutation
 from pyperm.nn.align._zip_pairing import zip_pairing
 from pyperm.nn.align.zipit import ZippedModel, zipit
 from pyperm.nn.models import create_model
+from pyperm.testing import one_thread
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one torch thread is fastest, and far faster on a shared machine."""
+    with one_thread():
+        yield
 
 
 def reference_pairing(corr: np.ndarray, alpha: float, beta: float) -> list[tuple[int, ...]]:

@@ -14,7 +14,7 @@ __all__ = ["ZippedModel"]
 class ZippedModel(nn.Module):
     """Two copies of one traced graph that compute their shared trunk once.
 
-    ``heads[0]`` holds model A's tail, ``heads[1]`` model B's; both hold the zipped trunk. A
+    ``heads[0]`` holds model A's tail, ``heads[1]`` model B's; the trunk's modules are shared by both. A
     node of the graph is *shared* when it reads only the trunk's state (``shared`` keys) and
     shared nodes: it is computed once, by head A's graph, and its value serves both heads.
     Every other node is computed by each head with its own state. The forward returns
@@ -46,6 +46,10 @@ class ZippedModel(nn.Module):
             if all(k in keys for k in reads) and all(n.name in on_shared for n in inputs):
                 on_shared.add(node.name)
         self.shared_nodes = frozenset(on_shared)
+        # Head B runs no shared node: its trunk modules are head A's (one BatchNorm per trunk layer to reset).
+        for node in nodes_a:
+            if node.op == "call_module" and node.name in on_shared:
+                graph_b.add_submodule(node.target, graph_a.get_submodule(node.target))
 
     def forward(self, *args: Any) -> tuple[Any, Any]:
         graph_a, graph_b = self.heads
