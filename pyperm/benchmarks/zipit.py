@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--authors", metavar="DIR", default=None,
-                        help="a checkout of gstoica27/ZipIt: time its match_tensors_zipit on the same matrices")  # fmt: skip
+                        help="a checkout of gstoica27/ZipIt: time its match_tensors_zipit on the same "
+                             "matrices")  # fmt: skip
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
 
 

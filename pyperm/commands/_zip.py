@@ -59,7 +59,8 @@ def run_zipit(args: argparse.Namespace) -> int:
     with Timer() as timer:
         try:
             result = zipit(models[0], models[1], loaded.spec, data.train, alpha=args.alpha, beta=args.beta,
-                           stop=args.stop, max_batches=getattr(args, "max_batches", None), progress=args.progress)  # fmt: skip
+                           stop=args.stop, max_batches=getattr(args, "max_batches", None),
+                           progress=args.progress)  # fmt: skip
         except ValueError as exc:
             if args.stop is None or "stop" not in str(exc):
                 raise

@@ -31,13 +31,17 @@ __all__ = ["DATASETS", "OUTPUTS", "SETTINGS", "TITLE", "run"]
 # (the paper's ResNet-20 x4 on CIFAR-10 5+5; x8 on CIFAR-100 50+50 is our choice). Trained with
 # reproduce's SGD recipe; the zip's alpha and beta are the authors' defaults (match_tensors_zipit).
 SETTINGS: dict[str, dict[str, Any]] = {
-    "smoke": {"width": 32, "depth": 2, "epochs": {"digits": 20, "mnist": 2}, "batch": 64, "resnet": {"cifar10": 1, "cifar100": 1},
+    "smoke": {"width": 32, "depth": 2, "epochs": {"digits": 20, "mnist": 2}, "batch": 64,
+              "resnet": {"cifar10": 1, "cifar100": 1},
               "resnet_epochs": 1, "zip_samples": 512, "eval_batch": 512, "alpha": 0.3, "beta": 0.125},
-    "quick": {"width": 128, "depth": 3, "epochs": {"digits": 40, "mnist": 8}, "batch": 128, "resnet": {"cifar10": 2, "cifar100": 2},
+    "quick": {"width": 128, "depth": 3, "epochs": {"digits": 40, "mnist": 8}, "batch": 128,
+              "resnet": {"cifar10": 2, "cifar100": 2},
               "resnet_epochs": 5, "zip_samples": 2048, "eval_batch": 1000, "alpha": 0.3, "beta": 0.125},
-    "full": {"width": 512, "depth": 3, "epochs": {"digits": 40, "mnist": 10}, "batch": 128, "resnet": {"cifar10": 4, "cifar100": 4},
+    "full": {"width": 512, "depth": 3, "epochs": {"digits": 40, "mnist": 10}, "batch": 128,
+             "resnet": {"cifar10": 4, "cifar100": 4},
              "resnet_epochs": 20, "zip_samples": 5000, "eval_batch": 1000, "alpha": 0.3, "beta": 0.125},
-    "paper": {"width": 512, "depth": 3, "epochs": {"digits": 40, "mnist": 20}, "batch": 128, "resnet": {"cifar10": 4, "cifar100": 8},
+    "paper": {"width": 512, "depth": 3, "epochs": {"digits": 40, "mnist": 20}, "batch": 128,
+              "resnet": {"cifar10": 4, "cifar100": 8},
               "resnet_epochs": 100, "zip_samples": 5000, "eval_batch": 1000, "alpha": 0.3, "beta": 0.125},
 }  # fmt: skip
 
@@ -209,7 +213,8 @@ def _findings(rows: dict, partial: list, num_groups: int) -> list:
         Finding("ZipIt! sec. 5, Table 1", "a full zip beats permuting one model onto the other on disjoint tasks "
                 "(the paper: 20-60% over prior work)",
                 f"full zip {100 * full:.1f}% joint, best permute {100 * best_permute:.1f}%",
-                full >= best_permute + 0.10, "the full zip at least 10 points of joint accuracy above the best permute"),
+                full >= best_permute + 0.10,
+                "the full zip at least 10 points of joint accuracy above the best permute"),
         Finding("ZipIt! sec. 4.4 (partial zipping)", "zipping fewer layers moves the multi-head model toward the "
                 "ensemble",
                 "joint accuracy by groups zipped: " + ", ".join(f"{g}: {100 * s['joint']:.1f}%"

@@ -46,7 +46,7 @@ class ZipPairing:
         return self.cluster.shape[0] // 2
 
     def unmerge(self) -> np.ndarray:
-        """U, (2n, n): ``U[f, c] = 1`` when feature ``f`` is in cluster ``c`` (a feature is read back as its cluster)."""
+        """U, (2n, n): ``U[f, c] = 1`` when feature ``f`` is in cluster ``c`` (it is read back as its cluster)."""
         u = np.zeros((2 * self.n, self.n))
         u[np.arange(2 * self.n), self.cluster] = 1.0
         return u

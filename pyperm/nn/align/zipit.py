@@ -146,7 +146,8 @@ class ZipResult:
             u = self.unmerge[g]
             n = u.shape[1]
             a, b = u[:n], u[n:]
-            if not torch.equal(a, torch.eye(n, dtype=u.dtype)) or not torch.equal(b.sum(0), torch.ones(n, dtype=u.dtype)):
+            one = torch.ones(n, dtype=u.dtype)
+            if not torch.equal(a, torch.diag(one)) or not torch.equal(b.sum(0), one):
                 return None
             perms[g] = b.argmax(0)
         return Permutations(self.spec, perms)
@@ -268,7 +269,8 @@ def zipit(
     structured = _structured_groups(spec)
     plain = [i for i, r in enumerate(readings) if not (set(entry_groups(r.form)) & structured)]
     accs, used = _collect(model_a, model_b, (traced.graph_module, graph_b), readings, set(plain),
-                          itertools.chain([(0, first)], batches), dtype, progress, num_batches(data, max_batches))  # fmt: skip
+                          itertools.chain([(0, first)], batches), dtype, progress,
+                          num_batches(data, max_batches))  # fmt: skip
 
     merge: dict[str, torch.Tensor] = {}
     unmerge: dict[str, torch.Tensor] = {}
@@ -322,7 +324,8 @@ class _Builder:
 
     def __init__(self, model_a: nn.Module, spec: PermutationSpec, producer: Mapping[str, int | None],
                  states: tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]],
-                 maps: Mapping[str, tuple[torch.Tensor, torch.Tensor]], order: list[str], first: Any) -> None:  # fmt: skip
+                 maps: Mapping[str, tuple[torch.Tensor, torch.Tensor]], order: list[str],
+                 first: Any) -> None:  # fmt: skip
         self.model_a, self.spec, self.producer, self.states = model_a, spec, producer, states
         self.maps, self.order, self.first = maps, order, first
 
@@ -332,8 +335,8 @@ class _Builder:
 
     def full(self) -> dict[str, torch.Tensor]:
         groups = set(self.spec.groups)
-        return {k: _zip_tensor(self.spec, k, self.producer[k], (self.states[0][k], self.states[1][k]), self.maps, groups)
-                for k in self.states[0]}  # fmt: skip
+        a, b = self.states
+        return {k: _zip_tensor(self.spec, k, self.producer[k], (a[k], b[k]), self.maps, groups) for k in a}
 
     def partial_states(self, stop: str) -> tuple[list[dict[str, torch.Tensor]], set[str]]:
         zipped = set(self.order[: self.order.index(stop) + 1])
@@ -379,7 +382,8 @@ def _collect(model_a: nn.Module, model_b: nn.Module, graphs: tuple[fx.GraphModul
                 readers[1].run(*(t.to(dev_b) for t in inputs))
                 pairs = {}
                 for i, r in enumerate(readings):
-                    za, zb = r.take(held[0][(r.node, r.axis)], weights[0]), r.take(held[1][(r.node, r.axis)], weights[1])
+                    za = r.take(held[0][(r.node, r.axis)], weights[0])
+                    zb = r.take(held[1][(r.node, r.axis)], weights[1])
                     if i in plain:
                         z = torch.cat([za, zb], 1)
                         pairs[i] = (z, z)
