@@ -237,9 +237,11 @@ def _figure(path: Path, rows: dict, partial: list, num_groups: int, title: str) 
     xs = [g for g, _, _ in sorted(partial)] + [num_groups + 1]
     ys = [100 * s["joint"] for _, _, s in sorted(partial)] + [100 * rows["ZipIt! full zip"]["joint"]]
     ax.plot(xs, ys, "o-", label="ZipIt! (partial; last point: full zip)")
-    for label, style in (("ensemble", "--"), ("permute (weight matching)", ":"),
-                         ("permute (activation matching)", "-."), ("model A", (0, (1, 3)))):  # fmt: skip
-        ax.axhline(100 * rows[label]["joint"], linestyle=style, color="grey", label=label)
+    ax.plot([num_groups + 1], [100 * rows["ZipIt! full zip, beta = 0"]["joint"]], "x", color="C3",
+            label="full zip, beta = 0")
+    for label, style, color in (("ensemble", "--", "grey"), ("permute (weight matching)", ":", "C2"),
+                                ("permute (activation matching)", "-.", "C2"), ("model A", ":", "grey")):  # fmt: skip
+        ax.axhline(100 * rows[label]["joint"], linestyle=style, color=color, label=label)
     ax.set_xlabel("groups zipped (the rest: one tail per model)")
     ax.set_ylabel("joint test accuracy (%)")
     ax.set_xticks(xs, [str(x) for x in xs[:-1]] + ["full"])
