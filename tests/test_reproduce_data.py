@@ -49,6 +49,7 @@ def test_rebasin_on_mnist_files(tmp_path, capsys):
     assert body["settings"]["data"] == "mnist" and body["settings"]["model"] == "mlp:784,32,32,10"
     assert len(body["table2"]["rows"]) == 3 + 2  # three models, the naive average, MergeMany
     assert [r["epoch"] for r in body["figure3"]] == [1, 5, 10]
+    assert body["split_data"]["model"] == "mlp:784,32,32,10" and len(body["split_data"]["ts"]) == 5  # sec. 5.4
     md = (out / "report.md").read_text()
     assert "# Git Re-Basin on mnist" in md and "MNIST, 28x28 grey images, 96 training / 48 test" in md
 
