@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/thread_pool.h"
+#include "lap/cost_range.h"
 #include "lap/lap_kernels.h"
 #include "lap/lap_small.h"
 
@@ -142,10 +143,36 @@ Status solve_square_warm(const T* cost, int64_t n, T* v, int64_t* col_of_row, Is
   return dispatch_warm(isa, cost, n, v, col_of_row);
 }
 
+namespace {
+
+// Costs beyond largest_direct_cost (cost_range.h): float in double, double scaled by a power of
+// two, each into a copy that the solver then takes as any other input.
+Status solve_wide(const float* cost, int64_t n_rows, int64_t n_cols, bool maximize, int64_t* row_ind,
+                  int64_t* col_ind, Isa isa, int threads) {
+  const int64_t total = n_rows * n_cols;
+  std::unique_ptr<double[]> wide(new double[static_cast<size_t>(total)]);
+  for (int64_t k = 0; k < total; ++k) wide[k] = static_cast<double>(cost[k]);
+  return linear_sum_assignment(wide.get(), n_rows, n_cols, maximize, row_ind, col_ind, isa, threads);
+}
+
+Status solve_wide(const double* cost, int64_t n_rows, int64_t n_cols, bool maximize, int64_t* row_ind,
+                  int64_t* col_ind, Isa isa, int threads) {
+  const int64_t total = n_rows * n_cols;
+  const double scale = power_of_two_scale(largest_finite_magnitude(cost, total),
+                                          largest_direct_cost<double>(n_rows, n_cols));
+  std::unique_ptr<double[]> scaled(new double[static_cast<size_t>(total)]);
+  for (int64_t k = 0; k < total; ++k) scaled[k] = cost[k] * scale;
+  return linear_sum_assignment(scaled.get(), n_rows, n_cols, maximize, row_ind, col_ind, isa, threads);
+}
+
+}  // namespace
+
 template <typename T>
 Status linear_sum_assignment(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize,
                              int64_t* row_ind, int64_t* col_ind, Isa isa, int threads) {
   if (n_rows == 0 || n_cols == 0) return Status::Ok;
+  if (any_finite_beyond(cost, n_rows * n_cols, largest_direct_cost<T>(n_rows, n_cols)))
+    return solve_wide(cost, n_rows, n_cols, maximize, row_ind, col_ind, isa, threads);
   if (n_rows * n_cols <= kSmallEntries)
     return solve_small_problem(cost, n_rows, n_cols, maximize, row_ind, col_ind, isa);
   const bool transposed = n_rows > n_cols;
