@@ -130,6 +130,10 @@ def edge_costs(rng, shape, dtype, kind, forbid=0.0):
     elif kind == "huge":  # magnitudes from max / 2^20 to max: every dual update near the top
         c = (rng.choice([-1.0, 1.0], size=shape) * np.exp2(rng.uniform(-20, 0, size=shape))
              * float(np.finfo(dtype).max)).astype(dtype)
+    elif kind == "threshold":  # up to the largest the solvers take without widening (cost_range.h)
+        bound = float(np.finfo(dtype).max) / (8 * (shape[-2] + shape[-1] + 2))
+        c = (rng.choice([-1.0, 1.0], size=shape) * np.exp2(rng.uniform(-20, 0, size=shape)) * bound).astype(dtype)
+        c[..., 0, 0] = dtype(bound) if dtype(bound) <= bound else np.nextafter(dtype(bound), dtype(0))
     elif kind == "tiny":  # subnormals only
         c = (rng.integers(-40, 41, size=shape) * float(np.nextafter(dtype(0), dtype(1)))).astype(dtype)
     else:
@@ -140,7 +144,7 @@ def edge_costs(rng, shape, dtype, kind, forbid=0.0):
     return c
 
 
-KINDS = ["palette", "extremes", "mixed", "huge", "tiny"]
+KINDS = ["palette", "extremes", "mixed", "huge", "tiny", "threshold"]
 SMALL_SHAPES = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (3, 5), (5, 3), (2, 6), (6, 6)]
 
 
@@ -235,7 +239,7 @@ def test_small_solver_over_the_whole_range():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["palette", "mixed", "huge", "extremes"])
+@pytest.mark.parametrize("kind", ["palette", "mixed", "huge", "extremes", "threshold"])
 @pytest.mark.parametrize("shape", [(70, 70), (50, 120), (120, 50)])
 def test_large_solver_over_the_whole_range(dtype, kind, shape):
     """Above 4096 entries: against scipy on the costs times 2^-64 in float64 (exact for every
@@ -265,7 +269,7 @@ def test_ragged_list_over_the_whole_range():
     rng = np.random.default_rng(3)
     for k in range(30):
         dtype = DTYPES[k % 2]
-        problems = [edge_costs(rng, SMALL_SHAPES[rng.integers(len(SMALL_SHAPES))], dtype, KINDS[rng.integers(5)])
+        problems = [edge_costs(rng, SMALL_SHAPES[rng.integers(len(SMALL_SHAPES))], dtype, KINDS[rng.integers(len(KINDS))])
                     for _ in range(5)]
         maximize = bool(k % 2)
         for cost, (rows, cols) in zip(problems, pyperm.batch_linear_sum_assignment(problems, maximize=maximize)):
@@ -321,7 +325,7 @@ def limited_cases(seed, count):
         if dtype == np.float32 and limit == 1e300:
             limit = 1e30
         shape = LIMIT_SHAPES[rng.integers(len(LIMIT_SHAPES))]
-        kind = ["palette", "extremes", "mixed", "tiny"][rng.integers(4)]
+        kind = ["palette", "extremes", "mixed", "tiny", "threshold"][rng.integers(5)]
         cost = edge_costs(rng, shape, dtype, kind, forbid=[0.0, 0.4][rng.integers(2)])
         yield dtype, cost, limit
 
@@ -391,7 +395,7 @@ def test_sparse_over_the_whole_range():
 def test_sparse_large_over_the_whole_range():
     rng = np.random.default_rng(11)
     for dtype in DTYPES:
-        for kind in ("huge", "palette", "mixed"):
+        for kind in ("huge", "palette", "mixed", "threshold"):
             n = 300
             dense = edge_costs(rng, (n, n), dtype, kind)
             stored = rng.random((n, n)) < 0.05
