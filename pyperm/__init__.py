@@ -8,7 +8,7 @@ from pyperm._config import show_config
 from pyperm._config import version as _version
 from pyperm._ext import cuda_available, cuda_built, cuda_unavailable_reason
 from pyperm.bvn import birkhoff_decomposition, project_doubly_stochastic, sample_permutations, sinkhorn
-from pyperm.lap import batch_linear_sum_assignment, linear_sum_assignment
+from pyperm.lap import ResultFormWarning, batch_linear_sum_assignment, linear_sum_assignment
 from pyperm.xcorr import (
     CrossCorrelation,
     CrossCorrelationSet,
@@ -22,6 +22,7 @@ __version__ = _version()
 __all__ = [
     "CrossCorrelation",
     "CrossCorrelationSet",
+    "ResultFormWarning",
     "all_reduce_cross_correlation",
     "batch_linear_sum_assignment",
     "birkhoff_decomposition",

@@ -72,7 +72,16 @@ def to_numpy(x: Any, name: str) -> np.ndarray:
     if is_torch_tensor(x):
         if x.device.type != "cpu":
             raise ValueError(f"{name} is on device {x.device}; pass a CPU tensor or a CUDA tensor")
-        return x.detach().resolve_conj().resolve_neg().numpy()
+        if x.is_complex():
+            raise ArrayDTypeError(f"{name} must be real, got complex dtype {x.dtype}")
+        if x.is_quantized:
+            raise ArrayDTypeError(f"{name} must contain numerical entries, got dtype {x.dtype}")
+        x = x.detach()
+        torch = sys.modules["torch"]
+        if x.is_floating_point() and x.dtype not in (torch.float16, torch.float32, torch.float64):
+            # bfloat16 and the float8 formats have no numpy dtype: read them in float64 (exact).
+            x = x.to(torch.float64)
+        return x.resolve_conj().resolve_neg().numpy()
     if isinstance(x, np.ndarray):
         return x
     try:
@@ -143,7 +152,10 @@ def real_float_array(x: Any, name: str, ndim: int | tuple[int, ...]) -> np.ndarr
     check_real_dtype(arr.dtype, name)
     if arr.dtype not in (np.float32, np.float64):
         arr = arr.astype(np.float64)
-    return np.ascontiguousarray(arr)
+    if not (arr.flags.c_contiguous and arr.flags.aligned and arr.dtype.isnative):
+        # The core reads native, aligned entries in place; a fresh copy is both.
+        arr = np.array(arr, dtype=arr.dtype.newbyteorder("="), order="C")
+    return arr
 
 
 def like(template: Any, *arrays: np.ndarray):

@@ -1,4 +1,9 @@
-"""The process group pyperm talks over, and the point-to-point messages weight matching sends.
+"""The process group pyperm talks over, the counted messages between its ranks, and the error of a rank that failed.
+
+The communication layer: it knows nothing of the methods. The methods over ranks
+(:mod:`pyperm.nn.align.over_ranks`, the data methods' ``group=``) import it, and so does
+:mod:`pyperm.distributed`, the public face, which hands on :class:`Channel`, :func:`check_same` and
+:class:`RankFailedError`; nothing here imports either back.
 
 Only operations NCCL has too (``send``/``recv``, ``all_reduce``, ``broadcast``, ``all_gather_object``)
 on tensors on the rank's device: CPU tensors for gloo, the rank's current CUDA device for NCCL.
@@ -15,8 +20,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["Channel", "check_group", "check_same", "comm_device", "communication_error", "import_group_defaults",
-           "init_process_group", "shared_errors"]
+__all__ = ["Channel", "RankFailedError", "check_group", "check_same", "comm_device", "communication_error",
+           "import_group_defaults", "init_process_group", "shared_errors"]
+
+
+class RankFailedError(RuntimeError):
+    """Another rank of the job failed (raised, was killed, or stopped answering)."""
 
 
 def import_group_defaults() -> None:
@@ -179,7 +188,7 @@ def shared_errors(chan: Channel, what: str) -> Iterator[None]:
     whose code raises (anything but a failed communication) records its error in the default
     group's key-value store before re-raising it unchanged; a rank whose communication then fails
     (the failed process ended, so its connections closed) reads that record and raises
-    :class:`~pyperm.distributed.RankFailedError` naming the rank and the cause, instead of gloo's
+    :class:`RankFailedError` naming the rank and the cause, instead of gloo's
     or NCCL's bare "Connection closed by peer". A rank that catches its error and lives on leaves
     the others waiting until the process group's own timeout (as any collective it skips would).
     """
@@ -195,8 +204,6 @@ def shared_errors(chan: Channel, what: str) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
-        from pyperm.distributed import RankFailedError
-
         if isinstance(exc, RankFailedError):
             raise
         if not communication_error(exc):

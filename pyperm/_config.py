@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import platform
 import sys
+import warnings
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -61,16 +62,22 @@ def _installation() -> dict[str, Any]:
 
 
 def _simd(core) -> dict[str, Any]:
-    from pyperm._ext import SIMD_CAP_VARIABLE, simd_cap
+    from pyperm._ext import SIMD_CAP_VARIABLE, simd_cap, simd_cap_changed
 
     build = core.build_info()
     compiled = [f"{name} ({flags})" if flags else name for name, flags in build["isas"].items()]
     cap = simd_cap()
+    in_force = f"{SIMD_CAP_VARIABLE}={cap}" if cap else f"none ({SIMD_CAP_VARIABLE} unset)"
+    changed = simd_cap_changed()
+    if changed:
+        # Reported where the user looks, and warned: the environment no longer says what runs.
+        warnings.warn(changed, RuntimeWarning, stacklevel=3)
+        in_force = f"{in_force if cap else 'none'} (in force since import; {changed})"
     return {
         "compiled": ", ".join(compiled),
         "chosen_at_run_time": core.best_isa(),
         "cpu_supports": core.hardware_isa(),
-        "cap": f"{SIMD_CAP_VARIABLE}={cap}" if cap else f"none ({SIMD_CAP_VARIABLE} unset)",
+        "cap": in_force,
         "hardware_threads": core.hardware_threads(),
     }
 

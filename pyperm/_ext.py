@@ -19,6 +19,7 @@ __all__ = [
     "cuda_module",
     "cuda_unavailable_reason",
     "simd_cap",
+    "simd_cap_changed",
 ]
 
 # Caps the SIMD level of the CPU kernels, as numpy's NPY_DISABLE_CPU_FEATURES: read once by
@@ -28,8 +29,8 @@ SIMD_CAP_VARIABLE = "PYPERM_MAX_SIMD"
 _SIMD_LEVELS = ("baseline", "avx2", "avx512")
 
 
-def simd_cap() -> str | None:
-    """The SIMD level ``PYPERM_MAX_SIMD`` caps the kernels at, or None when it is unset."""
+def _requested_cap() -> str | None:
+    """The level ``PYPERM_MAX_SIMD`` names now (None when unset); a bad value raises ValueError."""
     value = os.environ.get(SIMD_CAP_VARIABLE, "")
     if value == "":
         return None
@@ -38,8 +39,29 @@ def simd_cap() -> str | None:
     return value
 
 
-simd_cap()
+_CAP_IN_FORCE = _requested_cap()
 from pyperm import _core as core  # noqa: E402  (after the check: the core reads the variable)
+
+# The core reads the variable once, at its first choice of kernels: make that choice now, so
+# that the cap in force is the one read here whatever the environment says later.
+core.best_isa()
+
+
+def simd_cap() -> str | None:
+    """The SIMD level the kernels are capped at in this process (``PYPERM_MAX_SIMD`` as it was
+    when pyperm was imported), or None when uncapped."""
+    return _CAP_IN_FORCE
+
+
+def simd_cap_changed() -> str | None:
+    """Why the cap in force differs from what ``PYPERM_MAX_SIMD`` says now, or None when it
+    does not: the variable is read once, at import, so a change later takes effect only in a
+    new process."""
+    now = os.environ.get(SIMD_CAP_VARIABLE, "") or None
+    if now == _CAP_IN_FORCE:
+        return None
+    return (f"{SIMD_CAP_VARIABLE} is now {now!r} but was {_CAP_IN_FORCE!r} when pyperm was imported; the "
+            "kernels keep the cap read at import: set it before importing pyperm (a new process)")
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,6 +14,10 @@ BENCHMARKS = {
     "xcorr": ("pyperm.benchmarks.xcorr", "CrossCorrelation.update vs the bare BLAS product xa.T @ xb"),
     "match": ("pyperm.benchmarks.match", "weight matching (Git Re-Basin Algorithm 1): pyperm vs a reference"),
     "ste": ("pyperm.benchmarks.ste", "STE matching (Git Re-Basin Algorithm 2): a step vs its floor and vs re-matching"),
+    "sinkhorn": ("pyperm.benchmarks.sinkhorn", "two models: weight matching, STE and Sinkhorn re-basin (both losses), "
+                 "test barriers and times"),
+    "merge": ("pyperm.benchmarks.merge", "many models: MergeMany, C2M3 (and the authors' Frank-Wolfe), with and without "
+              "REPAIR: merged test loss, pair barriers, cycle error, objective, time"),
     "curves": ("pyperm.benchmarks.curves", "a curve training step vs a plain training step of the same model and batch"),
     "teacher-student": (
         "pyperm.benchmarks.teacher_student",
@@ -21,6 +25,8 @@ BENCHMARKS = {
     ),
     "pam": ("pyperm.benchmarks.pam", "one PAM outer iteration split into curve, projection, BvN and assignment time"),
     "trace": ("pyperm.benchmarks.trace", "tracing torchvision/timm models: permutable units, causes, time vs targets"),
+    "zipit": ("pyperm.benchmarks.zipit", "a ZipIt! zip of two ResNet-20s: whole time, its matching's share, and the "
+              "authors' matching on the same correlations"),
 }
 
 # The checkpoint and reproduction jobs, one module each in pyperm.commands with

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
+from pyperm._optional_imports import import_torchvision
+
 __all__ = [
     "assert_same_function",
     "dense_doubly_stochastic",
@@ -65,27 +67,33 @@ def iou_cost(n_tracks: int, n_detections: int, rng: np.random.Generator, overlap
 
 def limited_objective(cost, rows, cols, cost_limit: float, maximize: bool = False) -> float:
     """lap's thresholded objective: the matched entries plus ``cost_limit / 2`` per unmatched
-    row and column (the quantity :func:`pyperm.linear_sum_assignment` with ``cost_limit``
-    minimises, or maximises)."""
+    row and column, or, maximising, the matched values minus ``cost_limit / 2`` per unmatched
+    row and column (lap's objective mirrored): the quantity
+    :func:`pyperm.linear_sum_assignment` with ``cost_limit`` minimises, or maximises."""
     cost = np.asarray(cost, dtype=np.float64)
     rows, cols = np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)
     unmatched = cost.shape[0] + cost.shape[1] - 2 * len(rows)
-    return float(cost[rows, cols].sum()) + (unmatched * cost_limit / 2 if unmatched else 0.0)
+    penalty = unmatched * cost_limit / 2 if unmatched else 0.0
+    total = float(cost[rows, cols].sum())
+    return total - penalty if maximize else total + penalty
 
 
 def limited_reference(cost, cost_limit: float, maximize: bool = False) -> float:
     """The optimum of :func:`limited_objective` for a finite ``cost_limit``, from scipy on
-    lap's (n + m) x (n + m) extended matrix: ``cost`` top left, ``cost_limit / 2`` in the
-    blocks that leave a row or a column unmatched, zeros bottom right."""
+    lap's (n + m) x (n + m) extended matrix: ``cost`` top left, ``cost_limit / 2`` (its
+    negation when maximising) in the blocks that leave a row or a column unmatched, zeros
+    bottom right."""
     from scipy.optimize import linear_sum_assignment
 
     cost = np.asarray(cost, dtype=np.float64)
     n, m = cost.shape
-    extended = np.full((n + m, n + m), cost_limit / 2)
+    extended = np.full((n + m, n + m), -cost_limit / 2 if maximize else cost_limit / 2)
     extended[:n, :m] = cost
     extended[n:, m:] = 0.0
     rows, cols = linear_sum_assignment(extended, maximize=maximize)
     return float(extended[rows, cols].sum())
+
+
 def dense_doubly_stochastic(n: int, seed: int, dtype=np.float64) -> np.ndarray:
     """A dense (n, n) doubly stochastic matrix: Sinkhorn scaling of log-normal entries."""
     from pyperm import sinkhorn
@@ -401,27 +409,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def import_torchvision():
-    """torchvision (ModuleNotFoundError when it is not installed).
-
-    The registry's torchvision wheels are built against the CUDA build of torch. Over the
-    CPU build their compiled detection operators (``nms``, ``roi_align``, ...) do not load,
-    and importing torchvision then fails while it registers shapes for those operators.
-    The models use none of them, so that one registration module is replaced by an empty
-    one and the import tried again.
-    """
-    import sys
-    import types
-
-    try:
-        import torchvision
-    except RuntimeError as exc:  # a torchvision built against another torch: its operators did not load
-        if "torchvision::" not in str(exc):
-            raise
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-        sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
-        import torchvision
-    return torchvision

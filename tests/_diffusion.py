@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pyperm._optional_imports import prepare_hf_import
 from pyperm.nn.spec import Interleaved, Segments
+
+# diffusers imports torchvision, which fails over a torch it was not built for: import it the
+# tolerant way first, as the command line does, so that these files run on their own too.
+prepare_hf_import()
 
 
 def fixed_entries(spec, entry, length: int) -> int:

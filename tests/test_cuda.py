@@ -532,9 +532,9 @@ def test_batch_reports_lowest_failing_problem():
 
 
 # ----------------------------------------------------------------- the pipeline forms on the device
-def _limited_or_plain(cost, rows, cols, limit):
+def _limited_or_plain(cost, rows, cols, limit, maximize):
     cost = np.asarray(cost, dtype=np.float64)
-    return objective(cost, rows, cols) if limit is None else limited_objective(cost, rows, cols, limit)
+    return objective(cost, rows, cols) if limit is None else limited_objective(cost, rows, cols, limit, maximize)
 
 
 @pytest.mark.cuda
@@ -558,14 +558,15 @@ def test_ragged_forms_on_the_device(maximize, limit):
         assert rows.device.type == "cuda" and rows.dtype == torch.int64 and cols.dtype == torch.int64
         rows, cols = cpu(rows), cpu(cols)
         assert np.all(np.diff(rows) > 0) and len(np.unique(cols)) == len(cols), b
-        got_value, want_value = (_limited_or_plain(cost, r, c, limit) for r, c in ((rows, cols), (ref_rows, ref_cols)))
+        got_value, want_value = (_limited_or_plain(cost, r, c, limit, maximize)
+                                 for r, c in ((rows, cols), (ref_rows, ref_cols)))
         assert abs(got_value - want_value) <= objective_tolerance(cost) + 1e-4, (b, got_value, want_value)
     if limit is not None:
         rows, cols = pyperm.linear_sum_assignment(to_cuda(blocks[0]), maximize, cost_limit=limit)
         ref_rows, ref_cols = pyperm.linear_sum_assignment(blocks[0], maximize, cost_limit=limit)
         assert rows.device.type == "cuda"
-        assert abs(_limited_or_plain(blocks[0], cpu(rows), cpu(cols), limit)
-                   - _limited_or_plain(blocks[0], ref_rows, ref_cols, limit)) <= 1e-4
+        assert abs(_limited_or_plain(blocks[0], cpu(rows), cpu(cols), limit, maximize)
+                   - _limited_or_plain(blocks[0], ref_rows, ref_cols, limit, maximize)) <= 1e-4
 
 
 @pytest.mark.cuda

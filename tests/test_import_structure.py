@@ -15,6 +15,12 @@ Two kinds of cycle are refused:
   imports ``pyperm/commands/`` is a cycle even when no module is on both sides. A package's
   ``__init__`` is not one of its parts: it re-exports them.
 
+Layers hold for every import, deferred ones too: an import inside a function makes no cycle
+when the module is imported, but it ties the layers together all the same (``pyperm/_comm.py``
+importing ``RankFailedError`` from ``pyperm.distributed`` inside a function closed a circle of
+eight files through the methods over ranks). :data:`LAYERS` names the parts that must never
+import another, in any way.
+
 Privacy follows Python's convention. A private module (``pyperm/nn/_checks.py``) serves its
 package and every package below it. A private name defined in a module
 (a ``_helper`` in ``pyperm/nn/spec.py``) serves the modules of that module's own folder only; a
@@ -33,7 +39,7 @@ import sys
 import textwrap
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -43,6 +49,15 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "pyperm"
 # Private imports across package folders that stay, as (importing module, imported dotted name): why.
 # Every entry is a name that should get a public spelling; keep the list short.
 ALLOWED_PRIVATE: dict[tuple[str, str], str] = {}
+
+# Parts that never import another, not even inside a function or for type checking only, as
+# (lower part, higher part, why); a part is a module or a package with everything below it.
+LAYERS: list[tuple[str, str, str]] = [
+    ("pyperm._comm", "pyperm.nn", "the communication layer knows nothing of the methods"),
+    ("pyperm._comm", "pyperm.distributed", "the public face hands the communication layer on; it is not imported back"),
+    ("pyperm.nn", "pyperm.distributed", "the methods import the communication layer (pyperm._comm), not the public "
+     "face built on them"),
+]
 
 
 @dataclass(frozen=True)
@@ -75,7 +90,8 @@ class ImportGraph:
     root: Path
     modules: dict[str, Path]  # source modules and compiled ones (their file is the binary)
     packages: set[str]
-    imports: list[Import]
+    imports: list[Import]  # those that run when the importer is imported
+    deferred: list[Import] = field(default_factory=list)  # inside functions, or for type checking only
 
     def __repr__(self) -> str:  # short: pytest prints the fixture beside a failure
         return f"ImportGraph({str(self.root)!r}, {len(self.modules)} modules, {len(self.imports)} imports)"
@@ -177,12 +193,13 @@ def build_graph(root: Path) -> ImportGraph:
     statements = {m: list(_import_time(tree.body)) for m, tree in trees.items()}
     bound = {m: _bound_names(statements[m]) for m in packages}
     modules = dict(sources)
-    imports = []
+    imports, deferred = [], []
     for module, path in sources.items():
         source = path.read_text(encoding="utf-8")
-        for node in statements[module]:
-            if not isinstance(node, (ast.Import, ast.ImportFrom)):
-                continue
+        at_import = {id(node) for node in statements[module]}
+        every = sorted((n for n in ast.walk(trees[module]) if isinstance(n, (ast.Import, ast.ImportFrom))),
+                       key=lambda n: (n.lineno, n.col_offset))  # fmt: skip
+        for node in every:
             text = " ".join(ast.get_source_segment(source, node).split())
             if isinstance(node, ast.Import):
                 found = [(alias.name, None) for alias in node.names]
@@ -195,8 +212,9 @@ def build_graph(root: Path) -> ImportGraph:
                     found.append((sub, None) if sub in modules else (base, None if alias.name == "*" else alias.name))
             for target, name in found:
                 if target == top or target.startswith(top + "."):
-                    imports.append(Import(module, target, name, path, node.lineno, text))
-    return ImportGraph(root, modules, packages, imports)
+                    (imports if id(node) in at_import else deferred).append(
+                        Import(module, target, name, path, node.lineno, text))
+    return ImportGraph(root, modules, packages, imports, deferred)
 
 
 # --------------------------------------------------------------------------- the checks
@@ -289,19 +307,37 @@ def private_imports(graph: ImportGraph, allowed: dict[tuple[str, str], str] | No
     return found
 
 
+def _within(module: str, part: str) -> bool:
+    return module == part or module.startswith(part + ".")
+
+
+def layer_breaks(graph: ImportGraph, layers: list[tuple[str, str, str]] | None = None) -> list[tuple[Import, str]]:
+    """The imports, deferred ones included, of a higher part from a lower one, with the layer's reason."""
+    layers = LAYERS if layers is None else layers
+    found = []
+    for imp in graph.imports + graph.deferred:
+        for lower, higher, why in layers:
+            if _within(imp.importer, lower) and _within(imp.target, higher):
+                found.append((imp, f"{lower} never imports {higher}: {why}"))
+    return sorted(found, key=lambda f: (str(f[0].path), f[0].line))
+
+
 def describe_cycle(cycle: list[tuple[str, Import]], root: Path) -> str:
     nodes = [node for node, _ in cycle] + [cycle[0][0]]
     return " -> ".join(nodes) + "".join(f"\n    {imp.where(root)}" for _, imp in cycle)
 
 
-def report(graph: ImportGraph) -> str:
-    """The cycles and private imports of ``graph``, for people."""
+def report(graph: ImportGraph, layers: list[tuple[str, str, str]] | None = None) -> str:
+    """The cycles, private imports and imports across a layer (:data:`LAYERS` unless given) of ``graph``, for people."""
     cycles = find_cycles(graph)
     private = private_imports(graph)
+    layers = layer_breaks(graph, layers)
     lines = [f"import cycles: {len(cycles)}"]
     lines += ["  " + describe_cycle(cycle, graph.root).replace("\n", "\n  ") for cycle in cycles]
     lines.append(f"private names imported across package folders: {len(private)}")
     lines += [f"  {imp.where(graph.root)}\n    ({why})" for imp, why in private]
+    lines.append(f"imports across a layer (deferred ones too): {len(layers)}")
+    lines += [f"  {imp.where(graph.root)}\n    ({why})" for imp, why in layers]
     return "\n".join(lines)
 
 
@@ -326,6 +362,14 @@ def test_no_import_cycles(pyperm_graph):
     if cycles:
         message = "\n".join(describe_cycle(cycle, pyperm_graph.root) for cycle in cycles)
         pytest.fail(f"{len(cycles)} import cycle(s) in pyperm:\n{message}", pytrace=False)
+
+
+def test_the_layers_hold_for_deferred_imports_too(pyperm_graph):
+    assert any(imp.importer == "pyperm._comm" for imp in pyperm_graph.deferred)  # the reader sees inside functions
+    found = layer_breaks(pyperm_graph)
+    if found:
+        message = "\n".join(f"{imp.where(pyperm_graph.root)}  ({why})" for imp, why in found)
+        pytest.fail(f"{len(found)} import(s) across a layer:\n{message}", pytrace=False)
 
 
 def test_no_private_names_across_package_folders(pyperm_graph):
@@ -412,6 +456,34 @@ def test_deferred_and_type_checking_imports_are_no_edges(tmp_path):
     graph = build_graph(root)
     assert find_cycles(graph) == []
     assert {imp.target for imp in graph.imports} == {"pkg.spec"}
+    assert [(imp.importer, imp.target, imp.line) for imp in graph.deferred] == [
+        ("pkg.spec", "pkg.trace", 4), ("pkg.spec", "pkg.trace", 9), ("pkg.spec", "pkg.trace", 12),
+    ]  # fmt: skip
+
+
+def test_a_layer_is_broken_by_a_deferred_import_too(tmp_path):
+    # The circle of pyperm's ranks code, in small: the lower layer reached the face only inside a function.
+    root = _package(tmp_path, {
+        "__init__.py": "",
+        "_comm.py": """
+            def shared_errors():
+                from pkg.distributed import RankFailedError
+        """,
+        "distributed/__init__.py": "from pkg._comm import shared_errors\nfrom pkg.methods.ranks import merge\n",
+        "methods/__init__.py": "",
+        "methods/ranks.py": "from pkg._comm import shared_errors\n",
+        "methods/data.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.distributed\n",
+    })  # fmt: skip
+    graph = build_graph(root)
+    assert find_cycles(graph) == []  # no cycle when modules are imported: the import-time check misses it
+    layers = [("pkg._comm", "pkg.methods", "a"), ("pkg._comm", "pkg.distributed", "b"),
+              ("pkg.methods", "pkg.distributed", "c")]  # fmt: skip
+    found = [(imp.where(root), why) for imp, why in layer_breaks(graph, layers)]
+    assert found == [
+        ("pkg/_comm.py:3: from pkg.distributed import RankFailedError", "pkg._comm never imports pkg.distributed: b"),
+        ("pkg/methods/data.py:3: import pkg.distributed", "pkg.methods never imports pkg.distributed: c"),
+    ]  # fmt: skip
+    assert "imports across a layer (deferred ones too): 2" in report(graph, layers)
 
 
 def test_import_time_blocks_count(tmp_path):
@@ -465,4 +537,4 @@ def test_private_names_serve_their_folder_and_private_modules_their_tree(tmp_pat
 if __name__ == "__main__":
     graph = build_graph(Path(sys.argv[1]) if len(sys.argv) > 1 else PACKAGE_DIR)
     print(report(graph))
-    sys.exit(1 if find_cycles(graph) or private_imports(graph) else 0)
+    sys.exit(1 if find_cycles(graph) or private_imports(graph) or layer_breaks(graph) else 0)

@@ -66,7 +66,7 @@ def test_limit_matches_extended_matrix(maximize):
             cost = 1.0 - cost  # IoU-like values: high is good
         rows, cols = pyperm.linear_sum_assignment(cost, maximize=maximize, cost_limit=limit)
         _check_pairs(cost, rows, cols)
-        got = limited_objective(cost, rows, cols, limit)
+        got = limited_objective(cost, rows, cols, limit, maximize)
         _objective_close(got, limited_reference(cost, limit, maximize), cost.size)
 
 
@@ -118,7 +118,7 @@ def _brute_force(cost, limit, maximize):
                 if math.isinf(limit):
                     key = (-k, sign * values.sum())
                 else:
-                    key = (0, sign * limited_objective(cost, list(rows), list(cols), limit))
+                    key = (0, sign * limited_objective(cost, list(rows), list(cols), limit, maximize))
                 best = key if best is None or key < best else best
     return best
 
@@ -140,7 +140,7 @@ def test_limit_with_forbidden_pairs_against_brute_force(limit, maximize):
         if math.isinf(limit):
             got = (-len(rows), sign * values.sum())
         else:
-            got = (0, sign * limited_objective(cost, rows, cols, limit))
+            got = (0, sign * limited_objective(cost, rows, cols, limit, maximize))
         want = _brute_force(cost, limit, maximize)
         assert got[0] == want[0]
         assert got[1] == pytest.approx(want[1], abs=1e-9)

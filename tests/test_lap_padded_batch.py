@@ -23,11 +23,11 @@ def solve_stack(stack, maximize):
     return pyperm.batch_linear_sum_assignment(stack, maximize)
 
 
-def _objective(cost, rows, cols, limit):
+def _objective(cost, rows, cols, limit, maximize):
     cost = np.asarray(cost, dtype=np.float64)
     if limit is None or limit == math.inf:
         return float(cost[rows, cols].sum())
-    return limited_objective(cost, rows, cols, limit)
+    return limited_objective(cost, rows, cols, limit, maximize)
 
 
 def _assert_same_optima(costs, got, want, limit, maximize=False):
@@ -39,7 +39,8 @@ def _assert_same_optima(costs, got, want, limit, maximize=False):
         if limit is None or limit == math.inf:
             assert len(rows) == min(cost.shape), b
         assert np.all(np.isfinite(np.asarray(cost, dtype=np.float64)[rows, cols])), b
-        value, ref = _objective(cost, rows, cols, limit), _objective(cost, ref_rows, ref_cols, limit)
+        value = _objective(cost, rows, cols, limit, maximize)
+        ref = _objective(cost, ref_rows, ref_cols, limit, maximize)
         assert value == pytest.approx(ref, rel=1e-5, abs=1e-5), (b, value, ref)
 
 
@@ -63,7 +64,7 @@ def test_sequence_matches_the_cpu_path(limit, maximize):
         if maximize:
             costs = [-c for c in costs]
         want = pyperm.batch_linear_sum_assignment(costs, maximize, cost_limit=limit)
-        problems = pb.sequence_problems([torch.from_numpy(c) for c in costs])
+        problems = pb.sequence_problems([torch.from_numpy(c) for c in costs], limit)
         got = pb.solve_problems(problems, maximize, limit, solve_stack, "costs")
         _assert_same_optima(costs, got, want, limit, maximize)
 
@@ -79,7 +80,7 @@ def test_forbidden_pairs_and_limits(limit):
             k = min(c.shape)
             c[np.arange(k), np.arange(k)] = rng.random(k)
         want = pyperm.batch_linear_sum_assignment(costs, cost_limit=limit)
-        got = pb.solve_problems(pb.sequence_problems([torch.from_numpy(c) for c in costs]), False, limit,
+        got = pb.solve_problems(pb.sequence_problems([torch.from_numpy(c) for c in costs], limit), False, limit,
                                 solve_stack, "costs")
         _assert_same_optima(costs, got, want, limit)
 
@@ -96,7 +97,7 @@ def test_padded_stack_with_sizes_of_both_orientations(limit):
         stack[b, :, m:] = np.nan
     blocks = [stack[b, :n, :m] for b, (n, m) in enumerate(sizes)]
     want = pyperm.batch_linear_sum_assignment(blocks, cost_limit=limit)
-    got = pb.solve_problems(pb.padded_problems(torch.from_numpy(stack), sizes), False, limit, solve_stack, "costs")
+    got = pb.solve_problems(pb.padded_problems(torch.from_numpy(stack), sizes, limit), False, limit, solve_stack, "costs")
     _assert_same_optima(blocks, got, want, limit)
     assert [len(r) for r, _ in got][:6] == ([7, 2, 3, 0, 4, 0] if limit is None else [len(r) for r, _ in got])
 
@@ -107,9 +108,9 @@ def test_padded_stack_without_sizes_and_a_detr_shape():
     targets = rng.integers(0, 6, 8)
     sizes = np.stack([np.full(8, 30), targets], axis=1)
     blocks = [queries[b, :, :t] for b, t in enumerate(targets)]
-    got = pb.solve_problems(pb.padded_problems(torch.from_numpy(queries), sizes), False, None, solve_stack, "costs")
+    got = pb.solve_problems(pb.padded_problems(torch.from_numpy(queries), sizes, None), False, None, solve_stack, "costs")
     _assert_same_optima(blocks, got, pyperm.batch_linear_sum_assignment(blocks), None)
-    full = pb.solve_problems(pb.padded_problems(torch.from_numpy(queries), None), True, None, solve_stack, "costs")
+    full = pb.solve_problems(pb.padded_problems(torch.from_numpy(queries), None, None), True, None, solve_stack, "costs")
     rows, cols = pyperm.batch_linear_sum_assignment(queries, maximize=True)
     _assert_same_optima(list(queries), full, list(zip(rows, cols)), None)
 
@@ -118,24 +119,25 @@ def test_dtypes_follow_the_cpu_rule():
     """float32 stays float32 (all elements float32), anything else is solved in float64; a
     float64 limit keeps its digits."""
     f32 = [torch.ones(2, 3, dtype=torch.float32), torch.zeros(1, 1, dtype=torch.float32)]
-    assert pb.sequence_problems(f32).flat.dtype == torch.float32
+    assert pb.sequence_problems(f32, None).flat.dtype == torch.float32
     mixed = [torch.ones(2, 3, dtype=torch.float32), torch.ones(2, 2, dtype=torch.int64)]
-    assert pb.sequence_problems(mixed).flat.dtype == torch.float64
-    assert pb.padded_problems(torch.ones(2, 2, 2, dtype=torch.float16), None).flat.dtype == torch.float64
+    assert pb.sequence_problems(mixed, None).flat.dtype == torch.float64
+    assert pb.padded_problems(torch.ones(2, 2, 2, dtype=torch.float16), None, None).flat.dtype == torch.float64
     # 0.1 + 0.2 costs just more than 0.3 in float64 (left unmatched); rounded to float32 the
     # limit would exceed it (matched).
     cost = torch.tensor([[0.1 + 0.2, 5.0], [5.0, 5.0]], dtype=torch.float64)
-    (rows, _), = pb.solve_problems(pb.sequence_problems([cost]), False, 0.3, solve_stack, "cost")
+    (rows, _), = pb.solve_problems(pb.sequence_problems([cost], 0.3), False, 0.3, solve_stack, "cost")
     assert rows.numel() == 0
-    (rows, cols), = pb.solve_problems(pb.sequence_problems([cost]), False, 0.3000000000000001, solve_stack, "cost")
+    limit = 0.3000000000000001
+    (rows, cols), = pb.solve_problems(pb.sequence_problems([cost], limit), False, limit, solve_stack, "cost")
     assert rows.tolist() == [0] and cols.tolist() == [0]
 
 
 def test_limit_zero_matches_only_negative_costs():
     cost = torch.tensor([[-1.0, 2.0, 0.5], [3.0, -0.25, 4.0]], dtype=torch.float64)
-    (rows, cols), = pb.solve_problems(pb.sequence_problems([cost]), False, 0.0, solve_stack, "cost")
+    (rows, cols), = pb.solve_problems(pb.sequence_problems([cost], 0.0), False, 0.0, solve_stack, "cost")
     assert rows.tolist() == [0, 1] and cols.tolist() == [0, 1]
-    (rows, cols), = pb.solve_problems(pb.sequence_problems([-cost]), True, 0.0, solve_stack, "cost")
+    (rows, cols), = pb.solve_problems(pb.sequence_problems([-cost], 0.0), True, 0.0, solve_stack, "cost")
     assert rows.tolist() == [0, 1] and cols.tolist() == [0, 1]
 
 
@@ -144,24 +146,24 @@ def test_errors_name_the_problem():
     bad[0] = math.inf
     good = torch.ones(2, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match="problem 2 .*infeasible"):
-        pb.solve_problems(pb.sequence_problems([good, torch.ones(0, 2), bad]), False, None, solve_stack, "costs")
+        pb.solve_problems(pb.sequence_problems([good, torch.ones(0, 2), bad], None), False, None, solve_stack, "costs")
     with pytest.raises(ValueError, match="problem 1 .*invalid numeric entries"):
-        pb.solve_problems(pb.sequence_problems([good, torch.tensor([[math.nan]])]), False, None, solve_stack, "costs")
+        pb.solve_problems(pb.sequence_problems([good, torch.tensor([[math.nan]])], None), False, None, solve_stack, "costs")
     with pytest.raises(ValueError, match="invalid numeric entries"):  # the wrong infinity when maximising
-        pb.solve_problems(pb.sequence_problems([good, bad]), True, None, solve_stack, "costs")
+        pb.solve_problems(pb.sequence_problems([good, bad], None), True, None, solve_stack, "costs")
     # A finite limit leaves the forbidden row unmatched; an infinite one says what it cannot do.
-    (_, _), (rows, _) = pb.solve_problems(pb.sequence_problems([good, bad]), False, 5.0, solve_stack, "costs")
+    (_, _), (rows, _) = pb.solve_problems(pb.sequence_problems([good, bad], 5.0), False, 5.0, solve_stack, "costs")
     assert rows.tolist() == [1]
     with pytest.raises(ValueError, match="cost_limit=inf, a problem of costs .* largest matching"):
-        pb.solve_problems(pb.sequence_problems([good, bad]), False, math.inf, solve_stack, "costs")
+        pb.solve_problems(pb.sequence_problems([good, bad], math.inf), False, math.inf, solve_stack, "costs")
 
 
 def test_empty_forms():
-    assert pb.solve_problems(pb.sequence_problems([]), False, None, solve_stack, "costs") == []
-    answers = pb.solve_problems(pb.sequence_problems([torch.ones(0, 3), torch.ones(4, 0)]), False, 1.0,
+    assert pb.solve_problems(pb.sequence_problems([], None), False, None, solve_stack, "costs") == []
+    answers = pb.solve_problems(pb.sequence_problems([torch.ones(0, 3), torch.ones(4, 0)], 1.0), False, 1.0,
                                 solve_stack, "costs")
     assert [(r.numel(), c.numel()) for r, c in answers] == [(0, 0), (0, 0)]
-    assert pb.solve_problems(pb.padded_problems(torch.ones(0, 3, 3), None), False, None, solve_stack, "costs") == []
+    assert pb.solve_problems(pb.padded_problems(torch.ones(0, 3, 3), None, None), False, None, solve_stack, "costs") == []
 
 
 def test_cuda_forms_without_a_gpu_say_why():
@@ -211,8 +213,8 @@ def test_the_public_functions_reach_the_device_path(monkeypatch):
     _assert_same_optima(views, got, pyperm.batch_linear_sum_assignment(views), None)
     rows, cols = pyperm.linear_sum_assignment(torch.from_numpy(blocks[0]), cost_limit=0.5)
     ref_rows, ref_cols = pyperm.linear_sum_assignment(blocks[0], cost_limit=0.5)
-    assert _objective(blocks[0], rows.numpy(), cols.numpy(), 0.5) == pytest.approx(
-        _objective(blocks[0], ref_rows, ref_cols, 0.5))
+    assert _objective(blocks[0], rows.numpy(), cols.numpy(), 0.5, False) == pytest.approx(
+        _objective(blocks[0], ref_rows, ref_cols, 0.5, False))
     assert len(calls) == 3  # one stack solve per call
     with pytest.raises(ValueError, match=r"sizes\[1\] = \(7, 3\) is out of range"):
         pyperm.batch_linear_sum_assignment(torch.from_numpy(stack), sizes=[(6, 4), (7, 3), (0, 0)])

@@ -340,80 +340,29 @@ def test_export_with_dynamic_sizes():
         assert float(program.module()(cost)) == pytest.approx(_scipy_objective(cost), rel=1e-12)
 
 
-# --- forms whose output size depends on the data: stand-in operators ----------------------
+# --- forms whose output size depends on the data: pyperm's own operator -------------------
 #
-# A threshold (lap's cost_limit) keeps only some pairs, and a padded stack whose sizes are a
-# tensor gives problems of sizes known only at run time. These stand-ins show how such
-# operators are registered so that torch captures them: the fake implementation asks for a
-# new unbacked size (ctx.new_dynamic_size()) and bounds it with torch._check, and a list
-# output has one tensor per problem, its length fixed by the input's shape.
-
-
-@torch.library.custom_op("pyperm_test::pairs_below", mutates_args=())
-def pairs_below(cost: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The optimal matching's pairs that cost less than ``limit`` (a stand-in for cost_limit)."""
-    rows, cols = pyperm.linear_sum_assignment(cost)
-    keep = cost[rows, cols] < limit
-    return rows[keep], cols[keep]
-
-
-@pairs_below.register_fake
-def _pairs_below_fake(cost, limit):
-    count = torch.library.get_ctx().new_dynamic_size()  # max= takes only plain ints
-    torch._check(count <= torch.sym_min(cost.shape[0], cost.shape[1]))
-    return cost.new_empty((count,), dtype=torch.int64), cost.new_empty((count,), dtype=torch.int64)
-
-
-@torch.library.custom_op("pyperm_test::padded_solve", mutates_args=())
-def padded_solve(costs: torch.Tensor, sizes: torch.Tensor) -> list[torch.Tensor]:
-    """Problem b is costs[b, :n_b, :m_b]; returns [rows_0, cols_0, rows_1, cols_1, ...]."""
-    out = []
-    for cost, (n, m) in zip(costs, sizes.tolist()):
-        out.extend(pyperm.linear_sum_assignment(cost[:n, :m]))
-    return out
-
-
-@padded_solve.register_fake
-def _padded_solve_fake(costs, sizes):
-    ctx = torch.library.get_ctx()
-    out = []
-    for _ in range(costs.shape[0]):  # the list's length is the batch size: it is specialised
-        count = ctx.new_dynamic_size()
-        torch._check(count <= torch.sym_min(costs.shape[1], costs.shape[2]))
-        out += [costs.new_empty((count,), dtype=torch.int64), costs.new_empty((count,), dtype=torch.int64)]
-    return out
-
-
-@torch.library.custom_op("pyperm_test::ragged_solve", mutates_args=())
-def ragged_solve(costs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A list of costs of different shapes; returns [rows_0, cols_0, rows_1, cols_1, ...]."""
-    return [t for cost in costs for t in pyperm.linear_sum_assignment(cost)]
-
-
-@ragged_solve.register_fake
-def _ragged_solve_fake(costs):
-    # Every size follows from the inputs' shapes: nothing depends on the data.
-    out = []
-    for cost in costs:
-        k = torch.sym_min(cost.shape[0], cost.shape[1])
-        out += [cost.new_empty((k,), dtype=torch.int64), cost.new_empty((k,), dtype=torch.int64)]
-    return out
-
+# lap's cost_limit keeps only the pairs worth matching, so the output's size is known only
+# at run time: pyperm.linear_sum_assignment(cost, cost_limit=...) is captured as
+# torch.ops.pyperm.linear_sum_assignment_limited, whose fake implementation asks for a new
+# unbacked size bounded by the full matching's. These tests run that operator through the
+# public function, as a user's compiled code does.
 
 LIMIT = 0.25
+LIMITED_OP = "linear_sum_assignment_limited"
 
 
 def thresholded_cost(a, b):
     """lap's objective: matched costs plus limit / 2 for every unmatched row and column."""
     cost = torch.cdist(a, b)
-    rows, cols = pairs_below(cost, LIMIT)
+    rows, cols = pyperm.linear_sum_assignment(cost, cost_limit=LIMIT)
     unmatched = cost.shape[0] + cost.shape[1] - 2 * rows.shape[0]
     return cost[rows, cols].sum() + LIMIT / 2 * unmatched
 
 
 def branch_on_count(a, b):
     cost = torch.cdist(a, b)
-    rows, cols = pairs_below(cost, LIMIT)
+    rows, cols = pyperm.linear_sum_assignment(cost, cost_limit=LIMIT)
     if rows.shape[0] == 0:  # Python control flow on a size known only at run time
         return cost.new_zeros(())
     return cost[rows, cols].mean()
@@ -421,7 +370,7 @@ def branch_on_count(a, b):
 
 def cond_on_count(a, b):
     cost = torch.cdist(a, b)
-    rows, cols = pairs_below(cost, LIMIT)
+    rows, cols = pyperm.linear_sum_assignment(cost, cost_limit=LIMIT)
     return torch.cond(
         rows.shape[0] == 0,
         lambda c, r, k: c.new_zeros(()),
@@ -430,33 +379,13 @@ def cond_on_count(a, b):
     )
 
 
-def padded_total(costs, sizes):
-    out = padded_solve(costs, sizes)
-    return torch.stack([costs[b][out[2 * b], out[2 * b + 1]].sum() for b in range(costs.shape[0])])
-
-
-def ragged_total(a, b0, b1):
-    costs = [torch.cdist(a, b0), torch.cdist(a, b1)]
-    out = ragged_solve(costs)
-    return torch.stack([costs[i][out[2 * i], out[2 * i + 1]].sum() for i in range(2)])
-
-
 def _threshold_inputs():
     """Point sets whose matchings keep some pairs under LIMIT and drop others, and one keeping none."""
     close = (_points("cpu", 6, 2, seed=1), _points("cpu", 8, 2, seed=2))
     far = (_points("cpu", 6, 2, seed=3), _points("cpu", 8, 2, seed=4) + 10.0)  # shapes as close's: for export
-    counts = [pairs_below(torch.cdist(*pts), LIMIT)[0].shape[0] for pts in (close, far)]
+    counts = [pyperm.linear_sum_assignment(torch.cdist(*pts), cost_limit=LIMIT)[0].shape[0] for pts in (close, far)]
     assert 0 < counts[0] < 6 and counts[1] == 0
     return close, far
-
-
-def _padded_inputs():
-    costs = _points("cpu", 3, 5, 6, seed=5)
-    return costs, torch.tensor([[5, 6], [2, 4], [0, 3]])
-
-
-def _ragged_inputs():
-    return _points("cpu", 5, 2, seed=6), _points("cpu", 7, 2, seed=7), _points("cpu", 3, 2, seed=8)
 
 
 @pytest.mark.parametrize("dynamic", [None, True])
@@ -465,7 +394,7 @@ def test_data_dependent_threshold_compiles_fullgraph(dynamic):
     compiled = torch.compile(thresholded_cost, fullgraph=True, backend=recorder, dynamic=dynamic)
     for a, b in _threshold_inputs():
         torch.testing.assert_close(compiled(a, b), thresholded_cost(a, b))
-    assert torch.ops.pyperm_test.pairs_below.default in recorder.targets()
+    assert getattr(torch.ops.pyperm, LIMITED_OP).default in recorder.targets()
 
 
 def test_data_dependent_threshold_breaks_the_graph_without_fullgraph_unless_captured():
@@ -479,28 +408,22 @@ def test_data_dependent_threshold_breaks_the_graph_without_fullgraph_unless_capt
 
 
 @pytest.mark.parametrize("strict", [False, True])
-@pytest.mark.parametrize(("fn", "op", "inputs"), [
-    (thresholded_cost, "pairs_below", lambda: _threshold_inputs()[0]),
-    (cond_on_count, "pairs_below", lambda: _threshold_inputs()[0]),
-    (padded_total, "padded_solve", _padded_inputs),
-    (ragged_total, "ragged_solve", _ragged_inputs),
-])
-def test_data_dependent_forms_export(strict, fn, op, inputs):
+@pytest.mark.parametrize("fn", [thresholded_cost, cond_on_count])
+def test_data_dependent_forms_export(strict, fn):
     class Module(torch.nn.Module):
         def forward(self, *args):
             return fn(*args)
 
-    program = torch.export.export(Module(), inputs(), strict=strict)
-    assert getattr(torch.ops.pyperm_test, op).default in [node.target for node in program.graph.nodes]
-    torch.testing.assert_close(program.module()(*inputs()), fn(*inputs()))
-    if op == "pairs_below":  # the example kept some pairs; another input keeps none
-        far = _threshold_inputs()[1]
-        torch.testing.assert_close(program.module()(*far), fn(*far))
+    close, far = _threshold_inputs()
+    program = torch.export.export(Module(), close, strict=strict)
+    assert getattr(torch.ops.pyperm, LIMITED_OP).default in [node.target for node in program.graph.nodes]
+    torch.testing.assert_close(program.module()(*close), fn(*close))
+    torch.testing.assert_close(program.module()(*far), fn(*far))  # the example kept some pairs; this keeps none
 
 
 def pairs_as_list(a, b):
     cost = torch.cdist(a, b)
-    rows, cols = pairs_below(cost, LIMIT)
+    rows, cols = pyperm.linear_sum_assignment(cost, cost_limit=LIMIT)
     return [cost[i, j] for i, j in zip(rows.tolist(), cols.tolist())]
 
 
@@ -519,22 +442,15 @@ def test_torch_cond_on_a_data_dependent_count_compiles_fullgraph():
         torch.testing.assert_close(compiled(a, b), cond_on_count(a, b))
 
 
-@pytest.mark.parametrize(("fn", "inputs"), [(padded_total, _padded_inputs), (ragged_total, _ragged_inputs)])
-def test_list_outputs_compile_fullgraph(fn, inputs):
-    recorder = GraphRecorder()
-    compiled = torch.compile(fn, fullgraph=True, backend=recorder)
-    torch.testing.assert_close(compiled(*inputs()), fn(*inputs()))
-    assert len(recorder.graphs) == 1
+def ragged_total(a, b0, b1):
+    costs = [torch.cdist(a, b0), torch.cdist(a, b1)]
+    return torch.stack([c[r, k].sum() for c, (r, k) in zip(costs, pyperm.batch_linear_sum_assignment(costs))])
 
 
-def test_padded_sizes_as_a_tensor_compile_once_for_every_sizes():
-    recorder = GraphRecorder()
-    compiled = torch.compile(padded_total, fullgraph=True, backend=recorder)
-    costs, _ = _padded_inputs()
-    for sizes in ([[5, 6], [2, 4], [0, 3]], [[1, 1], [5, 5], [3, 6]]):
-        sizes = torch.tensor(sizes)
-        torch.testing.assert_close(compiled(costs, sizes), padded_total(costs, sizes))
-    assert len(recorder.graphs) == 1
+def test_ragged_lists_compile_with_a_graph_break():
+    """A list of matrices has no operator yet: compiled code runs it eagerly, with the eager answer."""
+    a, b0, b1 = _points("cpu", 5, 2, seed=6), _points("cpu", 7, 2, seed=7), _points("cpu", 3, 2, seed=8)
+    torch.testing.assert_close(torch.compile(ragged_total, backend="eager")(a, b0, b1), ragged_total(a, b0, b1))
 
 
 # ---------------------------------------------------------------- cost_limit: a data-dependent size

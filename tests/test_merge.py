@@ -129,34 +129,3 @@ def test_merging_unrelated_structured_models_keeps_each_models_function(name):
     expected = {k: sum(p.apply(s)[k] for p, s in zip(result.perms, states)) / 3 for k in states[0]}
     for key, t in expected.items():
         torch.testing.assert_close(result.merged[key], t, msg=key)
-
-
-def test_each_matching_also_runs_algorithm_3s_identity_start(trained, monkeypatch):
-    """Warm starts alone settle in the first local optimum of MergeMany's objective (on three MNIST MLPs they
-    ended below Algorithm 3 run plainly): every matching from non-identity permutations runs from the identity
-    too, on the same matcher, with the same group orders (pyperm.nn.align.merge.align_many keeps the higher
-    objective's result)."""
-    from pyperm.nn.align import _matcher
-
-    calls = []
-    real = _matcher.WeightMatcher.match
-
-    def spy(self, state_a, *, init=None, seed=0, **kwargs):
-        identity = init is None or Permutations(self.spec, dict(init)).is_identity()
-        state = seed.get_state().clone() if isinstance(seed, torch.Generator) else None
-        result = real(self, state_a, init=init, seed=seed, **kwargs)
-        calls.append((self, identity, state, result))
-        return result
-
-    monkeypatch.setattr(_matcher.WeightMatcher, "match", spy)
-    spec = trained[0].permutation_spec()
-    result = merge_many(spec, [m.state_dict() for m in trained], seed=0)
-    assert result.converged
-    warm = [j for j, (_, identity, _, _) in enumerate(calls) if not identity]
-    assert warm, "no matching after the first round started from non-identity permutations"
-    for j in warm:
-        matcher, _, state, first = calls[j]
-        second_matcher, identity, second_state, second = calls[j + 1]
-        assert second_matcher is matcher and identity and torch.equal(state, second_state)
-    # the rounds end on a round where neither start changed anything: the last matchings keep their input
-    assert result.history[-1] == 0

@@ -60,7 +60,8 @@ def test_rebasin_paper_scale_on_cifar_files(tmp_path, capsys, monkeypatch, devic
     _write_cifar(folder, batches=(1, 2), n=8)
     report = load_report("rebasin")
     tiny = dict(report.SETTINGS["paper"], width=8, epochs=2, marks=[1, 2], ste_epochs=1, ste_batch=8, points=3,
-                width_epochs=1, models=3, eval_batch=8, batch=8, conv_widths={"resnet20": [1]})  # fmt: skip
+                width_epochs=1, models=3, eval_batch=8, batch=8, conv_widths={"resnet20": [1]}, split_points=3,
+                split_conv={"width": 1, "recipe": "resnet_sgd", "batch": 8, "epochs": 1})  # fmt: skip
     monkeypatch.setitem(report.SETTINGS, "paper", tiny)
     out = tmp_path / "out"
     args = ["rebasin", "--scale", "paper", "--data", f"cifar10:{folder}", "--out", str(out), "--device", device]
@@ -72,6 +73,9 @@ def test_rebasin_paper_scale_on_cifar_files(tmp_path, capsys, monkeypatch, devic
     assert body["settings"]["model"] == "mlp:3072,8,8,8,10"
     md = (out / "report.md").read_text()
     assert '*paper:* "MLP (3 layers, 512 width)"' in md and "config.batch_size = 500" in md
+    # Sec. 5.4 trains the paper's ResNet20 on CIFAR (git re-basin's split experiment)
+    assert body["split_data"]["model"] == "resnet20:1,num_classes=10" and "labels 0-4" in md
+    assert "## Sec. 5.4: merging models trained on different data" in md and "width multiplier 32" in md
 
 
 def test_curves_paper_scale_on_cifar100_files(tmp_path, capsys, monkeypatch, device):

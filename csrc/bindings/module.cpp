@@ -54,4 +54,5 @@ PYBIND11_MODULE(_core, m) {
   pyperm::bindings::register_xcorr(m);
   pyperm::bindings::register_bvn(m);
   pyperm::bindings::register_gather(m);
+  pyperm::bindings::register_thread_pool(m);
 }

@@ -10,4 +10,5 @@ void register_lap_many(pybind11::module_& m);
 void register_xcorr(pybind11::module_& m);
 void register_bvn(pybind11::module_& m);
 void register_gather(pybind11::module_& m);
+void register_thread_pool(pybind11::module_& m);
 }  // namespace pyperm::bindings

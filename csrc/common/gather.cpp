@@ -61,7 +61,8 @@ bool gather_units(const unsigned char* src, int64_t outer, int64_t n, int64_t un
     if (index[j] < 0 || index[j] >= n) return false;
   if (outer <= 0 || k <= 0 || unit_bytes <= 0) return true;
   const int64_t src_row = n * unit_bytes, out_row = k * unit_bytes;
-  // Tasks of about 256 KiB of output; threads only for outputs of a MiB each (starting one costs ~50 us).
+  // Tasks of about 256 KiB of output; threads only for outputs of a MiB each (the copy is bound by memory
+  // bandwidth, and waking a worker costs more than a smaller copy).
   const int64_t rows_per_task = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(out_row, 1));
   const int64_t tasks = (outer + rows_per_task - 1) / rows_per_task;
   const int64_t most = std::max<int64_t>(1, outer * out_row >> 20);

@@ -236,7 +236,7 @@ Status batch_linear_sum_assignment(const T* costs, int64_t batch, int64_t n_rows
                                    Isa isa, int64_t* failed) {
   const int64_t k = std::min(n_rows, n_cols), stride = n_rows * n_cols;
   std::vector<Status> status(static_cast<size_t>(batch), Status::Ok);
-  parallel_for(batch, threads, [&](int64_t b) {
+  parallel_for(batch, threads, batch * assignment_work(n_rows, n_cols), [&](int64_t b) {
     // One thread per problem: the batch is already spread over the threads.
     status[b] = linear_sum_assignment(costs + b * stride, n_rows, n_cols, maximize, row_ind + b * k,
                                       col_ind + b * k, isa, 1);

@@ -110,11 +110,17 @@ Status solve_one(const MatrixView<T>& p, bool maximize, CostLimit limit, Isa isa
                  int64_t* col_ind, int64_t* matched) {
   *matched = 0;
   if (p.n_rows == 0 || p.n_cols == 0) return Status::Ok;
-  const T bound = static_cast<T>(limit.limit);  // a huge double limit may be +inf as float
   const T sign = maximize ? T(-1) : T(1);
-  if (limit.has_limit && std::isfinite(bound)) {
-    const T dummy = sign * bound;
-    return solve_short_side_first<T, T>(p, sign, T(1), &dummy, isa, s.cost, s, row_ind, col_ind, matched);
+  if (limit.has_limit && std::isfinite(limit.limit)) {
+    // In double whatever T, as lap decides (it solves in float64): a float32 cost is above or
+    // below the limit as the two doubles compare (float32(0.1) > 0.1), and a limit beyond
+    // FLT_MAX stays finite. Maximising mirrors lap's objective: the values are negated and
+    // the limit kept, so the solution maximises the matched values minus limit / 2 per
+    // unmatched row and column, and a larger limit never matches fewer pairs (inf, below,
+    // matches as many as the allowed pairs permit).
+    const double dummy = limit.limit;
+    return solve_short_side_first<T, double>(p, static_cast<double>(sign), 1.0, &dummy, isa, s.wide, s, row_ind,
+                                             col_ind, matched);
   }
   Status st;
   if (p.row_stride == p.n_cols || p.n_rows <= 1) {
@@ -139,13 +145,10 @@ Status solve_many(const MatrixView<T>* problems, int64_t count, bool maximize, C
                   Isa isa, int64_t* failed) {
   if (count <= 0) return Status::Ok;
   std::vector<Status> status(static_cast<size_t>(count), Status::Ok);
-  // A thread costs tens of microseconds to start (far more on a loaded machine, where it waits
-  // to be scheduled): batches of a few small problems stay on the calling thread.
-  constexpr int64_t kEntriesPerWorker = int64_t(1) << 15;
-  int64_t entries = 0;
-  for (int64_t b = 0; b < count; ++b) entries += problems[b].n_rows * problems[b].n_cols;
-  const int64_t workers = std::max<int64_t>(
-      1, std::min({static_cast<int64_t>(threads > 0 ? threads : hardware_threads()), count, entries / kEntriesPerWorker}));
+  // Batches of a few small problems stay on the calling thread (the cost model of thread_pool.h).
+  int64_t work = 0;
+  for (int64_t b = 0; b < count; ++b) work += assignment_work(problems[b].n_rows, problems[b].n_cols);
+  const int64_t workers = std::min<int64_t>(threads_for_work(threads, work), count);
   std::atomic<int64_t> next{0};
   // One task per worker, each pulling problems until none is left: uneven problems balance,
   // and each worker keeps its scratch buffers from one problem to the next.

@@ -20,10 +20,14 @@ struct MatrixView {
 // The threshold of lap's lapjv: every row and every column left unmatched costs limit / 2.
 //   has_limit  false: a full matching of min(n_rows, n_cols) pairs (scipy's semantics).
 //   limit      a real number or +inf (pyperm.linear_sum_assignment asks for >= 0; lap allows
-//              negative limits, which leave every pair unmatched unless it costs less). Minimising, the solution minimises the sum of the
-//              matched costs plus limit / 2 per unmatched row and column, so a pair is
-//              worth matching only below the limit. Maximising, it maximises the sum of the
-//              matched values plus limit / 2 per unmatched row and column. +inf asks for a
+//              negative limits, which leave every pair unmatched unless it costs less).
+//              Minimising, the solution minimises the sum of the matched costs plus
+//              limit / 2 per unmatched row and column, so a pair is worth matching only
+//              below the limit. Maximising mirrors it (minimising the negated values with
+//              the same limit): the sum of the matched values minus limit / 2 per unmatched
+//              row and column is maximised, so a pair is worth matching only above -limit.
+//              A finite limit is compared in double whatever the costs' type, as lap
+//              (which solves in float64) compares it. +inf asks for a
 //              matching of maximum cardinality among the allowed pairs, best among those:
 //              rows stay unmatched only where forbidden pairs force it.
 struct CostLimit {

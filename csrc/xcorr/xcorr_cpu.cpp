@@ -17,8 +17,8 @@ namespace {
 // independent of how many threads run.
 constexpr int64_t kRowBlock = 256;
 constexpr int64_t kColBlock = 512;
-// Elements of work per thread below which starting one costs more than it saves
-// (threads are started per call; see common/thread_pool.h).
+// Elements of work per thread below which waking one of the pool's workers costs more than it
+// saves (see common/thread_pool.h; the pool also keeps to idle cores).
 constexpr int64_t kGrain = int64_t{1} << 18;
 // Elements per task of the matrix kernels: small enough to balance, large enough to amortise.
 constexpr int64_t kTask = int64_t{1} << 15;

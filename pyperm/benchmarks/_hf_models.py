@@ -42,7 +42,7 @@ _TEXT = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 0, "pad_token_i
 
 def _transformers() -> Any:
     """``transformers``, imported after torchvision's import is patched over this torch build."""
-    from pyperm.testing import import_torchvision
+    from pyperm._optional_imports import import_torchvision
 
     try:
         import_torchvision()  # transformers imports torchvision when it is installed

@@ -134,7 +134,7 @@ def _spec_and_shapes(name: str) -> tuple[Any, dict[str, Any], Any]:
             model = single_output(getattr(transformers, model_cls)(config))
         spec = trace_model(model, torch.zeros(1, 8, dtype=torch.long, device="meta")).spec
         return spec, model.state_dict(), None
-    from pyperm.testing import import_torchvision
+    from pyperm._optional_imports import import_torchvision
 
     torchvision = import_torchvision()
     torch.manual_seed(0)

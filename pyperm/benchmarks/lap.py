@@ -257,10 +257,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the pipelines' calls: a DETR-shaped padded batch with sizes against scipy's "
                              "per-image loop, and a tracker's lapjv with cost_limit against lap's "
                              "(pyperm.benchmarks.lap_pipelines)")
+    parser.add_argument("--threads-goal", action="store_true",
+                        help="default threads against threads=1 on DETR's list batch and a 256 x 128 x 128 stack "
+                             "(pyperm.benchmarks.lap_threads_goal)")
+    parser.add_argument("--load", type=int_at_least(0), default=0,
+                        help="--threads-goal: spinning processes to run beside the measurement (a busy machine)")
+    parser.add_argument("--crossover", action="store_true",
+                        help="--threads-goal: also the measurement behind the thread pool's cost model")
 
 
 # Tables of their own, run instead of the dense cases when asked for (any combination).
-SECTIONS = ("small", "sparse", "pipelines")
+SECTIONS = ("small", "sparse", "pipelines", "threads_goal")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -95,7 +95,7 @@ def library_model(name: str, seed: int):
     eval mode, and an input that traces it. ModuleNotFoundError when the library is missing."""
     import torch
 
-    from pyperm.testing import import_torchvision
+    from pyperm._optional_imports import import_torchvision
 
     if name not in LIBRARY_INPUTS:
         raise ValueError(f"unknown library model {name!r}; choose from {sorted(LIBRARY_INPUTS)}")

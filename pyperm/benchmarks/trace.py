@@ -78,7 +78,7 @@ def build(name: str, size: int, seed: int):
     import torch
     from torch import nn
 
-    from pyperm.testing import import_torchvision
+    from pyperm._optional_imports import import_torchvision
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -233,7 +233,7 @@ class SurveyRow:
 
 def survey_names() -> list[str]:
     """Every classification model torchvision lists, and timm's vit_tiny_patch16_224 when timm is installed."""
-    from pyperm.testing import import_torchvision
+    from pyperm._optional_imports import import_torchvision
 
     tv = import_torchvision()
     names = sorted(tv.models.list_models(module=tv.models))

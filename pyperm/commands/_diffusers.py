@@ -71,6 +71,9 @@ def _components(index: Path) -> list[str]:
 
 
 def _diffusers(config: Path, name: str) -> Any:
+    from pyperm._optional_imports import prepare_hf_import
+
+    prepare_hf_import()
     try:
         import diffusers
     except ImportError as exc:

@@ -30,10 +30,9 @@ def folder_of(path: str | Path) -> Path:
 
 
 def _transformers() -> Any:
-    from pyperm.testing import import_torchvision
+    from pyperm._optional_imports import prepare_hf_import
 
-    with contextlib.suppress(ModuleNotFoundError):  # not installed: transformers does without it
-        import_torchvision()  # transformers imports torchvision when it is installed
+    prepare_hf_import()
     try:
         import transformers
     except ImportError as exc:

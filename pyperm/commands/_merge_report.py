@@ -40,6 +40,10 @@ def merge_markdown(report: dict[str, Any]) -> str:
         f"- inputs: {', '.join(f'`{p}`' for p in report['inputs'])}",
         f"- weights (each aligned model's share of the merge): {', '.join(f'{w:g}' for w in report['weights'])}",
         (
+            f"- {report['iterations']} Frank-Wolfe iterations of C2M3 (converged: {report['converged']}), "
+            f"{report['seconds']:.3f} s; objective summed over pairs {report['c2m3']['objective']:.6g}, "
+            f"cycle-consistency error {report['c2m3']['cycle_error']:g}"
+            if report.get("method") == "c2m3" else
             f"- {report['iterations']} rounds of merge_many (converged: {report['converged']}), {report['seconds']:.3f} s;"
             f" permutations changed per round: {report['changed_per_round']}"
         ),

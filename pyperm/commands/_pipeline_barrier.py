@@ -103,6 +103,9 @@ class PromptDraws:
 
 def _alphas_cumprod(schedule: dict[str, Any]) -> Any:
     """:math:`\\bar\\alpha_t` of a scheduler's config, through diffusers' DDPM scheduler (same betas)."""
+    from pyperm._optional_imports import prepare_hf_import
+
+    prepare_hf_import()
     import diffusers
 
     known = {k: schedule[k] for k in ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule",
@@ -211,6 +214,9 @@ def _check_components(class_name: str, components: list, index: Path, want_vae: 
 def _load(folder: Path, component: Any, device: Any) -> Any:
     """A component of a pipeline folder, by its class in model_index.json, in float32 and eval mode."""
     if component.library == "diffusers":
+        from pyperm._optional_imports import prepare_hf_import
+
+        prepare_hf_import()
         import diffusers as library
     elif component.library == "transformers":
         from pyperm.commands._hf import _transformers

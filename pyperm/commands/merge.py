@@ -1,4 +1,5 @@
-"""``pyperm merge A B C ...``: align several checkpoints to each other and average them (Git Re-Basin Algorithm 3).
+"""``pyperm merge A B C ...``: align several checkpoints to each other and average them (Git Re-Basin Algorithm 3,
+or C2M3 with ``--method c2m3``).
 
 Outputs in ``--out``: the merged checkpoint (``merged`` with the first input's suffix and layout),
 ``report.json`` and ``report.md``; with ``--data`` the test loss and accuracy of every input, of
@@ -36,6 +37,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-iter", type=positive_int, default=100, help="most rounds over the models (default 100)"
     )
+    parser.add_argument(
+        "--method", choices=("mergemany", "c2m3", "zipit"), default="mergemany",
+        help="mergemany: Git Re-Basin's Algorithm 3 (default); c2m3: cycle-consistent Frank-Wolfe in a universe "
+             "(Crisostomi et al. 2024; one process; --max-iter counts its iterations); zipit: ZipIt! (Stoica et "
+             "al. 2024) of two checkpoints, merging features within and across them (needs --data)",
+    )  # fmt: skip
+    parser.add_argument("--alpha", type=float, default=0.3, help="zipit: the paper's alpha, in [0, 1] (default 0.3)")
+    parser.add_argument(
+        "--beta", type=float, default=0.125,
+        help="zipit: same-model merges per model as a fraction of half a group, in [0, 1] (default 0.125; 0: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stop", default=None, metavar="GROUP",
+        help="zipit: a partial zip up to this group of the spec (two heads written: zipped_a, zipped_b); the report "
+             "of a full zip lists the groups it can stop at",
+    )  # fmt: skip
     parser.add_argument(
         "--weights", type=positive_floats, default=None, metavar="W1,W2,...",
         help="one positive weight per checkpoint, summing to 1: each aligned model's share of the merge "
@@ -108,6 +125,12 @@ def run(args: argparse.Namespace) -> int:
     check_weights(args)
     if args.model == "hf" and any(is_pipeline(p) for p in args.checkpoints):  # component by component
         return _merge_pipelines(args)
+    if launched() and args.method in ("c2m3", "zipit"):
+        raise CommandError(f"--method {args.method} runs in one process: start it without torchrun")
+    if args.method == "zipit":
+        from pyperm.commands._zip import run_zipit
+
+        return run_zipit(args)
     if launched():  # under torchrun: the tensors split over the ranks
         from pyperm.commands._merge_over_ranks import merge_over_ranks
 
@@ -133,11 +156,22 @@ def run(args: argparse.Namespace) -> int:
     # bfloat16 SDXL UNets stay bfloat16, read from the mapped files: float32 copies alone would be 20 GB.
     states = [on_device(c.state, device) for c in ckpts]
     with Timer() as timer:
-        result = merge_many(loaded.spec, states, weights=args.weights, max_iter=args.max_iter, seed=args.seed,
-                            progress=args.progress)  # fmt: skip
+        if args.method == "c2m3":
+            from pyperm.nn.align.c2m3 import c2m3_merge
+
+            result = c2m3_merge(loaded.spec, states, weights=args.weights, max_iter=args.max_iter, seed=args.seed,
+                                progress=args.progress)  # fmt: skip
+        else:
+            result = merge_many(loaded.spec, states, weights=args.weights, max_iter=args.max_iter, seed=args.seed,
+                                progress=args.progress)  # fmt: skip
     # Write in the first input's dtypes, as the inputs were stored: one tensor at a time, when written.
     merged = LazyState(ckpts[0].state, lambda key, stored: result.merged[key].to(stored.dtype))
     report = merge_report(ckpts, loaded, result, timer.seconds, ckpt_files, args.weights)
+    report["method"] = args.method
+    if args.method == "c2m3":
+        report["c2m3"] = {"objective": result.final_objective, "relaxed_objective": result.objective,
+                          "step_sizes": result.step_sizes, "cycle_error": result.cycle_error,
+                          "kept_start": result.kept_start}  # fmt: skip
     if data is not None:
         evaluations = {str(c.path): _evaluate(loaded, s, data, device) for c, s in zip(ckpts, states)}
         evaluations["plain average (no alignment)"] = _evaluate(loaded, average(states, args.weights), data, device)
@@ -148,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
     report["peak_rss_bytes"] = [peak_resident()]  # after writing, which reads every merged tensor once more
     write_json(out / "report.json", report)
     write_text(out / "report.md", merge_markdown(report))
-    print(f"merged {len(ckpts)} checkpoints in {result.iterations} rounds ({timer.seconds:.2f} s): {written[0]}")
+    steps = "Frank-Wolfe iterations of C2M3" if args.method == "c2m3" else "rounds"
+    print(f"merged {len(ckpts)} checkpoints in {result.iterations} {steps} ({timer.seconds:.2f} s): {written[0]}")
     if data is not None:
         for name, e in report["evaluation"].items():
             print(f"  {name}: test loss {e['loss']:.4f}, accuracy {100 * e['accuracy']:.2f}%")

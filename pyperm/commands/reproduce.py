@@ -49,11 +49,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rebasin, curves, robust: digits (default, scikit-learn's), mnist:DIR (the idx files), cifar10:DIR or "
         "cifar100:DIR (the python pickles); nothing is downloaded",
     )
+    parser.add_argument(
+        "--split-fractions",
+        type=_fractions,
+        default=None,
+        metavar="F1,F2",
+        help="rebasin: model A's shares of the examples of the first and of the second half of the labels in the "
+        "split-data experiment (sec. 5.4); B holds the rest (default: the paper's 0.2,0.8)",
+    )
     parser.add_argument("--out", required=True, metavar="DIR", help="folder for report.md, report.json and the PNGs")
     parser.add_argument("--force", action="store_true", help="overwrite existing output files")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of every random choice (default 0)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
+def _fractions(text: str) -> tuple[float, float]:
+    """Two comma-separated shares in [0, 1] (``0.2,0.8``)."""
+    from pyperm._checks import check_fraction
+
+    try:
+        shares = tuple(check_fraction(float(v), "value") for v in text.split(","))
+    except (TypeError, ValueError):
+        shares = ()
+    if len(shares) != 2:
+        raise argparse.ArgumentTypeError(f"expected two shares in [0, 1] such as 0.2,0.8, got {text!r}")
+    return shares  # type: ignore[return-value]
 
 
 @cli_errors("reproduce")
@@ -68,6 +89,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--scale {args.scale}: the {args.name} report has no such scale (it has "
                          f"{', '.join(report.SETTINGS)})")  # fmt: skip
     options = _data_option(args, report)
+    if args.split_fractions is not None:
+        import inspect
+
+        if "split_fractions" not in inspect.signature(report.run).parameters:
+            raise ValueError(f"--split-fractions: the {args.name} report has no split-data experiment (rebasin has)")
+        options["split_fractions"] = args.split_fractions
     out = prepare_out(args.out, list(report.OUTPUTS), args.force)
     _say_expected_time(args, report, device)
     with Timer() as timer:

@@ -24,8 +24,8 @@ inside it. Importing :mod:`pyperm.nn` alone does not.
 """
 
 from pyperm import _comm
-from pyperm._comm import Channel, check_same
-from pyperm.distributed._failure import RankFailedError, failure_guard
+from pyperm._comm import Channel, RankFailedError, check_same
+from pyperm.distributed._failure import failure_guard
 from pyperm.distributed.weight import DistributedMatchingResult, merge_many, weight_matching
 
 _comm.import_group_defaults()

@@ -19,7 +19,8 @@ times each rank entered a guard before.
 
 A rank whose collective fails because of another rank (a communication error: torch's
 ``DistError``, or gloo's and NCCL's ``RuntimeError``) raises :class:`RankFailedError` naming that
-rank once its record or its stale heartbeat is seen.
+rank once its record or its stale heartbeat is seen (:class:`RankFailedError` is the communication
+layer's, :mod:`pyperm._comm`, which :func:`~pyperm._comm.shared_errors` raises too).
 """
 
 from __future__ import annotations
@@ -33,16 +34,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["RankFailedError", "failure_guard"]
+from pyperm._comm import RankFailedError, check_group, communication_error
+
+__all__ = ["failure_guard"]
 
 _PREFIX = "pyperm/guard"
 _BEAT = 0.5  # seconds between heartbeats
 _beats = itertools.count(1)  # every beat of this process a new value, across guards
 _active: set[str] = set()  # the groups guarded in this process now (no nesting on one group)
-
-
-class RankFailedError(RuntimeError):
-    """Another rank of the job failed (raised, was killed, or stopped answering)."""
 
 
 def _store() -> Any:
@@ -155,8 +154,6 @@ def failure_guard(group: Any = None, *, timeout: float = 60.0, grace: float = 5.
         A bad ``timeout`` or ``grace``, or ``group`` is guarded already in this process.
     """
     import torch.distributed as dist
-
-    from pyperm._comm import check_group, communication_error
 
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")

@@ -16,10 +16,17 @@ import numpy as np
 from pyperm._ext import core
 from pyperm.lap import _cpu, _ragged, _torch_route
 from pyperm.lap._lapjv import lapjv
+from pyperm.lap._result_form import ResultFormWarning, warn_if_unpacked_as_stack
 from pyperm.lap._sparse import is_scipy_sparse, linear_sum_assignment_sparse
 from pyperm.lap._torch_route import register_torch_ops
 
-__all__ = ["batch_linear_sum_assignment", "lapjv", "linear_sum_assignment", "register_torch_ops"]
+__all__ = [
+    "ResultFormWarning",
+    "batch_linear_sum_assignment",
+    "lapjv",
+    "linear_sum_assignment",
+    "register_torch_ops",
+]
 
 _torch_route.register_if_torch_imported()
 
@@ -44,7 +51,7 @@ def linear_sum_assignment(cost: Any, maximize: bool = False, *, cost_limit: floa
     cost : (n, m) array-like or torch.Tensor
         The cost matrix. ``+inf`` (``-inf`` when maximising) forbids a pair. float32
         and float64 are solved in their own precision; bool, integers and other real
-        dtypes are solved in float64. CUDA arrays (torch tensors, objects exposing
+        dtypes (float16, and torch's bfloat16 and float8 formats) are solved in float64. CUDA arrays (torch tensors, objects exposing
         ``__cuda_array_interface__`` or DLPack) are solved on their device, on the
         current stream, and give int64 arrays on the same device (torch tensors for
         torch input, CuPy arrays for CuPy input, torch tensors otherwise); the call
@@ -61,13 +68,19 @@ def linear_sum_assignment(cost: Any, maximize: bool = False, *, cost_limit: floa
         unmatched, each costing :math:`c / 2`. Minimising, the matching minimises
         :math:`\sum_{(i,j) \in M} C_{ij} + \tfrac{c}{2}(n + m - 2|M|)`, so a pair is
         matched only if it costs less than :math:`c` (at :math:`c` exactly, either way is
-        optimal). Maximising, it maximises :math:`\sum_{(i,j) \in M} C_{ij} +
-        \tfrac{c}{2}(n + m - 2|M|)`: a pair is matched only if its value exceeds :math:`c`.
-        Forbidden pairs stay unmatched instead of making the problem infeasible. ``inf``
-        means no pair is too expensive: the matching has as many pairs as the allowed
+        optimal). Maximising mirrors it (the same as minimising ``-cost`` with the same
+        limit): it maximises :math:`\sum_{(i,j) \in M} C_{ij} - \tfrac{c}{2}(n + m - 2|M|)`,
+        so a pair is matched only if its value exceeds :math:`-c`, and a larger limit never
+        matches fewer pairs (to match only values above a threshold :math:`t`, pass
+        ``cost - t`` with ``cost_limit=0``). The limit is compared with the costs in float64,
+        as lap compares it, whatever their dtype: float32 costs with a finite limit are
+        solved in float64 (``float32(0.1)`` is above a limit of 0.1). Forbidden pairs stay
+        unmatched instead of making the problem infeasible. ``inf`` means no pair is too
+        expensive: the matching has as many pairs as the allowed
         pairs permit (``min(n, m)`` when none is forbidden), the best among those. CUDA
         arrays are solved on their device, except that with ``inf`` a matrix whose forbidden
         pairs leave no complete matching raises a ValueError there (pass it on the CPU).
+        scipy.sparse input with a ``cost_limit`` raises a ValueError.
 
     Returns
     -------
@@ -82,10 +95,12 @@ def linear_sum_assignment(cost: Any, maximize: bool = False, *, cost_limit: floa
         ``cost`` is not 2-D ("expected a matrix"), contains NaN or the wrong infinity
         ("matrix contains invalid numeric entries"), or no complete matching avoids
         the forbidden pairs ("cost matrix is infeasible"); ``cost_limit`` is NaN,
-        negative or not a scalar.
+        negative or not a scalar, or is given with scipy.sparse ``cost``; a scipy.sparse
+        side reaches 2**31 - 1.
     TypeError
         ``cost`` does not hold real numbers (strings, objects, complex: "Cannot cast array
         data", as scipy). The exception is also a ValueError, which pyperm raised before.
+        ``cost_limit`` is not a real number (a string, or an array of strings).
     RuntimeError
         ``cost`` is a CUDA array but pyperm was built without CUDA or no GPU is visible.
 
@@ -139,13 +154,21 @@ def batch_linear_sum_assignment(
 ) -> tuple[Any, Any] | list[tuple[Any, Any]]:
     """Solve many independent assignment problems in parallel.
 
-    Three forms of ``costs``:
+    Three forms of ``costs``, and what each returns:
 
-    - a ``(B, n, m)`` stack: ``B`` problems of one shape;
-    - a list or tuple of 2-D costs of any shapes (empty ones included); all are solved in
-      float32 when all are float32, else in float64;
+    - a ``(B, n, m)`` stack: ``B`` problems of one shape; stacked ``(B, min(n, m))``
+      ``row_ind`` and ``col_ind`` arrays (a list of B pairs with ``cost_limit``);
+    - a list or tuple of 2-D costs of any shapes (empty ones included), equal shapes too: a
+      list of B ``(row_ind, col_ind)`` pairs, one per matrix; all are solved in float32 when
+      all are float32, else in float64;
     - a padded ``(B, N, M)`` stack with ``sizes``: problem ``b`` is
-      ``costs[b, :n_b, :m_b]`` (a detector's matcher: queries x padded targets).
+      ``costs[b, :n_b, :m_b]`` (a detector's matcher: queries x padded targets); a list of
+      B pairs.
+
+    A list of equal-shape matrices was read as a ``(B, n, m)`` stack before 2026-11-29 (see the
+    changelog). With two matrices, old code's ``rows, cols = batch_linear_sum_assignment([c0,
+    c1])`` would still run, with each name holding one problem's pair: that unpacking gives a
+    :class:`ResultFormWarning`. Pass ``np.stack(costs)`` for stacked arrays.
 
     Parameters
     ----------
@@ -183,6 +206,10 @@ def batch_linear_sum_assignment(
         As :func:`linear_sum_assignment`, naming the first failing problem's index; an
         element of a sequence that is not 2-D; ``sizes`` of the wrong shape or out of
         range; a bad ``cost_limit``.
+    TypeError
+        ``costs`` is an iterator (pass a list), a numpy object array (pass a list), or a
+        sequence holding a scipy.sparse matrix (solve those one at a time with
+        :func:`linear_sum_assignment`).
     RuntimeError
         ``costs`` is a CUDA array but pyperm was built without CUDA or no GPU is visible.
 
@@ -195,6 +222,9 @@ def batch_linear_sum_assignment(
     ((8, 5), (8, 5))
     """
     nthreads = check_threads(threads)
+    _ragged.check_batch_costs(costs)
+    if isinstance(costs, (list, tuple)):
+        warn_if_unpacked_as_stack(costs)
     if sizes is not None or cost_limit is not None or isinstance(costs, (list, tuple)):
         return _ragged.batch_linear_sum_assignment(costs, bool(maximize), nthreads, sizes, cost_limit)
     if _torch_route.traced(costs):  # torch.compile / torch.export: one custom operator in the graph

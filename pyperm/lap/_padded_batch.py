@@ -9,10 +9,12 @@ Each problem ``b`` (``n_b x m_b``) is laid into rows ``0..R-1`` and columns ``0.
 
 - oriented so that its smaller side is the rows (transposed when ``n_b > m_b``): ``r_b`` rows,
   ``c_b`` real columns;
-- with a cost limit ``c``, row ``i`` also gets a private column ``c_b + i`` of cost ``c``: taking
-  it leaves the row unmatched. Any matching ``M`` costs ``C_M + c/2 (n + m - 2|M|)`` in lap's
+- with a cost limit ``c``, row ``i`` also gets a private column ``c_b + i`` of cost ``c`` (of value
+  ``-c`` when maximising: lap's objective mirrored, as on the CPU): taking it leaves the row
+  unmatched. Any matching ``M`` costs ``C_M + c/2 (n + m - 2|M|)`` in lap's
   terms, which is ``C_M + c (r - |M|)`` plus a constant, so this is exact, with no arithmetic on
-  the costs. ``c = inf`` needs no private columns: every row is matched, which is lap's answer
+  the costs. A finite limit makes the stack float64, whatever the costs' dtype, so that the limit
+  is compared with them as lap compares it (in float64). ``c = inf`` needs no private columns: every row is matched, which is lap's answer
   whenever a complete matching exists (and an error names the case when none does);
 - rows ``r_b..R-1`` fill the stack: they cost 0 on the columns past the problem's own and are
   forbidden elsewhere, so they take nothing a real row could want. ``K`` leaves each of them a
@@ -50,26 +52,30 @@ class Problems:
     m: np.ndarray  # (B,) int64
 
 
-def _solver_dtype(tensors: list) -> Any:
-    """float32 when every tensor is float32, else float64 (the CPU path's rule)."""
+def _solver_dtype(tensors: list, limit: float | None) -> Any:
+    """float32 when every tensor is float32 and no finite limit is to be compared with them, else
+    float64 (the CPU path's rule)."""
     torch = sys.modules["torch"]
-    return torch.float32 if tensors and all(t.dtype == torch.float32 for t in tensors) else torch.float64
+    single = tensors and all(t.dtype == torch.float32 for t in tensors)
+    return torch.float32 if single and (limit is None or limit == math.inf) else torch.float64
 
 
-def padded_problems(stack: Any, sizes: np.ndarray | None) -> Problems:
-    """A ``(B, N, M)`` tensor and its checked ``(B, 2)`` sizes (None: every problem full size)."""
+def padded_problems(stack: Any, sizes: np.ndarray | None, limit: float | None) -> Problems:
+    """A ``(B, N, M)`` tensor and its checked ``(B, 2)`` sizes (None: every problem full size),
+    in the solver's dtype for ``limit``."""
     batch, n_max, m_max = stack.shape
-    flat = stack.detach().to(_solver_dtype([stack])).contiguous().reshape(-1)
+    flat = stack.detach().to(_solver_dtype([stack], limit)).contiguous().reshape(-1)
     if sizes is None:
         sizes = np.tile(np.array([n_max, m_max], dtype=np.int64), (batch, 1))
     offsets = np.arange(batch, dtype=np.int64) * (n_max * m_max)
     return Problems(flat, offsets, np.full(batch, m_max, dtype=np.int64), sizes[:, 0].copy(), sizes[:, 1].copy())
 
 
-def sequence_problems(costs: list) -> Problems:
-    """2-D tensors of any shapes on one device, concatenated into one buffer (one copy)."""
+def sequence_problems(costs: list, limit: float | None) -> Problems:
+    """2-D tensors of any shapes on one device, concatenated into one buffer (one copy), in the
+    solver's dtype for ``limit``."""
     torch = sys.modules["torch"]
-    dtype = _solver_dtype(costs)
+    dtype = _solver_dtype(costs, limit)
     shapes = np.array([tuple(c.shape) for c in costs], dtype=np.int64).reshape(-1, 2)
     counts = shapes[:, 0] * shapes[:, 1]
     offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
@@ -105,7 +111,7 @@ def _uniform_stack(p: Problems, maximize: bool, limit: float | None):
 
     fill = torch.where((i >= r_t) & (j >= fill_from_t), scalar(0.0), scalar(-math.inf if maximize else math.inf))
     if limit is not None:
-        fill = torch.where((i < r_t) & (j == c_t + i), scalar(limit), fill)
+        fill = torch.where((i < r_t) & (j == c_t + i), scalar(-limit if maximize else limit), fill)
     return torch.where(real, values, fill), facts[:3].view(3, -1, 1)
 
 

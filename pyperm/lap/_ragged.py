@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from pyperm._arrays import check_real_dtype, is_cuda_input, like, real_float_array, to_numpy
+from pyperm._arrays import check_real_dtype, is_cuda_input, is_torch_tensor, like, real_float_array, to_numpy
 from pyperm._cuda_arrays import as_cuda_tensor, like_input
 from pyperm._ext import core
 from pyperm.lap import _padded_batch
+from pyperm.lap._sparse import is_scipy_sparse
 
-__all__ = ["batch_linear_sum_assignment", "check_cost_limit", "linear_sum_assignment_limited"]
+__all__ = ["batch_linear_sum_assignment", "check_batch_costs", "check_cost_limit", "linear_sum_assignment_limited"]
 
 
 def check_cost_limit(value: Any, *, allow_negative: bool = False) -> float:
@@ -39,8 +41,17 @@ def check_cost_limit(value: Any, *, allow_negative: bool = False) -> float:
     negative limit (unless ``allow_negative``) or an array of more than one value; each
     message names ``cost_limit``.
     """
+    if isinstance(value, (int, float)):
+        # Plain numbers first, with no attribute lookups: under torch.compile with dynamic
+        # shapes the limit is a symbolic float, which Dynamo cannot ask for a shape or a dtype.
+        return _checked_limit(float(value), allow_negative)
     if isinstance(value, (str, bytes)) or value is None:
         raise TypeError(f"cost_limit must be a real number, got {type(value).__name__}")
+    # Only numpy values are asked for a dtype: under torch.compile the limit may be a symbolic float.
+    if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind not in "biuf":
+        raise TypeError(f"cost_limit must be a real number, got an array of dtype {value.dtype}")
+    if is_torch_tensor(value) and (value.is_complex() or value.is_quantized):
+        raise TypeError(f"cost_limit must be a real number, got a tensor of dtype {value.dtype}")
     shape = getattr(value, "shape", None)
     if shape is None and isinstance(value, (list, tuple)):
         shape = np.shape(value)
@@ -52,7 +63,12 @@ def check_cost_limit(value: Any, *, allow_negative: bool = False) -> float:
         limit = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"cost_limit must be a real number, got {type(value).__name__}") from None
-    if math.isnan(limit) or limit == -math.inf or (limit < 0 and not allow_negative):
+    return _checked_limit(limit, allow_negative)
+
+
+def _checked_limit(limit: float, allow_negative: bool) -> float:
+    # limit != limit is the NaN test that a symbolic float under torch.compile also answers.
+    if limit != limit or limit == -math.inf or (limit < 0 and not allow_negative):
         what = "finite or +inf" if allow_negative else "non-negative (finite or +inf)"
         raise ValueError(f"cost_limit must be {what}, got {limit}")
     return limit
@@ -63,11 +79,22 @@ def linear_sum_assignment_limited(cost: Any, maximize: bool, cost_limit: Any) ->
     limit = check_cost_limit(cost_limit)
     if is_cuda_input(cost):
         tensor, kind = as_cuda_tensor(cost, "cost", 2)
-        (rows, cols), = _solve_on_device(_padded_batch.padded_problems(tensor[None], None), maximize, limit, "cost")
+        (rows, cols), = _solve_on_device(_padded_batch.padded_problems(tensor[None], None, limit), maximize, limit, "cost")
         return like_input(kind, rows), like_input(kind, cols)
     arr = real_float_array(cost, "cost", 2)
     rows, cols = core.lap_solve_limited(arr, maximize, limit)
     return like(cost, rows, cols)
+
+
+def check_batch_costs(costs: Any) -> None:
+    """Refuses, with a TypeError naming ``costs``, what numpy would misread as an array of
+    another shape: an iterator (read as one object) and an object array of matrices."""
+    if isinstance(costs, Iterator):
+        raise TypeError(f"costs must be a list or tuple of matrices or a (B, n, m) stack, got "
+                        f"{type(costs).__name__}: pass list(costs)")
+    if isinstance(costs, np.ndarray) and costs.dtype == object:
+        raise TypeError(f"costs is a numpy object array of shape {costs.shape}: pass a list of matrices "
+                        "(costs.tolist()) or a (B, n, m) stack of numbers")
 
 
 def batch_linear_sum_assignment(
@@ -91,14 +118,18 @@ def _solve_sequence(costs: list | tuple, maximize: bool, threads: int, limit: fl
     arrays = []
     for b, cost in enumerate(costs):
         name = f"costs[{b}]"
+        if is_scipy_sparse(cost):
+            raise TypeError(f"{name} is a scipy.sparse matrix: the batch forms take dense matrices; solve each "
+                            "sparse one with pyperm.linear_sum_assignment")
         arr = to_numpy(cost, name)
         if arr.ndim != 2:
             raise ValueError(f"{name} must be a 2-D array, got shape {arr.shape}")
         check_real_dtype(arr.dtype, name)
         arrays.append(arr)
     dtype = np.float32 if arrays and all(a.dtype == np.float32 for a in arrays) else np.float64
-    # The core reads rows at any stride but wants each row's entries adjacent.
-    arrays = [a if a.dtype == dtype and _rows_readable(a) else np.ascontiguousarray(a, dtype=dtype) for a in arrays]
+    # The core reads rows at any stride but wants each row's entries adjacent, aligned and native
+    # (a fresh copy is all three; ascontiguousarray would hand an unaligned array back unchanged).
+    arrays = [a if a.dtype == dtype and _rows_readable(a) else np.array(a, dtype=dtype, order="C") for a in arrays]
     rows, cols, bounds = core.lap_solve_many(arrays, maximize, limit, threads)
     return [like(cost, rows[lo:hi], cols[lo:hi]) for cost, lo, hi in zip(costs, bounds[:-1], bounds[1:])]
 
@@ -115,7 +146,7 @@ def _solve_sequence_on_device(costs: list | tuple, on_device: list[bool], maximi
         b = next(b for b, d in enumerate(devices) if d != devices[0])
         raise ValueError(f"costs[{b}] is on {devices[b]} but costs[0] is on {devices[0]}: "
                          "pass every matrix on one device")
-    answers = _solve_on_device(_padded_batch.sequence_problems(list(tensors)), maximize, limit, "costs")
+    answers = _solve_on_device(_padded_batch.sequence_problems(list(tensors), limit), maximize, limit, "costs")
     return [(like_input(kind, rows), like_input(kind, cols)) for kind, (rows, cols) in zip(kinds, answers)]
 
 
@@ -126,9 +157,12 @@ def _solve_on_device(problems: _padded_batch.Problems, maximize: bool, limit: fl
 
 
 def _rows_readable(a: np.ndarray) -> bool:
-    """Whether the core can read ``a`` in place: contiguous entries within a row, rows in order."""
+    """Whether the core can read ``a`` in place: aligned native-order entries, contiguous within a
+    row, rows in order."""
     if a.size == 0:
         return True
+    if not (a.flags.aligned and a.dtype.isnative):
+        return False
     item = a.itemsize
     n, m = a.shape
     return (m <= 1 or a.strides[1] == item) and (n <= 1 or (a.strides[0] % item == 0 and a.strides[0] >= m * item))
@@ -138,7 +172,7 @@ def _solve_padded(costs: Any, maximize: bool, threads: int, sizes: Any, limit: f
     if is_cuda_input(costs):
         tensor, kind = as_cuda_tensor(costs, "costs", 3)
         size_arr = None if sizes is None else _check_sizes(sizes, tuple(tensor.shape))
-        answers = _solve_on_device(_padded_batch.padded_problems(tensor, size_arr), maximize, limit, "costs")
+        answers = _solve_on_device(_padded_batch.padded_problems(tensor, size_arr, limit), maximize, limit, "costs")
         return [(like_input(kind, rows), like_input(kind, cols)) for rows, cols in answers]
     arr = real_float_array(costs, "costs", 3)
     batch, n_max, m_max = arr.shape

@@ -18,6 +18,8 @@ from pyperm._ext import core
 
 __all__ = ["is_scipy_sparse", "linear_sum_assignment_sparse"]
 
+_MAX_SIDE = 2**31 - 1  # the core's indices are int32, and a side of 2**31 - 1 leaves no room for its end
+
 
 def is_scipy_sparse(x: Any) -> bool:
     """Whether ``x`` is a ``scipy.sparse`` matrix or array (any format), without importing scipy."""
@@ -60,6 +62,9 @@ def linear_sum_assignment_sparse(cost: Any, maximize: bool) -> tuple[np.ndarray,
     """
     check_ndim(cost.shape, 2, "cost")
     check_real_dtype(cost.dtype, "cost")
+    if max(cost.shape) >= _MAX_SIDE:
+        raise ValueError(f"cost has shape {cost.shape}: the sparse solver takes sides below 2**31 - 1 "
+                         "(its row and column indices are 32-bit)")
     if cost.format == "csc":
         # A CSC matrix's arrays are the CSR arrays of its transpose: solve that and swap.
         cols, rows = _solve_csr(cost, cost.shape[1], cost.shape[0], maximize)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pyperm._comm import comm_device
+from pyperm._comm import RankFailedError, comm_device
 
 __all__ = ["Ranks", "all_reduce_moments", "data_group"]
 
@@ -80,8 +80,6 @@ class Ranks:
             raise
         failed = [r for r, f in enumerate(self.sum(flags).tolist()) if f]
         if failed:
-            from pyperm.distributed import RankFailedError
-
             raise RankFailedError(f"rank {self.rank}: {what} failed on rank(s) {failed} of the group "
                                   "(their own errors say why)")
 

@@ -29,6 +29,7 @@ REPORTS = {
     "curves": "pyperm.reproduce.curves",
     "robust": "pyperm.reproduce.robust",
     "transformers": "pyperm.reproduce.transformers",
+    "zipit": "pyperm.reproduce.zipit",
 }
 SCALES = ("smoke", "quick", "full", "paper")
 

@@ -58,7 +58,7 @@ METHODS = ("naive", "weight", "activation", "weight + REPAIR", "weight + REPAIR 
 
 
 def _transformers() -> Any:
-    from pyperm.testing import import_torchvision
+    from pyperm._optional_imports import import_torchvision
 
     import_torchvision()  # transformers imports torchvision when it is installed
     try:

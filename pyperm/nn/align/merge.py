@@ -4,16 +4,18 @@ Every model in turn is weight-matched to the mean of the others (permuted as the
 now), until a whole round changes no permutation; the merged model is the mean of the
 permuted models (weighted means when weights are given).
 
-Each matching runs from two starts and keeps the higher objective: the model's current
-permutations (warm: a sweep or two of cheap corrections, with the model's matcher, its
-similarities and warm solvers kept from round to round) and the identity (Algorithm 3's own
-start, a search from scratch). The warm start alone is a monotone ascent of MergeMany's
-objective that settles in the first local optimum it meets: on three MNIST MLPs it ended
-below Algorithm 3 run plainly, whose restarts from the identity move away from such optima.
-With both starts a matching is at least as good as either alone, and a round that changes
-nothing still ends the rounds. A matching from the identity (a model's first, and Algorithm 3's
-start in the later rounds) also looks for a stall and then runs the signature start, as
-:func:`~pyperm.nn.weight_matching`'s default does (over ranks too: :func:`pyperm.distributed.merge_many`).
+Each matching runs from the model's current permutations (warm: a sweep or two of cheap
+corrections, with the model's matcher, its similarities and warm solvers kept from round to
+round). The warm start alone is a monotone ascent of MergeMany's objective that settles in the
+first local optimum it meets: on three MNIST MLPs it ended below Algorithm 3 run plainly, whose
+restarts from the identity move away from such optima. So a round of warm starts that changes
+nothing, which would end the rounds, is followed by a round that also restarts each matching
+from the identity (Algorithm 3's own start, a search from scratch) and keeps the higher
+objective; only a round of restarts that changes nothing ends the rounds (restarting in every
+round would add a search from scratch to every matching). A matching from the identity (a
+model's first, and the restarts) also looks for a stall and then runs the signature start, as
+:func:`~pyperm.nn.weight_matching`'s default does (over ranks too:
+:func:`pyperm.distributed.merge_many`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pyperm._checks import check_merge_weights, check_positive_int, torch_generator
+from pyperm._checks import check_choice, check_merge_weights, check_positive_int, torch_generator
 from pyperm._progress import progress_bar
 from pyperm.nn._checks import check_spec, check_state
 from pyperm.nn.align._objective import WeightMatchingResult
@@ -60,7 +62,9 @@ class MergeResult:
     converged : bool
         Whether the last round changed no permutation (otherwise ``max_iter`` stopped it).
     history : list of int
-        Per round, how many models' permutations changed (the last is 0 when converged).
+        Per round, how many models' permutations changed (the last is 0 when converged). A round
+        of warm starts that changes nothing (a 0 before the last) is followed by a round of restarts
+        from the identity.
     """
 
     perms: list[Permutations]
@@ -78,6 +82,7 @@ def merge_many(
     max_iter: int = 100,
     seed: int | torch.Generator = 0,
     progress: bool = False,
+    method: str = "mergemany",
 ) -> MergeResult:
     r"""Align several models to each other and average them (Git Re-Basin, Algorithm 3).
 
@@ -88,7 +93,8 @@ def merge_many(
         \Theta' = \frac{1}{N-1} \sum_{j \ne i} \pi_j(\Theta_j), \qquad
         \pi_i \leftarrow \operatorname{WeightMatching}(\Theta', \Theta_i),
 
-    until a round leaves every :math:`\pi_i` unchanged, then returns
+    until a round leaves every :math:`\pi_i` unchanged (a round that restarts every matching from
+    the identity too, see the module's notes), then returns
     :math:`\frac{1}{N} \sum_j \pi_j(\Theta_j)`. With ``weights`` :math:`w`, both means are
     weighted: :math:`\Theta' = \sum_{j \ne i} w_j \pi_j(\Theta_j) / \sum_{j \ne i} w_j` and the result
     is :math:`\sum_j w_j \pi_j(\Theta_j)`. All permutations are finally composed with
@@ -113,6 +119,10 @@ def merge_many(
         Seeds the order of the models in each round and the weight matchings' group orders.
     progress : bool, default False
         Show a progress bar over the rounds.
+    method : {"mergemany", "c2m3"}, default "mergemany"
+        ``"c2m3"``: C2M3's cycle-consistent Frank-Wolfe in a universe instead
+        (:func:`~pyperm.nn.c2m3_merge` with its defaults; ``max_iter`` counts its iterations,
+        ``seed`` seeds its start), which returns a :class:`~pyperm.nn.C2M3Result`.
 
     Returns
     -------
@@ -154,6 +164,10 @@ def merge_many(
     >>> result.perms[0].is_identity(), sorted(result.merged) == sorted(models[0].state_dict())
     (True, True)
     """
+    if check_choice(method, "method", ("mergemany", "c2m3")) == "c2m3":
+        from pyperm.nn.align.c2m3 import c2m3_merge  # c2m3 builds on this module: imported when asked for
+
+        return c2m3_merge(spec, states, weights=weights, max_iter=max_iter, seed=seed, progress=progress)
     check_spec(spec)
     if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
         raise TypeError(f"states must be a sequence of state dicts, got {type(states).__name__}")
@@ -208,11 +222,13 @@ def align_many(
     entry (any subset of the keys; an entry no group permutes is the input tensor, not a copy).
     ``weights``: checked ones, or None for equal weights.
 
-    Each matching runs from the model's current permutations and, unless they are the identity,
-    from the identity too, both with the generator's state at the matching (the same group
-    orders); the identity's result is kept only when its objective is higher beyond
-    :data:`START_TOLERANCE` (relative), so that two starts ending at one optimum, their sums
-    rounded differently, do not keep a round from being the last."""
+    Each matching runs from the model's current permutations. In a round of restarts (the first,
+    whose permutations are all the identity, and each after a round that changed nothing) a
+    matching from other permutations runs from the identity too, with the generator's state at the
+    matching (the same group orders); the identity's result is kept only when its objective is
+    higher beyond :data:`START_TOLERANCE` (relative), so that two starts ending at one optimum,
+    their sums rounded differently, do not keep a round from being the last. Only a round of
+    restarts that changes nothing ends the rounds."""
     n = len(states)
     w = [1.0] * n if weights is None else weights  # unnormalised ones: the equal-weight sums stay as they were
     identity = Permutations.identity(spec)
@@ -233,10 +249,10 @@ def align_many(
         return {k: ((v - w[i] * permuted[i][k].double()) / rest[i]).to(states[i][k].dtype)
                 if v.is_floating_point() else v for k, v in total.items()}  # fmt: skip
 
-    def best_match(i: int, others: dict[str, torch.Tensor]) -> Permutations:
+    def best_match(i: int, others: dict[str, torch.Tensor], restart: bool) -> Permutations:
         at_start = gen.get_state()
         result = match(i, others, perms[i], gen)
-        if perms[i] != identity:  # Algorithm 3's start too (the same orders), kept only when it is better
+        if restart and perms[i] != identity:  # Algorithm 3's start too (the same orders), kept only when better
             gen.set_state(at_start)
             plain = match(i, others, identity, gen)
             warm = result.objective[-1]
@@ -246,12 +262,13 @@ def align_many(
 
     bar = progress_bar(progress, max_iter, "merge many", "round")
     rounds, converged, history = 0, False, []
+    restart = True  # the first round starts from the identity: a round of restarts
     try:
         for _ in range(max_iter):
             rounds += 1
             changed = 0
             for i in torch.randperm(n, generator=gen).tolist():
-                new = best_match(i, others_of(i))
+                new = best_match(i, others_of(i), restart)
                 if new == perms[i]:
                     continue
                 changed += 1
@@ -268,9 +285,10 @@ def align_many(
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(changed=changed)
-            if changed == 0:
+            if changed == 0 and restart:
                 converged = True
                 break
+            restart = changed == 0  # warm starts found nothing more: restart before ending
     finally:
         if bar is not None:
             bar.close()

@@ -6,23 +6,23 @@ import contextlib
 import logging
 import operator
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from pyperm._checks import check_bool
-from pyperm.nn._checks import check_model_states, check_module, check_spec, check_t
+from pyperm._checks import check_bool, check_merge_weights
+from pyperm.nn._checks import check_model_states, check_module, check_pair, check_spec, check_t
 from pyperm.nn._ranks import Ranks, all_reduce_moments, data_group
 from pyperm.nn._runtime import check_batches, eval_mode, iterate_batches, model_inputs, module_device, to_device
 from pyperm.nn.eval._moments import Moments
 from pyperm.nn.spec import PermutationSpec
-from pyperm.nn.state import interpolate
+from pyperm.nn.state import average, interpolate
 from pyperm.nn.trace import ActivationSite, TraceResult, trace_model
 
-__all__ = ["repair"]
+__all__ = ["repair", "repair_many"]
 
 logger = logging.getLogger(__name__)
 
@@ -630,18 +630,119 @@ def repair(
     sites = _sites(traced, groups, model, state_a, check_bool(attention, "attention"))
 
     working = {k: v.detach().to(device) for k, v in interpolate(state_a, state_b, t).items()}
+    return _renormalise(model, traced, sites, len(groups), [state_a, state_b], [1.0 - t, t], working, data,
+                        max_batches, device, ranks)  # fmt: skip
+
+
+def repair_many(
+    model: nn.Module,
+    spec: PermutationSpec | None,
+    states: Sequence[Mapping[str, torch.Tensor]],
+    data: Iterable[Any],
+    *,
+    weights: Sequence[float] | None = None,
+    max_batches: int | None = None,
+    attention: bool = False,
+    group: Any = None,
+) -> dict[str, torch.Tensor]:
+    r"""REPAIR of a merge of several aligned models: their (weighted) mean with every unit's statistics
+    renormalised to the (weighted) mean of the models' statistics.
+
+    :func:`repair` at any ``t`` is this function on two states with weights ``(1 - t, t)``: each
+    repaired unit's mean and standard deviation are made :math:`\sum_i w_i \mu_u^{(i)}` and
+    :math:`\sum_i w_i \sigma_u^{(i)}`, measured in each model on ``data``, by the same per-unit
+    corrections folded into the layers. Meant for the merged model of
+    :func:`~pyperm.nn.merge_many` (``method="c2m3"`` or Algorithm 3): pass the models as the
+    merge permuted them (``result.perms[i].apply(states[i])``).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A model of the states' architecture (traced to find the sites; never changed).
+    spec : PermutationSpec or None
+        Repair only the units of these groups; None: every traced group.
+    states : sequence of mapping of str to torch.Tensor
+        At least two aligned state dicts of the model's keys and shapes, one dtype and device per key.
+    data : iterable of batches
+        Inputs (a tensor, or ``(inputs, targets, ...)``), re-iterable: read once per model and
+        once per round of corrections.
+    weights : sequence of float, optional
+        One positive weight per state, summing to 1 (within 1e-6); equal when omitted.
+    max_batches, attention, group
+        As :func:`repair`'s.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        The repaired merge: the weighted mean of ``states`` with the corrections folded in.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`repair`; ``states`` is not a sequence of at least two state dicts that pair up
+        with the model; ``weights`` are not one positive weight per state summing to 1.
+
+    Examples
+    --------
+    >>> import torch
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> states = [{k: torch.randn_like(v) for k, v in model.state_dict().items()} for _ in range(3)]
+    >>> x = torch.randn(64, 4)
+    >>> repaired = repair_many(model, None, states, [x])
+    >>> z = x @ repaired["0.weight"].T + repaired["0.bias"]
+    >>> stds = [torch.nn.functional.linear(x, s["0.weight"], s["0.bias"]).std(0) for s in states]
+    >>> torch.allclose(z.std(0), sum(stds) / 3, atol=1e-5)
+    True
+    """
+    check_module(model)
+    ranks = data_group(group)
+    if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
+        raise TypeError(f"states must be a sequence of state dicts, got {type(states).__name__}")
+    if len(states) < 2:
+        raise ValueError(f"states must hold at least two state dicts, got {len(states)}")
+    check_pair(model.state_dict(), states[0], ("model.state_dict()", "states[0]"), strict=False)
+    for i in range(1, len(states)):
+        check_pair(states[0], states[i], ("states[0]", f"states[{i}]"))
+    weights = check_merge_weights(weights, len(states))
+    coefficients = [1.0 / len(states)] * len(states) if weights is None else list(weights)
+    check_batches(data, "data", supervised=False, reiterable=True)
+    if spec is not None:
+        check_spec(spec)
+    device = module_device(model)
+    _, first = next(iterate_batches(data, max_batches, name="data"))
+    structured = spec is None or spec.structured
+    traced = trace_model(model, to_device(model_inputs(first, 0), device), composite="fix", structured=structured)
+    if spec is None:
+        groups = {g: g for g in traced.spec.groups}
+    else:
+        spec.check_state_dict(states[0], "states[0]")
+        groups = spec.groups_in(traced.spec)
+    sites = _sites(traced, groups, model, states[0], check_bool(attention, "attention"))
+    working = {k: v.detach().to(device) for k, v in average(states, weights).items()}
+    return _renormalise(model, traced, sites, len(groups), states, coefficients, working, data, max_batches, device,
+                        ranks)  # fmt: skip
+
+
+def _renormalise(model: nn.Module, traced: TraceResult, sites: list[_Site], num_groups: int,
+                 states: Sequence[Mapping[str, torch.Tensor]], coefficients: Sequence[float],
+                 working: dict[str, torch.Tensor], data: Iterable[Any], max_batches: int | None,
+                 device: torch.device, ranks: Ranks | None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Folds into ``working`` the corrections that give every site's units the statistics
+    ``sum_i coefficients[i] * (mean, std)`` of ``states[i]``; returns it on the first state's devices."""
+    first = states[0]
     if not sites:
         logger.info("repair: the model has no permuted units to repair; returning the interpolation")
-        return {k: v.to(state_a[k].device) for k, v in working.items()}
+        return {k: v.to(first[k].device) for k, v in working.items()}
 
     # Targets from the endpoints, every site in one pass each.
-    on_device = [{k: v.detach().to(device) for k, v in s.items()} for s in (state_a, state_b)]
+    on_device = [{k: v.detach().to(device) for k, v in s.items()} for s in states]
     ends = [_measure(model, s, sites, data, max_batches, device, ranks) for s in on_device]
     targets = []
     for k, site in enumerate(sites):
-        mean_a, std_a = _output_stats(site, ends[0][k], on_device[0])
-        mean_b, std_b = _output_stats(site, ends[1][k], on_device[1])
-        targets.append(((1.0 - t) * mean_a + t * mean_b, (1.0 - t) * std_a + t * std_b))
+        stats = [_output_stats(site, end[k], s) for end, s in zip(ends, on_device)]
+        targets.append((sum(c * m for c, (m, _) in zip(coefficients, stats)),
+                        sum(c * sd for c, (_, sd) in zip(coefficients, stats))))  # fmt: skip
 
     upstream = _order(traced, sites)
     pending = (1 << len(sites)) - 1
@@ -655,5 +756,5 @@ def repair(
             _fold(sites[k], acc, targets[k][0], targets[k][1], working)
             pending &= ~(1 << k)
         rounds += 1
-    logger.debug("repair: %d sites of %d groups in %d rounds at t=%g", len(sites), len(groups), rounds, t)
-    return {k: v.to(state_a[k].device) for k, v in working.items()}
+    logger.debug("repair: %d sites of %d groups in %d rounds", len(sites), num_groups, rounds)
+    return {k: v.to(first[k].device) for k, v in working.items()}

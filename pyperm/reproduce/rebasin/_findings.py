@@ -118,7 +118,50 @@ def _figure4(rows: list[dict]) -> list[Finding]:
     ]  # fmt: skip
 
 
-def findings(fig2: dict, table: dict, fig3: list[dict], fig4: list[dict]) -> list[Finding]:
+def _split(split: dict) -> list[Finding]:
+    scores, paths = split["scores"], split["paths"]
+    weight, naive = paths["weight"], paths["naive"]
+    merged_loss = split["scores"]["merged"]["test_loss"]  # the lowest point of the path strictly between A and B
+    a, b, merged = scores["A"], scores["B"], scores["merged"]
+    inputs = min(a["test_loss"], b["test_loss"])
+    mid = len(weight.ts) // 2  # t = 0.5 with an odd number of points
+    t_mid = float(weight.ts[mid])
+    ens, union = scores["ensemble"]["test_loss"], scores["union"]["test_loss"]
+    ece = {k: scores[k]["calibration"]["ece"] for k in ("A", "B", "merged", "ensemble")}
+    where = f"t = {split['best_t']:.2f}"
+    return [
+        Finding("Git Re-Basin sec. 5.4, Fig. 5",
+                "Merged by weight matching, two models trained on disjoint, biased data give an interpolated model "
+                "that outperforms both input models in test loss on the combined test set.",
+                f"weight-matched path's lowest test loss {merged_loss:.4f} at {where}; model A {a['test_loss']:.4f}, "
+                f"model B {b['test_loss']:.4f}", merged_loss < inputs,
+                "lowest test loss along the weight-matched path (0 < t < 1) < both inputs' test losses"),
+        Finding("Git Re-Basin sec. 5.4, Fig. 5",
+                "Algorithm 1 (weight matching) vastly outperforms naive interpolation.",
+                f"test loss at t = {t_mid:.2f}: weight matching {float(weight.loss[mid]):.4f}, naive "
+                f"{float(naive.loss[mid]):.4f}", float(weight.loss[mid]) < 0.5 * float(naive.loss[mid]),
+                "weight-matched test loss at t = 0.5 < half the naive one"),
+        Finding("Git Re-Basin sec. 5.4, Fig. 5",
+                "The merged model does not match an ensemble of the two models' logits nor a model trained on the "
+                "full dataset.",
+                f"test loss: ensemble {ens:.4f}, union model {union:.4f}, merged (weight matching, {where}) "
+                f"{merged_loss:.4f}", ens < merged_loss and union < merged_loss,
+                "the ensemble's (t = 0.5) and the union model's test losses < the merged model's lowest"),
+        Finding("Git Re-Basin sec. 1, Fig. 9",
+                "The merged model outperforms both inputs in test loss but not in top-1 accuracy.",
+                f"test accuracy: merged ({where}) {100 * merged['test_accuracy']:.2f}%, model A "
+                f"{100 * a['test_accuracy']:.2f}%, model B {100 * b['test_accuracy']:.2f}%",
+                merged["test_accuracy"] <= max(a["test_accuracy"], b["test_accuracy"]),
+                "merged test accuracy at its lowest-loss point <= the better input's"),
+        Finding("Git Re-Basin sec. 5.4, Fig. 10",
+                "The merged model's probability estimates are better calibrated than either of the input models.",
+                f"expected calibration error (15 bins): merged {ece['merged']:.4f}, model A {ece['A']:.4f}, model B "
+                f"{ece['B']:.4f} (ensemble {ece['ensemble']:.4f})", ece["merged"] < min(ece["A"], ece["B"]),
+                "merged ECE < both inputs' ECE"),
+    ]  # fmt: skip
+
+
+def findings(fig2: dict, table: dict, fig3: list[dict], fig4: list[dict], split: dict) -> list[Finding]:
     """Every finding of the report, in the paper's order."""
-    return _figure2(fig2) + _table2(table) + _figure3(fig3) + _figure4(fig4)
+    return _figure2(fig2) + _table2(table) + _figure3(fig3) + _figure4(fig4) + _split(split)
 

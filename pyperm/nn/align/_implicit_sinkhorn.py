@@ -1,0 +1,182 @@
+r"""Sinkhorn's operator in log space, differentiated implicitly at its fixed point.
+
+For scores :math:`Z` (``(..., n, n)``), Sinkhorn's operator is the doubly stochastic
+matrix
+
+.. math::
+
+    S_{ij} = \exp(Z_{ij} + f_i + g_j), \qquad S\mathbf 1 = \mathbf 1, \quad S^\top\mathbf 1 = \mathbf 1,
+
+found by alternately fitting the row potentials :math:`f` and the column potentials
+:math:`g` (a log-sum-exp each), in log space so that sharp scores neither overflow nor
+underflow (:func:`pyperm.sinkhorn` scales a non-negative matrix in linear space, which
+``exp(Z)`` of sharp scores is not, and differentiates by unrolling).
+
+The backward pass does not go back through the iterations (whose memory and time grow
+with their number): it differentiates the fixed point itself. A change :math:`dZ` moves
+:math:`S` by :math:`dS = S \circ (dZ + df\,\mathbf 1^\top + \mathbf 1\,dg^\top)`, and the
+row sums :math:`r` and column sums :math:`c` stay put, a linear system in :math:`(df, dg)`:
+
+.. math::
+
+    \begin{pmatrix} D_r & S \\ S^\top & D_c \end{pmatrix}
+    \begin{pmatrix} df \\ dg \end{pmatrix}
+    = -\begin{pmatrix} (S \circ dZ)\mathbf 1 \\ (S \circ dZ)^\top \mathbf 1 \end{pmatrix}.
+
+For a loss gradient :math:`G = \partial L / \partial S`, with :math:`H = G \circ S`, the
+adjoint :math:`(y_r, y_c)` solves the same (symmetric) system with right-hand side
+:math:`(H\mathbf 1, H^\top\mathbf 1)`, and
+:math:`\partial L / \partial Z = H - S \circ (y_r\mathbf 1^\top + \mathbf 1 y_c^\top)`
+(Eisenberger et al. 2022, as Pena et al. 2023 use it). The system is solved through its
+Schur complement, an ``n x n`` system
+:math:`(D_c - S^\top D_r^{-1} S)\,y_c = H^\top\mathbf 1 - S^\top D_r^{-1} H\mathbf 1` instead
+of the ``(2n - 1)``-square one: its matrix has the constant vector as its null space
+(shifting :math:`f` up and :math:`g` down leaves :math:`S` alone) and the right-hand side
+sums to zero, so adding :math:`\mathbf 1\mathbf 1^\top / n` makes it regular without
+changing the answer. It is symmetric positive definite, so conjugate gradients solve it by
+products with :math:`S` alone; where they are slow (:math:`S` near a permutation), it is
+formed and factored. All in float64: near a permutation its small eigenvalues are the
+ones that carry the gradient.
+
+References
+----------
+.. [1] M. Eisenberger, A. Toker, L. Leal-Taixe, F. Bernard, D. Cremers, "A Unified
+   Framework for Implicit Sinkhorn Differentiation", CVPR 2022.
+.. [2] F. A. G. Pena, H. R. Medeiros, T. Dubail, M. Aminbeidokhti, E. Granger,
+   M. Pedersoli, "Re-basin via implicit Sinkhorn differentiation", CVPR 2023.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["Potentials", "implicit_sinkhorn", "log_sinkhorn"]
+
+
+class Potentials:
+    """The potentials ``f`` (rows) and ``g`` (columns) of one batch of scores, kept between calls:
+    the next scores start from them (a warm start), and ``iterations`` says what the last call ran."""
+
+    def __init__(self) -> None:
+        self.f: torch.Tensor | None = None
+        self.g: torch.Tensor | None = None
+        self.iterations = 0
+        self.error = float("nan")
+
+
+@torch.no_grad()
+def log_sinkhorn(z: torch.Tensor, iters: int, tol: float, potentials: Potentials | None = None) -> torch.Tensor:
+    r"""The log of Sinkhorn's doubly stochastic matrix of the scores ``z`` (``(..., n, n)``).
+
+    Starts from ``potentials`` (zeros when they are empty or of another shape), fits the
+    rows, then alternates columns and rows until every column sum is within ``tol`` of 1
+    (the rows are exact after each row fit) or ``iters`` column fits were made. The
+    potentials reached, the column fits made and the last column error are written back
+    into ``potentials``.
+    """
+    pot = potentials if potentials is not None else Potentials()
+    batch = z.shape[:-1]
+    g = pot.g if pot.g is not None and pot.g.shape == batch and pot.g.dtype == z.dtype else z.new_zeros(batch)
+    f = -torch.logsumexp(z + g.unsqueeze(-2), dim=-1)
+    done, error = 0, float("inf")
+    while True:
+        columns = torch.logsumexp(z + f.unsqueeze(-1), dim=-2)  # log of the column sums without g
+        error = float((columns + g).exp().sub_(1).abs_().max()) if z.numel() else 0.0
+        if error <= tol or done >= iters:
+            break
+        g = -columns
+        f = -torch.logsumexp(z + g.unsqueeze(-2), dim=-1)
+        done += 1
+    pot.f, pot.g, pot.iterations, pot.error = f, g, done, error
+    return z + f.unsqueeze(-1) + g.unsqueeze(-2)
+
+
+class _ImplicitSinkhorn(torch.autograd.Function):
+    """Forward: :func:`log_sinkhorn`, exponentiated. Backward: the fixed point's adjoint system."""
+
+    @staticmethod
+    def forward(ctx: Any, z: torch.Tensor, iters: int, tol: float, potentials: Potentials | None) -> torch.Tensor:
+        s = log_sinkhorn(z.detach(), iters, tol, potentials).exp_()
+        ctx.save_for_backward(s)
+        return s
+
+    @staticmethod
+    def backward(ctx: Any, grad_s: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        (s,) = ctx.saved_tensors
+        return _fixed_point_grad(s, grad_s), None, None, None
+
+
+def _fixed_point_grad(s: torch.Tensor, grad_s: torch.Tensor) -> torch.Tensor:
+    """``dL/dZ`` at the fixed point ``s`` for ``grad_s = dL/dS`` (see the module docstring)."""
+    n = s.shape[-1]
+    if n == 0:
+        return torch.zeros_like(s)
+    # The entrywise work in S's dtype; the sums and the adjoint system in float64.
+    grad_s = grad_s.to(s.dtype)
+    h = grad_s * s
+    h_rows, h_cols = h.sum(-1, dtype=torch.float64), h.sum(-2, dtype=torch.float64)
+    s64 = s.to(torch.float64)
+    rows, cols = s64.sum(-1), s64.sum(-2)
+    rhs = h_cols - _matvec(s64.transpose(-1, -2), h_rows / rows)
+    y_cols = _schur_solve(s64, rows, cols, rhs)
+    y_rows = (h_rows - _matvec(s64, y_cols)) / rows
+    # H - S o (y_r 1^T + 1 y_c^T), as S o (G - y_r 1^T - 1 y_c^T): no difference of large terms.
+    return s * (grad_s - (y_rows.unsqueeze(-1) + y_cols.unsqueeze(-2)).to(s.dtype))
+
+
+def _matvec(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (m @ x.unsqueeze(-1)).squeeze(-1)
+
+
+# Conjugate-gradient steps before the Schur complement is formed and factored instead; and the
+# residual, relative to the right-hand side's, at which they stop.
+_CG_STEPS = 60
+_CG_TOL = 1e-11
+
+
+def _schur_solve(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    r"""Solve :math:`(D_c - S^\top D_r^{-1} S + \mathbf 1\mathbf 1^\top/n)\,y = b` for every matrix of the batch.
+
+    The matrix is symmetric positive definite, so conjugate gradients solve it with products
+    by :math:`S` alone (``n^2`` each, where forming it costs ``n^3``); they converge fast while
+    :math:`S` is soft, and slowly as it nears a permutation, where the matrix is formed and
+    factored instead (float64 throughout).
+    """
+    n = s.shape[-1]
+
+    def apply(y: torch.Tensor) -> torch.Tensor:
+        return cols * y - _matvec(s.transpose(-1, -2), _matvec(s, y) / rows) + y.mean(-1, keepdim=True)
+
+    y = torch.zeros_like(rhs)
+    residual = rhs.clone()
+    direction = residual.clone()
+    square = residual.square().sum(-1)
+    bound = _CG_TOL**2 * square
+    for _ in range(min(_CG_STEPS, n + 1)):
+        if bool((square <= bound).all()):
+            return y
+        moved = apply(direction)
+        curvature = (direction * moved).sum(-1)
+        step = torch.where(curvature > 0, square / curvature.clamp_min(1e-300), torch.zeros_like(square))
+        y = y + step.unsqueeze(-1) * direction
+        residual = residual - step.unsqueeze(-1) * moved
+        new_square = residual.square().sum(-1)
+        ratio = torch.where(square > 0, new_square / square.clamp_min(1e-300), torch.zeros_like(square))
+        direction = residual + ratio.unsqueeze(-1) * direction
+        square = new_square
+    if bool((square <= bound).all()):
+        return y
+    schur = torch.diag_embed(cols) - s.transpose(-1, -2) @ (s / rows.unsqueeze(-1)) + 1.0 / n
+    solved, info = torch.linalg.solve_ex(schur, rhs.unsqueeze(-1))
+    if bool((info != 0).any()):  # singular in float64: S is a permutation up to rounding
+        solved = torch.linalg.pinv(schur, hermitian=True) @ rhs.unsqueeze(-1)
+    return solved.squeeze(-1)
+
+
+def implicit_sinkhorn(z: torch.Tensor, iters: int = 100, tol: float = 1e-6,
+                      potentials: Potentials | None = None) -> torch.Tensor:
+    """Sinkhorn's doubly stochastic matrix of the scores ``z`` (``(..., n, n)``), differentiable in ``z``
+    through the implicit function theorem at the fixed point (no unrolled iterations)."""
+    return _ImplicitSinkhorn.apply(z, iters, tol, potentials)
