@@ -75,7 +75,8 @@ def brute_force(cost, maximize=False, limit=None):
 
     Without `limit`: over full matchings avoiding forbidden pairs. With a finite `limit`:
     lap's objective, the matched costs plus limit / 2 per unmatched row and column (maximising:
-    mirrored). With limit inf: the largest matchings avoiding forbidden pairs, best among them.
+    mirrored, the matched values minus limit / 2 per unmatched one, as minimising -cost). With
+    limit inf: the largest matchings avoiding forbidden pairs, best among them.
     """
     n, m = cost.shape
     forbidden = np.isinf(cost)
@@ -87,7 +88,7 @@ def brute_force(cost, maximize=False, limit=None):
             continue
         total = sign * sum(values[i][j] for i, j in zip(rows, cols))
         if limit is not None and math.isfinite(limit):
-            total += sign * exact(limit) * (n + m - 2 * len(rows)) // 2
+            total += exact(limit) * (n + m - 2 * len(rows)) // 2
             key = total
         elif limit is not None:  # inf: more pairs first
             key = (-len(rows), total)
@@ -98,12 +99,6 @@ def brute_force(cost, maximize=False, limit=None):
     if best is None:
         return None
     return sign * best[1]
-
-
-def lap_objective(cost, rows, cols, limit, maximize=False):
-    """lap's objective of a (partial) matching, exactly (limit finite)."""
-    n, m = cost.shape
-    return exact_sum(cost, rows, cols) + exact(limit) * (n + m - 2 * len(rows)) // 2
 
 
 # ------------------------------------------------------------------------------ costs
@@ -315,8 +310,8 @@ def check_limited(cost, rows, cols, limit, maximize, dtype):
                                 if np.all(np.isfinite(cost[list(r), list(c)])))
         got = exact_sum(cost, rows, cols)
     else:
-        got = lap_objective(cost, rows, cols, limit) if not maximize else \
-            exact_sum(cost, rows, cols) + exact(limit) * (sum(cost.shape) - 2 * len(rows)) // 2
+        unmatched_cost = exact(limit) * (sum(cost.shape) - 2 * len(rows)) // 2
+        got = exact_sum(cost, rows, cols) + (-unmatched_cost if maximize else unmatched_cost)
     gap = (want - got) if maximize else (got - want)
     extra = np.abs(np.array([limit if math.isfinite(limit) else 0.0], np.float64))
     room = max(slack(cost, dtype), exact(min(float(extra.max()) * 4 * sum(cost.shape) ** 2 * float(np.finfo(dtype).eps),
@@ -351,10 +346,8 @@ def test_cost_limit_over_the_whole_range():
 
 
 def test_cost_limit_maximising_over_the_whole_range():
-    """At limit 0 only, where an unmatched row or column is worth nothing under any reading
-    of a maximising limit (issue 53's item 7 defines the others)."""
-    for dtype, cost, _ in limited_cases(6, 80):
-        limit = 0.0
+    """lap's objective mirrored: the same matching as minimising -cost with the same limit."""
+    for dtype, cost, limit in limited_cases(6, 120):
         cost = flip(cost, True)
         rows, cols = pyperm.linear_sum_assignment(cost, maximize=True, cost_limit=limit)
         check_limited(cost, rows, cols, limit, True, dtype)
