@@ -46,8 +46,32 @@ for b in range(16):
 ragged = [rng.random((n, m)) for n, m in [(0, 3), (4, 6), (9, 2), (5, 5)]]
 for c, (r, k) in zip(ragged, pyperm.batch_linear_sum_assignment(ragged)):
     assert abs(objective(c, r, k) - objective(c, *ref(c))) < 1e-9
-r, k = pyperm.linear_sum_assignment(rng.random((10, 12)), cost_limit=0.3)
-assert len(r) == len(k) <= 10
+
+def lap_reference(c, limit):
+    # lap's objective on its (n + m) x (n + m) extension: C, limit / 2 for every row and
+    # column left unmatched, 0 between the dummies; solved by scipy.
+    n, m = c.shape
+    ext = np.full((n + m, n + m), limit / 2)
+    ext[:n, :m] = c
+    ext[n:, m:] = 0
+    return objective(ext, *ref(ext))
+
+def lap_objective(c, rows, cols, limit):
+    assert len(set(rows.tolist())) == len(rows) and len(set(cols.tolist())) == len(cols)
+    assert np.all(np.isfinite(c[rows, cols]))
+    return objective(c, rows, cols) + limit / 2 * (sum(c.shape) - 2 * len(rows))
+
+for limit in (0.05, 0.3, 0.7):
+    for shape in [(10, 12), (30, 20), (64, 64), (70, 80)]:
+        c = rng.random(shape)
+        want = lap_reference(c, limit)
+        got = lap_objective(c, *pyperm.linear_sum_assignment(c, cost_limit=limit), limit)
+        assert abs(got - want) < 1e-9, (limit, shape, got, want)
+    ragged = [rng.random(shape) for shape in [(0, 3), (4, 6), (9, 2), (5, 5), (40, 60), (70, 70)]]
+    ragged[3][rng.random((5, 5)) < 0.3] = np.inf
+    for c, (r, k) in zip(ragged, pyperm.batch_linear_sum_assignment(ragged, cost_limit=limit)):
+        got, want = lap_objective(c, r, k, limit), lap_reference(c, limit)
+        assert abs(got - want) < 1e-9, (limit, c.shape, got, want)
 dense = rng.random((300, 300)) + 1.0
 mask = rng.random((300, 300)) < 0.05
 mask[np.arange(300), rng.permutation(300)] = True

@@ -3,7 +3,9 @@
 #include <cmath>
 #include <limits>
 
+#include "lap/cost_range.h"
 #include "lap/incremental_scans.h"
+#include "lap/lap_cpu.h"
 
 namespace pyperm::cpu {
 namespace {
@@ -54,6 +56,14 @@ Status IncrementalAssignment<T>::solve(int64_t* col_of_row) {
   const int64_t n = n_;
   augmentations_ = 0;
   if (n == 0) return Status::Ok;
+  // Costs too large for this solver's arithmetic in T (cost_range.h): a warm solve from the
+  // duals held, which widens them, and its matching and duals are kept for the next solve.
+  if (any_finite_beyond(c_, n * n, largest_direct_cost<T>(n, n))) {
+    const Status s = solve_square_warm(c_, n, v_.data(), col_of_row, isa_);
+    if (s != Status::Ok) return s;
+    warm_start(col_of_row, v_.data());
+    return Status::Ok;
+  }
   if (!started_) {
     // Column reduction: v = column minima makes every reduced cost non-negative.
     std::fill(v_.begin(), v_.end(), kInf<T>);

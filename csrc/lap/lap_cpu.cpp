@@ -1,12 +1,15 @@
 #include "lap/lap_cpu.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "common/thread_pool.h"
+#include "lap/cost_range.h"
 #include "lap/lap_kernels.h"
 #include "lap/lap_small.h"
 
@@ -134,18 +137,67 @@ Status dispatch_warm(Isa isa, const T* cost, int64_t n, T* v, int64_t* col_of_ro
   PYPERM_ISA_DISPATCH(isa, solve_square_warm(cost, n, v, col_of_row));
 }
 
+// solve_square_warm for costs or duals beyond largest_direct_cost (cost_range.h): on double
+// copies of both, scaled by a power of two for double input. The final duals come back in T,
+// clamped to its finite range: any finite duals are a valid start for the next solve.
+template <typename T>
+Status solve_square_warm_wide(const T* cost, int64_t n, T* v, int64_t* col_of_row, Isa isa) {
+  double scale = 1.0;
+  if (std::is_same<T, double>::value) {
+    const double largest = std::max<double>(largest_finite_magnitude(cost, n * n), largest_finite_magnitude(v, n));
+    scale = power_of_two_scale(largest, largest_direct_cost<double>(n, n));
+  }
+  std::unique_ptr<double[]> wide_cost(new double[static_cast<size_t>(n * n)]);
+  std::vector<double> wide_v(static_cast<size_t>(n));
+  for (int64_t k = 0; k < n * n; ++k) wide_cost[k] = static_cast<double>(cost[k]) * scale;
+  for (int64_t j = 0; j < n; ++j) wide_v[j] = static_cast<double>(v[j]) * scale;
+  const Status s = dispatch_warm(isa, wide_cost.get(), n, wide_v.data(), col_of_row);
+  const double top = static_cast<double>(std::numeric_limits<T>::max());
+  for (int64_t j = 0; j < n; ++j) v[j] = static_cast<T>(std::max(-top, std::min(top, wide_v[j] / scale)));
+  return s;
+}
+
 }  // namespace
 
 template <typename T>
 Status solve_square_warm(const T* cost, int64_t n, T* v, int64_t* col_of_row, Isa isa) {
   if (n == 0) return Status::Ok;
+  const T bound = largest_direct_cost<T>(n, n);
+  if (any_finite_beyond(cost, n * n, bound) || any_finite_beyond(v, n, bound))
+    return solve_square_warm_wide(cost, n, v, col_of_row, isa);
   return dispatch_warm(isa, cost, n, v, col_of_row);
 }
+
+namespace {
+
+// Costs beyond largest_direct_cost (cost_range.h): float in double, double scaled by a power of
+// two, each into a copy that the solver then takes as any other input.
+Status solve_wide(const float* cost, int64_t n_rows, int64_t n_cols, bool maximize, int64_t* row_ind,
+                  int64_t* col_ind, Isa isa, int threads) {
+  const int64_t total = n_rows * n_cols;
+  std::unique_ptr<double[]> wide(new double[static_cast<size_t>(total)]);
+  for (int64_t k = 0; k < total; ++k) wide[k] = static_cast<double>(cost[k]);
+  return linear_sum_assignment(wide.get(), n_rows, n_cols, maximize, row_ind, col_ind, isa, threads);
+}
+
+Status solve_wide(const double* cost, int64_t n_rows, int64_t n_cols, bool maximize, int64_t* row_ind,
+                  int64_t* col_ind, Isa isa, int threads) {
+  const int64_t total = n_rows * n_cols;
+  const double scale = power_of_two_scale(largest_finite_magnitude(cost, total),
+                                          largest_direct_cost<double>(n_rows, n_cols));
+  std::unique_ptr<double[]> scaled(new double[static_cast<size_t>(total)]);
+  for (int64_t k = 0; k < total; ++k) scaled[k] = cost[k] * scale;
+  return linear_sum_assignment(scaled.get(), n_rows, n_cols, maximize, row_ind, col_ind, isa, threads);
+}
+
+}  // namespace
 
 template <typename T>
 Status linear_sum_assignment(const T* cost, int64_t n_rows, int64_t n_cols, bool maximize,
                              int64_t* row_ind, int64_t* col_ind, Isa isa, int threads) {
   if (n_rows == 0 || n_cols == 0) return Status::Ok;
+  if (any_finite_beyond(cost, n_rows * n_cols, largest_direct_cost<T>(n_rows, n_cols)))
+    return solve_wide(cost, n_rows, n_cols, maximize, row_ind, col_ind, isa, threads);
   if (n_rows * n_cols <= kSmallEntries)
     return solve_small_problem(cost, n_rows, n_cols, maximize, row_ind, col_ind, isa);
   const bool transposed = n_rows > n_cols;

@@ -73,7 +73,9 @@ Status solve_short_side_first(const MatrixView<T>& p, W sign, W scale, const W* 
 // costs at most hi + (n - 1) (hi - lo) more in pairs and one dummy less, so any dummy
 // above that bound works. The costs are first scaled by a power of two to magnitude about
 // 1 (exact, but for entries some 300 orders of magnitude below the largest), so the bound
-// stays finite whatever the input's range.
+// stays finite whatever the input's range. Subnormal costs are scaled by 2^1022 at most
+// (2^-exponent itself would be +inf below 2^-1024), which leaves them above 2^-53 and the
+// margin relative to them.
 template <typename T>
 Status solve_max_cardinality(const MatrixView<T>& p, bool maximize, Isa isa, Scratch<T>& s, int64_t* row_ind,
                              int64_t* col_ind, int64_t* matched) {
@@ -91,11 +93,14 @@ Status solve_max_cardinality(const MatrixView<T>& p, bool maximize, Isa isa, Scr
   int exponent = 0;
   const double magnitude = std::max(std::fabs(lo), std::fabs(hi));
   if (magnitude > 0) std::frexp(magnitude, &exponent);
-  const double scale = std::ldexp(1.0, -exponent);
+  const double scale = std::ldexp(1.0, -std::max(exponent, std::numeric_limits<double>::min_exponent - 1));
   lo *= scale;
   hi *= scale;
   const int64_t n = std::min(p.n_rows, p.n_cols);
-  const double margin = (hi - lo) + std::max(std::fabs(lo), std::fabs(hi)) + 1.0;
+  // Relative to the costs (an absolute 1 would swallow costs scaled to 2^-53); 1 when every
+  // allowed pair costs 0.
+  double margin = (hi - lo) + std::max(std::fabs(lo), std::fabs(hi));
+  if (margin == 0) margin = 1.0;
   const double dummy = hi + static_cast<double>(n + 1) * margin;
   return solve_short_side_first<T, double>(p, sign, scale, &dummy, isa, s.wide, s, row_ind, col_ind, matched);
 }

@@ -1,6 +1,9 @@
 #include "lap/lap_sparse_cpu.h"
 
+#include "lap/cost_range.h"
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -33,14 +36,16 @@ struct Graph {
   std::vector<Edge<T>> edges;
 };
 
-// Copies the caller's CSR into g: negated when maximizing, forbidden entries dropped, and
-// transposed (a counting sort by column) when the matrix is tall, so that every row can
-// be matched. The structure and the numbers are checked on the way.
-template <typename T, typename I>
+// Copies the caller's CSR into g as W, times `scale` (a power of two): negated when
+// maximizing, forbidden entries dropped, and transposed (a counting sort by column) when the
+// matrix is tall, so that every row can be matched. The structure and the numbers are
+// checked on the way; *largest is the largest magnitude of a stored finite cost.
+template <typename W, typename T, typename I>
 Status build_graph(const I* indptr, const I* indices, const T* data, int64_t n_rows, int64_t n_cols,
-                   bool maximize, bool transpose, Graph<T>& g) {
-  const T inf = std::numeric_limits<T>::infinity();
-  const T sign = maximize ? T(-1) : T(1);
+                   bool maximize, bool transpose, W scale, Graph<W>& g, W* largest) {
+  const W inf = std::numeric_limits<W>::infinity();
+  const W sign = maximize ? -scale : scale;
+  *largest = W(0);
   if (indptr[0] != 0) return Status::Invalid;
   for (int64_t i = 0; i < n_rows; ++i)
     if (indptr[i + 1] < indptr[i]) return Status::Invalid;
@@ -53,9 +58,10 @@ Status build_graph(const I* indptr, const I* indices, const T* data, int64_t n_r
     for (int64_t k = indptr[i]; k < indptr[i + 1]; ++k) {
       const int64_t j = indices[k];
       if (j < 0 || j >= n_cols) return Status::Invalid;
-      const T c = sign * data[k];
+      const W c = sign * static_cast<W>(data[k]);
       if (!(c > -inf)) return Status::Invalid;  // NaN fails the comparison too
       if (c == inf) continue;                   // a forbidden pair is no edge
+      *largest = std::max(*largest, std::fabs(c));
       ++g.start[static_cast<size_t>((transpose ? j : i) + 1)];
     }
   }
@@ -65,11 +71,11 @@ Status build_graph(const I* indptr, const I* indices, const T* data, int64_t n_r
   std::vector<int64_t> cursor(g.start.begin(), g.start.end() - 1);
   for (int64_t i = 0; i < n_rows; ++i) {
     for (int64_t k = indptr[i]; k < indptr[i + 1]; ++k) {
-      const T c = sign * data[k];
+      const W c = sign * static_cast<W>(data[k]);
       if (c == inf) continue;
       const int64_t j = indices[k];
       const int64_t row = transpose ? j : i;
-      g.edges[cursor[row]++] = Edge<T>{c, static_cast<int32_t>(transpose ? i : j)};
+      g.edges[cursor[row]++] = Edge<W>{c, static_cast<int32_t>(transpose ? i : j)};
     }
   }
   return Status::Ok;
@@ -153,7 +159,12 @@ class SparseSolver {
       free_rows.resize(static_cast<size_t>(g_.n));
       for (int32_t i = 0; i < g_.n; ++i) free_rows[i] = i;
     }
-    for (int pass = 0; pass < 2 && !free_rows.empty(); ++pass) free_rows = reduce_rows(free_rows);
+    for (int pass = 0; pass < 2 && !free_rows.empty(); ++pass) {
+      std::vector<int32_t> still_free;
+      Status s = reduce_rows(free_rows, still_free);
+      if (s != Status::Ok) return s;
+      free_rows.swap(still_free);
+    }
     // A square problem's searches may grow from both ends (augment_square); that moves the
     // prices of free columns, which a rectangular problem must keep (augment).
     if (g_.n == g_.m && !free_rows.empty()) start_square_searches();
@@ -192,6 +203,9 @@ class SparseSolver {
 
   // The least and second least reduced costs of row i (second: +inf when the row has one
   // edge), the least one's column and edge cost, and the second's column (-1 if none).
+  // Every row has an edge and its reduced costs are finite while the costs stay within
+  // cost_range.h's bound, so j1 is a column; were a price ever to overflow, j1 would be -1,
+  // and the callers stop with NotConverged rather than index a column -1.
   struct RowMin {
     T u1, u2, c1;
     int32_t j1, j2;
@@ -268,10 +282,9 @@ class SparseSolver {
   // reduced cost and lowers that column's price until its second least ties, pushing out the
   // column's previous row, which is handled next if the price fell (it then has a new
   // least) and left for the next pass otherwise. Prices only fall and unmatched columns are
-  // never lowered unless taken, so the invariant holds. Returns the rows still free.
-  std::vector<int32_t> reduce_rows(std::vector<int32_t> rows) {
+  // never lowered unless taken, so the invariant holds. Appends the rows still free.
+  Status reduce_rows(std::vector<int32_t> rows, std::vector<int32_t>& still_free) {
     const T inf = std::numeric_limits<T>::infinity();
-    std::vector<int32_t> still_free;
     // Displaced rows are retried at once only within a budget of row scans, so a pass stays
     // linear in the matrix size; the rest go to the shortest path phase.
     int64_t budget = 2 * static_cast<int64_t>(rows.size()) + 16;
@@ -279,6 +292,7 @@ class SparseSolver {
     while (k < rows.size()) {
       const int32_t i = rows[k++];
       RowMin r = row_min(i);
+      if (r.j1 < 0) return Status::NotConverged;  // an overflowed price (see row_min)
       int32_t j = r.j1;
       T cost = r.c1;
       int32_t previous = row_of_col_[j];
@@ -304,7 +318,7 @@ class SparseSolver {
           still_free.push_back(previous);
       }
     }
-    return still_free;
+    return Status::Ok;
   }
 
   // Reaches column k at `dist` through row `row`'s edge of cost `cost`. Nothing at or past
@@ -329,6 +343,7 @@ class SparseSolver {
   // then the price update that keeps reduced costs non-negative and the swap along the path.
   Status augment(int32_t i0) {
     const RowMin first = row_min(i0);
+    if (first.j1 < 0) return Status::NotConverged;  // an overflowed price (see row_min)
     if (row_of_col_[first.j1] < 0) {  // its cheapest column is free: no search needed
       assign(i0, first.j1, first.c1);
       return Status::Ok;
@@ -426,6 +441,7 @@ class SparseSolver {
   Status augment_square(int32_t i0) {
     const T inf = std::numeric_limits<T>::infinity();
     const RowMin first = row_min(i0);
+    if (first.j1 < 0) return Status::NotConverged;  // an overflowed price (see row_min)
     if (row_of_col_[first.j1] < 0) {
       assign(i0, first.j1, first.c1);
       update_row_state(i0);
@@ -667,19 +683,11 @@ class SparseSolver {
   int32_t meet_ = -1;
 };
 
-}  // namespace
-
-template <typename T, typename I>
-Status sparse_linear_sum_assignment(const I* indptr, const I* indices, const T* data, int64_t n_rows,
-                                    int64_t n_cols, bool maximize, int64_t* row_ind, int64_t* col_ind) {
-  constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
-  if (n_rows < 0 || n_cols < 0 || n_rows >= kMaxDim || n_cols >= kMaxDim) return Status::Invalid;
-  const bool transposed = n_rows > n_cols;
-  Graph<T> g;
-  Status s = build_graph(indptr, indices, data, n_rows, n_cols, maximize, transposed, g);
-  if (s != Status::Ok || g.n == 0) return s;
-  SparseSolver<T> solver(g);
-  s = solver.solve();
+// Solves g and writes the pairs in the caller's row order (g is the transpose when `transposed`).
+template <typename W>
+Status solve_graph(const Graph<W>& g, bool transposed, int64_t n_rows, int64_t* row_ind, int64_t* col_ind) {
+  SparseSolver<W> solver(g);
+  Status s = solver.solve();
   if (s != Status::Ok) return s;
   const std::vector<int32_t>& col_of_row = solver.col_of_row();
   if (!transposed) {
@@ -700,6 +708,33 @@ Status sparse_linear_sum_assignment(const I* indptr, const I* indices, const T* 
       }
   }
   return Status::Ok;
+}
+
+}  // namespace
+
+template <typename T, typename I>
+Status sparse_linear_sum_assignment(const I* indptr, const I* indices, const T* data, int64_t n_rows,
+                                    int64_t n_cols, bool maximize, int64_t* row_ind, int64_t* col_ind) {
+  constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
+  if (n_rows < 0 || n_cols < 0 || n_rows >= kMaxDim || n_cols >= kMaxDim) return Status::Invalid;
+  const bool transposed = n_rows > n_cols;
+  T largest = T(0);
+  {
+    Graph<T> g;
+    const Status s = build_graph(indptr, indices, data, n_rows, n_cols, maximize, transposed, T(1), g, &largest);
+    if (s != Status::Ok || g.n == 0) return s;
+    if (!(largest > largest_direct_cost<T>(g.n, g.m))) return solve_graph(g, transposed, n_rows, row_ind, col_ind);
+  }
+  // Costs too large for the prices' arithmetic in T (cost_range.h): float in double, double
+  // scaled by a power of two.
+  const int64_t n = transposed ? n_cols : n_rows, m = transposed ? n_rows : n_cols;
+  const double bound = largest_direct_cost<double>(n, m);
+  const double scale = static_cast<double>(largest) > bound ? power_of_two_scale(largest, bound) : 1.0;
+  Graph<double> g;
+  double scaled_largest = 0.0;
+  const Status s = build_graph(indptr, indices, data, n_rows, n_cols, maximize, transposed, scale, g, &scaled_largest);
+  if (s != Status::Ok) return s;
+  return solve_graph(g, transposed, n_rows, row_ind, col_ind);
 }
 
 template Status sparse_linear_sum_assignment<float, int32_t>(const int32_t*, const int32_t*, const float*, int64_t,
