@@ -52,15 +52,14 @@ import torch
 
 import pyperm
 from pyperm._checks import (
-    check_merge_weights,
     check_nonnegative_real,
     check_positive_int,
     torch_generator,
 )
 from pyperm._progress import progress_bar
-from pyperm.nn._checks import check_spec, check_state
+from pyperm.nn._checks import check_spec
 from pyperm.nn.align._relaxation import apply_relaxed, one_hot
-from pyperm.nn.align.merge import MergeResult
+from pyperm.nn.align.merge import MergeResult, check_merge_states
 from pyperm.nn.align.weight import weight_matching
 from pyperm.nn.permutations import Permutations, as_permutations, permute_entry
 from pyperm.nn.spec import Blocks, PermutationSpec, Tiled
@@ -489,14 +488,7 @@ def pairwise_matchings(
 
 
 def _check_models(spec: Any, states: Any, weights: Any) -> tuple[PermutationSpec, list[dict], list[float] | None]:
-    check_spec(spec)
-    if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
-        raise TypeError(f"states must be a sequence of state dicts, got {type(states).__name__}")
-    if len(states) < 2:
-        raise ValueError(f"states must hold at least two state dicts, got {len(states)}")
-    weights = check_merge_weights(weights, len(states))
-    for i, state in enumerate(states):
-        spec.check_state_dict(check_state(state, f"states[{i}]"), f"states[{i}]")
+    weights = check_merge_states(spec, states, weights)
     first = states[0]
     devices = set()
     for i, state in enumerate(states):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ from pyperm.nn.permutations import Permutations, permute_entry
 from pyperm.nn.spec import PermutationSpec
 from pyperm.nn.state import average
 
-__all__ = ["MergeResult", "align_many", "merge_many"]
+__all__ = ["MergeResult", "align_many", "check_merge_states", "merge_many"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,16 +169,9 @@ def merge_many(
         from pyperm.nn.align.c2m3 import c2m3_merge  # c2m3 builds on this module: imported when asked for
 
         return c2m3_merge(spec, states, weights=weights, max_iter=max_iter, seed=seed, progress=progress)
-    check_spec(spec)
-    if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
-        raise TypeError(f"states must be a sequence of state dicts, got {type(states).__name__}")
-    if len(states) < 2:
-        raise ValueError(f"states must hold at least two state dicts, got {len(states)}")
-    weights = check_merge_weights(weights, len(states))
+    weights = check_merge_states(spec, states, weights)
     max_iter = check_positive_int(max_iter, "max_iter")
     gen = torch_generator(seed)
-    for i, state in enumerate(states):
-        spec.check_state_dict(check_state(state, f"states[{i}]"), f"states[{i}]")
     states = [{k: v.detach() for k, v in s.items()} for s in states]
     # One matcher per model, which is always the B side of its matchings: its arrangement
     # and warm solvers carry over from round to round (and between a matching's two starts).
@@ -205,6 +199,21 @@ def merge_many(
         progress,
         weights,
     )
+
+
+def check_merge_states(spec: Any, states: Any, weights: Any) -> list[float] | None:
+    """The checks every merge of many models makes, each error naming its argument: ``spec`` a
+    PermutationSpec, ``states`` a sequence of at least two state dicts that fit it, ``weights``
+    one non-negative weight per model (or None); returns the checked weights."""
+    check_spec(spec)
+    if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
+        raise TypeError(f"states must be a sequence of state dicts, got {type(states).__name__}")
+    if len(states) < 2:
+        raise ValueError(f"states must hold at least two state dicts, got {len(states)}")
+    weights = check_merge_weights(weights, len(states))
+    for i, state in enumerate(states):
+        spec.check_state_dict(check_state(state, f"states[{i}]"), f"states[{i}]")
+    return weights
 
 
 def align_many(
