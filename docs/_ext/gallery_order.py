@@ -9,6 +9,7 @@ ORDER = [
     "plot_pipelines.py",
     "plot_weight_matching.py",
     "plot_activation_repair.py",
+    "plot_zipit.py",
     "plot_curve.py",
     "plot_teacher_student.py",
 ]
