@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data",
         default="digits",
         metavar="NAME",
-        help="rebasin, curves, robust: digits (default, scikit-learn's), mnist:DIR (the idx files), cifar10:DIR or "
+        help="rebasin, zipit, curves, robust: digits (default, scikit-learn's), mnist:DIR (the idx files), cifar10:DIR or "
         "cifar100:DIR (the python pickles); nothing is downloaded",
     )
     parser.add_argument(
