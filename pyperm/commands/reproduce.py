@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data",
         default="digits",
         metavar="NAME",
-        help="rebasin, zipit, curves, robust: digits (default, scikit-learn's), mnist:DIR (the idx files), cifar10:DIR or "
-        "cifar100:DIR (the python pickles); nothing is downloaded",
+        help="rebasin, zipit, curves, robust: digits (default, scikit-learn's), mnist:DIR (the idx files), "
+        "cifar10:DIR or cifar100:DIR (the python pickles); nothing is downloaded",
     )
     parser.add_argument(
         "--split-fractions",
