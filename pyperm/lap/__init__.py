@@ -51,7 +51,10 @@ def linear_sum_assignment(cost: Any, maximize: bool = False, *, cost_limit: floa
     cost : (n, m) array-like or torch.Tensor
         The cost matrix. ``+inf`` (``-inf`` when maximising) forbids a pair. float32
         and float64 are solved in their own precision; bool, integers and other real
-        dtypes (float16, and torch's bfloat16 and float8 formats) are solved in float64. CUDA arrays (torch tensors, objects exposing
+        dtypes (float16, and torch's bfloat16 and float8 formats) are solved in float64.
+        Every finite cost is valid: costs so large that the solver's dual updates could
+        overflow are solved in a float64 copy (float32 input) or a copy scaled by a power
+        of two (float64 input). CUDA arrays (torch tensors, objects exposing
         ``__cuda_array_interface__`` or DLPack) are solved on their device, on the
         current stream, and give int64 arrays on the same device (torch tensors for
         torch input, CuPy arrays for CuPy input, torch tensors otherwise); the call

@@ -14,8 +14,9 @@ Each problem ``b`` (``n_b x m_b``) is laid into rows ``0..R-1`` and columns ``0.
   unmatched. Any matching ``M`` costs ``C_M + c/2 (n + m - 2|M|)`` in lap's
   terms, which is ``C_M + c (r - |M|)`` plus a constant, so this is exact, with no arithmetic on
   the costs. A finite limit makes the stack float64, whatever the costs' dtype, so that the limit
-  is compared with them as lap compares it (in float64). ``c = inf`` needs no private columns: every row is matched, which is lap's answer
-  whenever a complete matching exists (and an error names the case when none does);
+  is compared with them as lap compares it (in float64). ``c = inf`` needs no private columns:
+  every row is matched, which is lap's answer whenever a complete matching exists (and an error
+  names the case when none does);
 - rows ``r_b..R-1`` fill the stack: they cost 0 on the columns past the problem's own and are
   forbidden elsewhere, so they take nothing a real row could want. ``K`` leaves each of them a
   column of its own.

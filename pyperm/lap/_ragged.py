@@ -47,7 +47,7 @@ def check_cost_limit(value: Any, *, allow_negative: bool = False) -> float:
         return _checked_limit(float(value), allow_negative)
     if isinstance(value, (str, bytes)) or value is None:
         raise TypeError(f"cost_limit must be a real number, got {type(value).__name__}")
-    # Only numpy values are asked for a dtype: under torch.compile the limit may be a symbolic float.
+    # A numpy string or object scalar would pass float() below.
     if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind not in "biuf":
         raise TypeError(f"cost_limit must be a real number, got an array of dtype {value.dtype}")
     if is_torch_tensor(value) and (value.is_complex() or value.is_quantized):
@@ -79,7 +79,8 @@ def linear_sum_assignment_limited(cost: Any, maximize: bool, cost_limit: Any) ->
     limit = check_cost_limit(cost_limit)
     if is_cuda_input(cost):
         tensor, kind = as_cuda_tensor(cost, "cost", 2)
-        (rows, cols), = _solve_on_device(_padded_batch.padded_problems(tensor[None], None, limit), maximize, limit, "cost")
+        problems = _padded_batch.padded_problems(tensor[None], None, limit)
+        (rows, cols), = _solve_on_device(problems, maximize, limit, "cost")
         return like_input(kind, rows), like_input(kind, cols)
     arr = real_float_array(cost, "cost", 2)
     rows, cols = core.lap_solve_limited(arr, maximize, limit)
