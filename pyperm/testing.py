@@ -358,6 +358,10 @@ def sd_pipeline(configs: dict, seed: int = 0):
     from pathlib import Path
 
     import torch
+
+    from pyperm._optional_imports import prepare_hf_import
+
+    prepare_hf_import()
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 

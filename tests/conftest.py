@@ -1,6 +1,12 @@
 import pytest
 
 import pyperm
+from pyperm._optional_imports import prepare_hf_import
+
+# diffusers and transformers import torchvision, which fails over a torch it was not built for:
+# import it the tolerant way once, as the command line does, so that every test file runs the
+# same alone as in the whole suite (tests/test_cli_fresh_process.py checks the command itself).
+prepare_hf_import()
 
 requires_cuda = pytest.mark.skipif(
     not pyperm.cuda_available(), reason=f"needs a CUDA device and pyperm's CUDA build: {pyperm.cuda_unavailable_reason()}"

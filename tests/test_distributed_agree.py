@@ -71,9 +71,7 @@ def _failing_on_one(rank, world, what):
     sa, sb = {k: a[k] for k in mine}, {k: b[k] for k in mine}
     if rank == 1:
         k = next(k for k in mine if k.endswith("weight"))
-        if what == "non-finite similarity":
-            sb[k] = torch.full_like(sb[k], 3e38)
-        elif what == "device":
+        if what == "device":
             sb[k] = sb[k].to("meta")
         elif what == "nan objective":
             sa[k] = sa[k].clone()
@@ -82,8 +80,10 @@ def _failing_on_one(rank, world, what):
     return "ran"
 
 
+# Weights near float32's maximum once made the solver fail on one rank ("cost matrix is
+# infeasible", a dual update overflowing); the solver now takes every finite cost, so that case
+# is gone: the two below still fail on one rank only.
 @pytest.mark.parametrize(("what", "expected"), [
-    ("non-finite similarity", "cost matrix is infeasible"),  # the solver's error
     ("device", "must be on one device"),
     ("nan objective", "contains NaN or infinite values"),
 ])  # fmt: skip

@@ -5,6 +5,7 @@ small inputs do run on the pool's workers whatever the machine's load; none asse
 """
 
 import multiprocessing
+import os
 import subprocess
 import sys
 import textwrap
@@ -221,7 +222,10 @@ def test_exit_with_the_workers_started_does_not_hang():
         pyperm.batch_linear_sum_assignment(np.random.default_rng(0).random((64, 30, 30)))
         print("workers", core.pool_workers(), flush=True)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    # From the tests folder: from the repository root, -c would import the source folder, which has
+    # no compiled module (the installed package is what is tested).
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=here)
     assert proc.returncode == 0, proc.stderr
     assert f"workers {core.hardware_threads() - 1}" in proc.stdout
 

@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 from pyperm._argtypes import positive_int
+from pyperm._staging import write_file
 from pyperm._tables import markdown_table, text_table
 
 SCALES = ("smoke", "quick", "full", "paper")
@@ -103,7 +104,7 @@ def _models(scale: str, data: str, count: int, seed: int, cache: str | None) -> 
         model, state = train_endpoint(name, loaded, cfg["recipe"], cfg["batch"], cfg["epochs"], 1000 * seed + k, "cpu")
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(state, path)
+            write_file(path, lambda f, state=state: torch.save(state, f))
         states.append(state)
     return model, states, loaded, cfg
 

@@ -135,7 +135,8 @@ def run_pipeline(args: argparse.Namespace, job: PipelineRun) -> int:
     if launched():
         raise CommandError(f"--model hf: pipeline folders are {_PAST[job.command]} in one process; under torchrun give "
                            f"one component folder at a time")  # fmt: skip
-    if getattr(args, "data", None) or getattr(args, "method", "weight") != "weight":
+    # Pipelines are weight-matched (align) or merged by MergeMany (merge): each command's default method.
+    if getattr(args, "data", None) or getattr(args, "method", "weight") not in ("weight", "mergemany"):
         raise CommandError(f"--model hf: pipeline folders are {_PAST[job.command]} by weight matching without --data; "
                            f"give a component folder for the other methods")  # fmt: skip
     if len(job.inputs) < 2:
