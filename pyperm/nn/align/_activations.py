@@ -122,26 +122,32 @@ def collect_statistics(
     dtype: Any,
     progress: Any,
     total: int | None,
+    concatenated: frozenset[int] = frozenset(),
+    method: str = "activation matching",
 ) -> Statistics:
     """Run both models (through their traced ``graphs``) on every batch and accumulate every reading.
 
-    Both run in eval mode under ``torch.no_grad`` (their flags are restored). When both are
-    on one CUDA device and pyperm's CUDA kernels are available, the activations stay there,
-    one device accumulator per reading; otherwise they are copied to the host, where one
+    Reading ``i`` accumulates A's units against B's, or, for ``i`` in ``concatenated``, the
+    ``2 * units`` features of both models against themselves (ZipIt's correlation). Both run in
+    eval mode under ``torch.no_grad`` (their flags are restored). When both are on one CUDA
+    device and pyperm's CUDA kernels are available, the activations stay there, one device
+    accumulator per reading; otherwise they are copied to the host, where one
     :class:`pyperm.CrossCorrelationSet` updates every reading at once on the thread pool.
+    ``method`` names the caller in the progress bar and in the warning of a host fallback.
     """
     dev_a, dev_b = module_device(model_a), module_device(model_b)
     on_device = dev_a.type == "cuda" and dev_b == dev_a and pyperm.cuda_available()
     if dev_a.type == "cuda" and dev_b == dev_a and not on_device:
-        # stacklevel 3: the caller of activation_matching, which calls this function.
-        warnings.warn(f"activation_matching: {pyperm.cuda_unavailable_reason()}; the activations are copied to the "
+        # stacklevel 3: the caller of the method, which calls this function.
+        warnings.warn(f"{method}: {pyperm.cuda_unavailable_reason()}; the activations are copied to the "
                       "host and accumulated there (slower)", UserWarning, stacklevel=3)  # fmt: skip
     device = dev_a if on_device else torch.device("cpu")
     keys = range(len(readings))
+    dims = {i: (2 * readings[i].units,) * 2 if i in concatenated else (readings[i].units,) * 2 for i in keys}
     if on_device:
-        accs: Any = {i: pyperm.CrossCorrelation(readings[i].units, readings[i].units, dtype=dtype) for i in keys}
+        accs: Any = {i: pyperm.CrossCorrelation(*dims[i], dtype=dtype) for i in keys}
     else:
-        accs = pyperm.CrossCorrelationSet({i: (readings[i].units, readings[i].units) for i in keys}, dtype=dtype)
+        accs = pyperm.CrossCorrelationSet(dims, dtype=dtype)
     watch: dict[str, list[tuple[Any, int]]] = {}  # node -> (key of its held activations, axis of units)
     for node, axis in dict.fromkeys((r.node, r.axis) for r in readings):
         watch.setdefault(node, []).append(((node, axis), axis))
@@ -153,7 +159,7 @@ def collect_statistics(
     held: tuple[dict[Any, torch.Tensor], dict[Any, torch.Tensor]] = ({}, {})
     reader_a = _SiteReader(graphs[0], watch, held[0].__setitem__, device)
     reader_b = _SiteReader(graphs[1], watch, held[1].__setitem__, device)
-    bar = progress_bar(progress, total, "activation matching", "batch")
+    bar = progress_bar(progress, total, method, "batch")
     used = 0
     try:
         with eval_mode(model_a, model_b), torch.no_grad():
@@ -161,7 +167,7 @@ def collect_statistics(
                 inputs = model_inputs(batch, index)
                 reader_a.run(*(t.to(dev_a) for t in inputs))
                 reader_b.run(*(t.to(dev_b) for t in inputs))
-                _update(accs, readings, held, weights, on_device)
+                _update(accs, readings, held, weights, on_device, concatenated)
                 held[0].clear()
                 held[1].clear()
                 used += 1
@@ -177,10 +183,14 @@ def collect_statistics(
 
 
 def _update(accs: Any, readings: Sequence[Reading], held: tuple[Mapping, Mapping],
-            weights: Sequence[Mapping[str, torch.Tensor]], on_device: bool) -> None:
+            weights: Sequence[Mapping[str, torch.Tensor]], on_device: bool, concatenated: frozenset[int]) -> None:
     """One batch's held activations into every reading's accumulator."""
-    pairs = {i: (r.take(held[0][(r.node, r.axis)], weights[0]), r.take(held[1][(r.node, r.axis)], weights[1]))
-             for i, r in enumerate(readings)}  # fmt: skip
+    pairs = {}
+    for i, r in enumerate(readings):
+        za, zb = r.take(held[0][(r.node, r.axis)], weights[0]), r.take(held[1][(r.node, r.axis)], weights[1])
+        if i in concatenated:
+            za = zb = torch.cat([za, zb], 1)
+        pairs[i] = (za, zb)
     try:
         if on_device:
             for i, (za, zb) in pairs.items():

@@ -43,12 +43,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-import pyperm
 from pyperm._checks import check_bool
-from pyperm._progress import progress_bar
 from pyperm.nn._checks import check_module, check_pair, check_spec
-from pyperm.nn._runtime import eval_mode, iterate_batches, model_inputs, module_device, num_batches
-from pyperm.nn.align._activations import Reading, _SiteReader
+from pyperm.nn._runtime import iterate_batches, model_inputs, module_device, num_batches
+from pyperm.nn.align._activations import Reading, collect_statistics
 from pyperm.nn.align._joint import solve_joint
 from pyperm.nn.align._zip_pairing import ZipPairing, zip_pairing
 from pyperm.nn.align._zipped import ZippedModel
@@ -268,9 +266,11 @@ def zipit(
     readings, of_group = _plan_readings(spec, sites)
     structured = _structured_groups(spec)
     plain = [i for i, r in enumerate(readings) if not (set(entry_groups(r.form)) & structured)]
-    accs, used = _collect(model_a, model_b, (traced.graph_module, graph_b), readings, set(plain),
-                          itertools.chain([(0, first)], batches), dtype, progress,
-                          num_batches(data, max_batches))  # fmt: skip
+    stats = collect_statistics(model_a, model_b, (traced.graph_module, graph_b), readings,
+                               itertools.chain([(0, first)], batches), dtype=dtype, progress=progress,
+                               total=num_batches(data, max_batches), concatenated=frozenset(plain),
+                               method="zipit")  # fmt: skip
+    accs, used = stats.accumulators, stats.num_batches
 
     merge: dict[str, torch.Tensor] = {}
     unmerge: dict[str, torch.Tensor] = {}
@@ -345,74 +345,6 @@ class _Builder:
     def partial(self, stop: str) -> ZippedModel:
         heads, trunk = self.partial_states(stop)
         return _zipped_model(self.model_a, heads, trunk, self.first)
-
-
-# --------------------------------------------------------------------------- statistics
-
-
-def _collect(model_a: nn.Module, model_b: nn.Module, graphs: tuple[fx.GraphModule, fx.GraphModule],
-             readings: Sequence[Reading], plain: set[int], batches: Iterable[tuple[int, Any]], dtype: Any,
-             progress: Any, total: int | None) -> tuple[Any, int]:  # fmt: skip
-    """One pass over the data. A plain reading of ``u`` units accumulates the ``2u`` features of both
-    models against themselves (the zip's correlation); a structured one A's against B's."""
-    dev_a, dev_b = module_device(model_a), module_device(model_b)
-    on_device = dev_a.type == "cuda" and dev_b == dev_a and pyperm.cuda_available()
-    device = dev_a if on_device else torch.device("cpu")
-    dims = {i: (2 * r.units, 2 * r.units) if i in plain else (r.units, r.units) for i, r in enumerate(readings)}
-    if on_device:
-        accs: Any = {i: pyperm.CrossCorrelation(*d, dtype=dtype) for i, d in dims.items()}
-    else:
-        accs = pyperm.CrossCorrelationSet(dims, dtype=dtype)
-    watch: dict[str, list[tuple[Any, int]]] = {}
-    for node, axis in dict.fromkeys((r.node, r.axis) for r in readings):
-        watch.setdefault(node, []).append(((node, axis), axis))
-    projected = {key for r in readings if r.projection is not None for key in (r.projection.weight, r.projection.bias)}
-    weights = [{k: v.detach().to(device) for k, v in m.state_dict().items() if k in projected}
-               for m in (model_a, model_b)]  # fmt: skip
-    held: tuple[dict[Any, torch.Tensor], dict[Any, torch.Tensor]] = ({}, {})
-    readers = (_SiteReader(graphs[0], watch, held[0].__setitem__, device),
-               _SiteReader(graphs[1], watch, held[1].__setitem__, device))  # fmt: skip
-    bar = progress_bar(progress, total, "zipit", "batch")
-    used = 0
-    try:
-        with eval_mode(model_a, model_b), torch.no_grad():
-            for index, batch in batches:
-                inputs = model_inputs(batch, index)
-                readers[0].run(*(t.to(dev_a) for t in inputs))
-                readers[1].run(*(t.to(dev_b) for t in inputs))
-                pairs = {}
-                for i, r in enumerate(readings):
-                    za = r.take(held[0][(r.node, r.axis)], weights[0])
-                    zb = r.take(held[1][(r.node, r.axis)], weights[1])
-                    if i in plain:
-                        z = torch.cat([za, zb], 1)
-                        pairs[i] = (z, z)
-                    else:
-                        pairs[i] = (za, zb)
-                try:
-                    if on_device:
-                        for i, (x, y) in pairs.items():
-                            accs[i].update(x, y)
-                    else:
-                        accs.update({i: (x.numpy(), y.numpy()) for i, (x, y) in pairs.items()})
-                except ValueError:  # name the site whose activations are bad
-                    for i, (x, y) in pairs.items():
-                        if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
-                            raise ValueError(f"activations of group {readings[i].first_group!r} at "
-                                             f"{readings[i].node!r} contain NaN or infinite values") from None
-                    raise
-                held[0].clear()
-                held[1].clear()
-                used += 1
-                if bar is not None:
-                    bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-    for i in range(len(readings)):
-        if accs[i].count == 0:
-            raise ValueError(f"data held no samples for group {readings[i].first_group!r}: every batch was empty")
-    return accs, used
 
 
 def _solve_structured(spec: PermutationSpec, readings: Sequence[Reading], accs: Any,
