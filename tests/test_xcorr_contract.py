@@ -85,3 +85,24 @@ def test_a_device_accumulator_pickles_without_its_stream():
     moments = CudaMoments(2, 2, np.float64, "cpu")  # the dict's tensors on the CPU: no kernel runs here
     moments._acc["stream"] = lambda: None  # stands for a CUDA stream, which does not pickle
     assert pickle.loads(pickle.dumps(moments))._acc["stream"] is None
+
+
+class _Recording:
+    def __init__(self):
+        self.seen = []
+
+    def update(self, za, zb):
+        self.seen.append((za.shape, zb.shape))
+
+    def check(self):
+        return self
+
+
+def test_a_concatenated_reading_correlates_both_models_features_against_themselves():
+    readings = [_Reading("fc1"), _Reading("fc2")]
+    held = ({("fc1", 1): torch.ones(4, 3), ("fc2", 1): torch.ones(4, 3)},
+            {("fc1", 1): torch.zeros(4, 3), ("fc2", 1): torch.zeros(4, 3)})
+    accs = {0: _Recording(), 1: _Recording()}
+    _activations._update(accs, readings, held, [{}, {}], on_device=True, concatenated=frozenset({1}))
+    assert accs[0].seen == [(torch.Size([4, 3]), torch.Size([4, 3]))]
+    assert accs[1].seen == [(torch.Size([4, 6]), torch.Size([4, 6]))]

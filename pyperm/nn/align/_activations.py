@@ -183,8 +183,13 @@ def collect_statistics(
 
 
 def _update(accs: Any, readings: Sequence[Reading], held: tuple[Mapping, Mapping],
-            weights: Sequence[Mapping[str, torch.Tensor]], on_device: bool, concatenated: frozenset[int]) -> None:
-    """One batch's held activations into every reading's accumulator."""
+            weights: Sequence[Mapping[str, torch.Tensor]], on_device: bool,
+            concatenated: frozenset[int] = frozenset()) -> None:
+    """One batch's held activations into every reading's accumulator.
+
+    The readings whose indices are in ``concatenated`` (zipit's) feed both models' features side by side as both
+    sides of the correlation.
+    """
     pairs = {}
     for i, r in enumerate(readings):
         za, zb = r.take(held[0][(r.node, r.axis)], weights[0]), r.take(held[1][(r.node, r.axis)], weights[1])
