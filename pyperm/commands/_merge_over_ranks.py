@@ -1,11 +1,12 @@
-"""``pyperm merge`` under ``torchrun``: MergeMany with the checkpoints' tensors split over the ranks.
+"""``pyperm merge`` under ``torchrun``: MergeMany or C2M3 (``--method c2m3``) with the checkpoints' tensors split
+over the ranks.
 
 As ``pyperm align`` over ranks (:mod:`pyperm.commands._over_ranks`): the keys are split by the first
 checkpoint's shards (shard ``i`` of ``n`` to rank ``i * N // n``; a one-file checkpoint by contiguous
 ranges of its keys), and each rank maps, of every checkpoint, only the shards that hold its keys (the
 others' headers only), with the set-up ``align`` has (:func:`pyperm.commands._over_ranks.open_on_ranks`).
-:func:`pyperm.distributed.merge_many` aligns the models on those shares; each rank stages its shards of
-the merged model, and rank 0 stages copies of the folder's other files (config, tokenizer), renames the
+:func:`pyperm.distributed.merge_many` (or :func:`pyperm.distributed.c2m3_merge`) aligns the models on those
+shares; each rank stages its shards of the merged model, and rank 0 stages copies of the folder's other files (config, tokenizer), renames the
 shards and the copies into place, the index last (the switch), and writes the reports. The merged
 checkpoint is one process's, byte for byte, except where a step is within rounding of a tie (see
 :mod:`pyperm.nn.align.over_ranks`). A one-file checkpoint is written by rank 0, which first gathers the
@@ -49,14 +50,15 @@ def _merge(args: argparse.Namespace, device: Any) -> int:
     opened = open_on_ranks(args, args.checkpoints, split_by=0, stem=lambda first: "merged",
                            reports=["report.json", "report.md"],
                            options=[args.model, str(Path(args.out).resolve()), args.max_iter, args.seed, args.force,
-                                    device.type, args.example_input_shape, args.weights])  # fmt: skip
+                                    device.type, args.example_input_shape, args.weights, args.method])  # fmt: skip
     rank, world, ckpts, out = opened.rank, opened.world, opened.ckpts, opened.out
     first = ckpts[0]
     mine = opened.mine
     states = [on_device({k: c.state[k] for k in mine}, device) for c in ckpts]  # as stored, as in one process
+    merge = pd.c2m3_merge if args.method == "c2m3" else pd.merge_many
     with Timer() as timer:
-        result = pd.merge_many(opened.loaded.spec, states, weights=args.weights, max_iter=args.max_iter,
-                               seed=args.seed, progress=args.progress and rank == 0)  # fmt: skip
+        result = merge(opened.loaded.spec, states, weights=args.weights, max_iter=args.max_iter, seed=args.seed,
+                       progress=args.progress and rank == 0)  # fmt: skip
     del states
     for c in ckpts[1:]:
         c.state.clear()
@@ -68,11 +70,13 @@ def _merge(args: argparse.Namespace, device: Any) -> int:
     written = write_shares(first, merged, opened.ckpt_files[0], rank, world, opened.copies)
     peaks = all_gather(peak_resident())
     if rank == 0:
-        report = merge_report(ckpts, opened.loaded, result, timer.seconds, opened.ckpt_files, args.weights)
+        report = merge_report(ckpts, opened.loaded, result, timer.seconds, opened.ckpt_files, args.weights,
+                              args.method)  # fmt: skip
         report.update(ranks=world, peak_rss_bytes=peaks, torch_threads=torch.get_num_threads())
         write_json(out / "report.json", report)
         write_text(out / "report.md", merge_markdown(report))
-        print(f"merged {len(ckpts)} checkpoints over {world} ranks in {result.iterations} rounds "
+        steps = "Frank-Wolfe iterations of C2M3" if args.method == "c2m3" else "rounds"
+        print(f"merged {len(ckpts)} checkpoints over {world} ranks in {result.iterations} {steps} "
               f"({timer.seconds:.2f} s): {written[0]}")  # fmt: skip
         print(f"report: {out / 'report.md'}")
     dist.barrier()

@@ -12,12 +12,13 @@ __all__ = ["merge_markdown", "merge_report"]
 
 
 def merge_report(ckpts: list, loaded: Any, result: Any, seconds: float, outputs: list[Path],
-                 weights: list[float] | None = None) -> dict[str, Any]:  # fmt: skip
+                 weights: list[float] | None = None, method: str = "mergemany") -> dict[str, Any]:  # fmt: skip
     """What report.json says of a merge (one process or over ranks); ``weights`` None: equal ones."""
     import torch
 
-    return {
+    report = {
         "command": "merge",
+        "method": method,
         "inputs": [str(c.path) for c in ckpts],
         "weights": list(weights) if weights is not None else [1 / len(ckpts)] * len(ckpts),
         "model": loaded.name,
@@ -30,6 +31,11 @@ def merge_report(ckpts: list, loaded: Any, result: Any, seconds: float, outputs:
         "seconds": seconds,
         "outputs": [str(p) for p in outputs],
     }
+    if method == "c2m3":
+        report["c2m3"] = {"objective": result.final_objective, "relaxed_objective": result.objective,
+                          "step_sizes": result.step_sizes, "cycle_error": result.cycle_error,
+                          "kept_start": result.kept_start}  # fmt: skip
+    return report
 
 
 def merge_markdown(report: dict[str, Any]) -> str:

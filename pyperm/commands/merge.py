@@ -125,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
     check_weights(args)
     if args.model == "hf" and any(is_pipeline(p) for p in args.checkpoints):  # component by component
         return _merge_pipelines(args)
-    if launched() and args.method in ("c2m3", "zipit"):
-        raise CommandError(f"--method {args.method} runs in one process: start it without torchrun")
+    if launched() and args.method == "zipit":
+        raise CommandError("--method zipit runs in one process: start it without torchrun")
     if args.method == "zipit":
         from pyperm.commands._zip import run_zipit
 
@@ -166,12 +166,7 @@ def run(args: argparse.Namespace) -> int:
                                 progress=args.progress)  # fmt: skip
     # Write in the first input's dtypes, as the inputs were stored: one tensor at a time, when written.
     merged = LazyState(ckpts[0].state, lambda key, stored: result.merged[key].to(stored.dtype))
-    report = merge_report(ckpts, loaded, result, timer.seconds, ckpt_files, args.weights)
-    report["method"] = args.method
-    if args.method == "c2m3":
-        report["c2m3"] = {"objective": result.final_objective, "relaxed_objective": result.objective,
-                          "step_sizes": result.step_sizes, "cycle_error": result.cycle_error,
-                          "kept_start": result.kept_start}  # fmt: skip
+    report = merge_report(ckpts, loaded, result, timer.seconds, ckpt_files, args.weights, args.method)
     if data is not None:
         evaluations = {str(c.path): _evaluate(loaded, s, data, device) for c, s in zip(ckpts, states)}
         evaluations["plain average (no alignment)"] = _evaluate(loaded, average(states, args.weights), data, device)

@@ -3,6 +3,7 @@
 - :func:`weight_matching`: the pair's tensors split over the ranks (each rank holds a share of
   the keys); the same permutations as one process.
 - :func:`merge_many`: Git Re-Basin's MergeMany with every model's tensors split over the ranks.
+- :func:`c2m3_merge`: C2M3's cycle-consistent merge with every model's tensors split over the ranks.
 - :func:`check_same`: refuse, at the start, ranks that run another pyperm or read other inputs.
 - :func:`failure_guard`: a rank that fails ends every rank with an error naming it.
 
@@ -27,8 +28,9 @@ from pyperm import _comm
 from pyperm._comm import Channel, RankFailedError, check_same
 from pyperm.distributed._failure import failure_guard
 from pyperm.distributed.weight import DistributedMatchingResult, merge_many, weight_matching
+from pyperm.nn.align.c2m3_over_ranks import c2m3_merge
 
 _comm.import_group_defaults()
 
-__all__ = ["Channel", "DistributedMatchingResult", "RankFailedError", "check_same", "failure_guard", "merge_many",
-           "weight_matching"]
+__all__ = ["Channel", "DistributedMatchingResult", "RankFailedError", "c2m3_merge", "check_same", "failure_guard",
+           "merge_many", "weight_matching"]

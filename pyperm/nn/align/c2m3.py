@@ -223,9 +223,44 @@ def c2m3_merge(
     max_iter = check_positive_int(max_iter, "max_iter")
     tol = check_nonnegative_real(tol, "tol")
     gen = torch_generator(seed)
+
+    def match(state_a: Mapping[str, torch.Tensor], state_b: Mapping[str, torch.Tensor], seed: int) -> Permutations:
+        return weight_matching(spec, state_a, state_b, seed=seed).perms
+
+    return search(spec, states, weights, max_iter=max_iter, init=init, tol=tol, gen=gen, progress=progress,
+                  anchor=anchor, sums=ONE_PROCESS, match=match, started=started)  # fmt: skip
+
+
+class Sums:
+    """The sums of the search over where the models' tensors are: here one process holds every tensor, so each
+    sum is its own part (:mod:`pyperm.nn.align.c2m3_over_ranks` adds the ranks' parts)."""
+
+    def values(self, parts: list[float]) -> list[float]:
+        """Floats summed over the holders of the tensors."""
+        return parts
+
+    def tensors(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Tensors (the same shapes on every holder) summed over the holders."""
+        return parts
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on some holder."""
+        return flag
+
+
+ONE_PROCESS = Sums()
+
+
+def search(spec: PermutationSpec, states: list[dict], weights: list[float] | None, *, max_iter: int, init: Any,
+           tol: float, gen: torch.Generator, progress: bool, anchor: bool, sums: Sums,
+           match: Any, started: float) -> C2M3Result:  # fmt: skip
+    """:func:`c2m3_merge` on checked arguments, with every sum over the models' tensors completed by ``sums`` and the
+    ``"matching"`` start's pairs matched by ``match(state_a, state_b, seed)`` (in one process, or over ranks where
+    each holds a share of every model's keys)."""
     n = len(states)
     keys = _matched_keys(spec, states[0])
-    dtype = torch.float64 if any(s[k].dtype == torch.float64 for s in states for k in keys) else torch.float32
+    wide = sums.any(any(s[k].dtype == torch.float64 for s in states for k in keys))
+    dtype = torch.float64 if wide else torch.float32
     device = states[0][keys[0]].device if keys else torch.device("cpu")
     tensors = [{k: s[k].detach().to(dtype) for k in keys} for s in states]
     for i, t in enumerate(tensors):
@@ -233,18 +268,28 @@ def c2m3_merge(
             if not bool(torch.isfinite(v).all()):
                 raise ValueError(f"states[{i}][{k!r}] contains NaN or infinite values")
     w = [1.0] * n if weights is None else list(weights)
-    start = _start_perms(spec, states, init, gen)
+    start = _start_perms(spec, states, init, gen, match)
     matrices = _start(spec, init if start is None else start, n, gen, dtype, device)
-    degree = 2 * max((_key_degree(spec, k) for k in keys), default=0)
+    # The degree of F along a segment: from every group a matched tensor could hold, so that it is the same
+    # wherever the tensors are (a polynomial of lower degree is fitted exactly too).
+    degree = 2 * max((_key_degree(spec, k) for k in spec.axes), default=0)
     if anchor:  # the universe is the first model's space: it stays as it is (no matrices, no products)
         matrices[0] = None
+
+    def value_and_gradients(at: list[dict | None]) -> tuple[float, list[dict | None]]:
+        value, grads = _value_and_gradients(spec, tensors, at, w, keys)
+        held = [(a, g) for a in range(n) if grads[a] is not None for g in grads[a]]
+        (value,) = sums.values([value])
+        for (a, g), total in zip(held, sums.tensors([grads[a][g] for a, g in held])):
+            grads[a][g] = total
+        return value, grads
 
     objective, step_sizes, gaps = [], [], []
     converged = False
     iterations = 0
     bar = progress_bar(progress, max_iter, "c2m3", "iteration")
     try:
-        value, grads = _value_and_gradients(spec, tensors, matrices, w, keys)
+        value, grads = value_and_gradients(matrices)
         objective.append(value)
         for _ in range(max_iter):
             iterations += 1
@@ -263,8 +308,8 @@ def c2m3_merge(
                 # F at the segment's end, where every free model is at its permutations: gathers, no products
                 ends = [ts if p is None else {k: permute_entry(spec, p, k, ts[k]) for k in keys}
                         for ts, p in zip(tensors, vertex)]  # fmt: skip
-                at_one = _pair_sum(ends, w, keys)[0]
-                step, gain = _line_search(spec, tensors, matrices, directions, w, keys, degree, value, at_one)
+                step, gain = _line_search(spec, tensors, matrices, directions, w, keys, degree, value,
+                                          _pair_sum(ends, w, keys)[0], sums)  # fmt: skip
                 if gain <= small:
                     step = 0.0
             step_sizes.append(step)
@@ -273,7 +318,7 @@ def c2m3_merge(
                 converged = True
                 break
             moved = _moved(matrices, directions, step)
-            new_value, new_grads = _value_and_gradients(spec, tensors, moved, w, keys)
+            new_value, new_grads = value_and_gradients(moved)
             if new_value < value:  # the fit's rounding promised a gain that is not there: stay
                 step_sizes[-1] = 0.0
                 objective.append(value)
@@ -293,10 +338,10 @@ def c2m3_merge(
         rounded[a] = Permutations(spec, p)
     back = rounded[0].inverse()
     perms = [back.compose(p) for p in rounded]
-    final = merge_objective(spec, states, perms, weights=weights)
+    (final,) = sums.values([_objective(spec, states, perms, w)])
     kept_start = False
     if start is not None:  # a start at permutations: the rounding of the search never ends below it
-        at_start = merge_objective(spec, states, start, weights=weights)
+        (at_start,) = sums.values([_objective(spec, states, start, w)])
         if at_start > final:
             back = start[0].inverse()
             perms, final, kept_start = [back.compose(p) for p in start], at_start, True
@@ -360,7 +405,12 @@ def merge_objective(
     """
     spec, states, weights = _check_models(spec, states, weights)
     perms = _check_perm_sets(spec, perms, len(states), "perms")
-    w = [1.0] * len(states) if weights is None else list(weights)
+    return _objective(spec, states, perms, [1.0] * len(states) if weights is None else list(weights))
+
+
+def _objective(spec: PermutationSpec, states: Sequence[Mapping[str, torch.Tensor]],
+               perms: Sequence[Permutations], w: list[float]) -> float:  # fmt: skip
+    """:func:`merge_objective` of checked arguments (the part of the keys held here)."""
     total = 0.0
     for key in _matched_keys(spec, states[0]):
         permuted = [permute_entry(spec, p, key, s[key].detach()).double() for p, s in zip(perms, states)]
@@ -514,15 +564,17 @@ def _check_perm_sets(spec: PermutationSpec, perms: Any, count: int | None, name:
 
 
 def _matched_keys(spec: PermutationSpec, state: Mapping[str, torch.Tensor]) -> list[str]:
-    """The floating-point entries some group acts on (the others add a constant to the objective)."""
-    return [k for k in spec.axes if state[k].is_floating_point() and any(e is not None for e in spec.axes[k])]
+    """The floating-point entries here (all, or a rank's share) that some group acts on (the others add a constant
+    to the objective)."""
+    return [k for k in spec.axes
+            if k in state and state[k].is_floating_point() and any(e is not None for e in spec.axes[k])]
 
 
 # ------------------------------------------------------------------ the search
 
 
-def _start_perms(spec: PermutationSpec, states: list[dict], init: Any,
-                 gen: torch.Generator) -> list[Permutations] | None:  # fmt: skip
+def _start_perms(spec: PermutationSpec, states: list[dict], init: Any, gen: torch.Generator,
+                 match: Any) -> list[Permutations] | None:  # fmt: skip
     """The start's permutations of every model, or None for the barycenter start (not a permutation)."""
     n = len(states)
     if isinstance(init, str):
@@ -535,7 +587,7 @@ def _start_perms(spec: PermutationSpec, states: list[dict], init: Any,
             return [identity] * n
         # Every model matched to the first (weight_matching's default start), the first held.
         seed = int(torch.randint(0, 2**62, (), generator=gen))
-        return [identity] + [weight_matching(spec, states[0], s, seed=seed).perms for s in states[1:]]
+        return [identity] + [match(states[0], s, seed) for s in states[1:]]
     sets = _check_perm_sets(spec, init, n, "init")
     back = sets[0].inverse()  # the same universe up to one common permutation, the first model's the identity
     return [back.compose(p) for p in sets]
@@ -623,18 +675,17 @@ def _value(spec: PermutationSpec, tensors: list[dict], matrices: list[dict], w: 
 
 @torch.no_grad()
 def _line_search(spec: PermutationSpec, tensors: list[dict], matrices: list[dict], directions: list[dict],
-                 w: list[float], keys: list[str], degree: int, at_zero: float,
-                 at_one: float) -> tuple[float, float]:  # fmt: skip
+                 w: list[float], keys: list[str], degree: int, at_zero: float, at_one: float,
+                 sums: Sums) -> tuple[float, float]:  # fmt: skip
     """The step in [0, 1] that maximises F along ``matrices + t * directions``, and its gain over ``at_zero``.
 
     F is a polynomial of degree at most ``degree`` in t there: it is interpolated exactly through
     ``degree + 1`` values at Chebyshev points of [0, 1] (the ends, ``at_zero`` and ``at_one``, are
-    known), then maximised over the stationary points in the segment and its ends."""
+    known; ``at_one`` is this holder's part, completed here with the interior values in one sum), then
+    maximised over the stationary points in the segment and its ends."""
     nodes = [0.5 - 0.5 * math.cos(math.pi * j / degree) for j in range(degree + 1)]
-    values = [at_zero]
-    for t in nodes[1:-1]:
-        values.append(_value(spec, tensors, _moved(matrices, directions, t), w, keys))
-    values.append(at_one)
+    parts = [_value(spec, tensors, _moved(matrices, directions, t), w, keys) for t in nodes[1:-1]] + [at_one]
+    values = [at_zero] + sums.values(parts)
     x = 2.0 * np.asarray(nodes) - 1.0  # [0, 1] onto [-1, 1], where the Chebyshev basis is well conditioned
     poly = np.polynomial.Chebyshev.fit(x, values, degree, domain=[-1, 1], window=[-1, 1])
     candidates = [-1.0, 1.0] + [float(r.real) for r in poly.deriv().roots() if abs(r.imag) < 1e-9 and -1 < r.real < 1]
