@@ -7,12 +7,13 @@ at 1e-3, batches of 500, training seeds 1 to ``--models``), trained once and kep
 (``--epochs`` sets how long; the paper trains 100). Each merge seed merges them four ways:
 
 - ``merge_many``: pyperm's, rounds of warm starts, with restarts from the identity only in a round
-  that follows one that changed nothing;
+  that follows one that gained nothing worth a round (no change, or at most
+  :data:`~pyperm.nn.align.merge.GAIN_TOLERANCE` of the objective), and such a round of restarts the last;
 - ``warm only``: the rounds before the restarts were added (the parent of commit f12e3f9): every
   matching from the model's current permutations, a model's first from the identity, no stall check;
 - ``restart every round``: the rounds from f12e3f9 until the restarts waited for a round's end:
   every matching from non-identity permutations is followed by one from the identity (with the stall
-  check);
+  check), kept when higher by more than 1e-6 (relative);
 - ``Algorithm 3``: the paper's loop, every matching from the identity (no warm start, no stall check).
 
 The three loops besides ``merge_many`` are written here, with pyperm's matcher, as
@@ -32,7 +33,6 @@ import torch
 
 from pyperm.nn import Permutations, merge_many
 from pyperm.nn.align._starts import _same_seed, unstalled
-from pyperm.nn.align.merge import START_TOLERANCE
 from pyperm.nn.align.weight import WeightMatcher
 from pyperm.nn.models import create_model
 from pyperm.nn.permutations import permute_entry
@@ -41,6 +41,8 @@ from pyperm.reproduce._train import evaluate
 from pyperm.reproduce.rebasin._experiments import train_endpoint
 
 MODEL = "mlp:784,512,512,512,10"
+# How much higher the identity start had to be to replace the warm start, in the restart-every-round code.
+OLD_START_TOLERANCE = 1e-6
 
 
 def endpoints(data: dict, cache: Path, models: int, epochs: int) -> list[dict]:
@@ -93,7 +95,7 @@ def rounds(spec, states: list[dict], seed: int, way: str, max_iter: int = 100) -
             if way == "restart every round" and perms[i] != identity:
                 gen.set_state(at_start)
                 plain = match(i, others, identity, gen)
-                if plain.objective[-1] > result.objective[-1] + START_TOLERANCE * abs(result.objective[-1]):
+                if plain.objective[-1] > result.objective[-1] + OLD_START_TOLERANCE * abs(result.objective[-1]):
                     result = plain
             if result.perms == perms[i]:
                 continue

@@ -5,7 +5,7 @@ import torch
 
 from pyperm.nn import Permutations, merge_many
 from pyperm.nn.align._objective import WeightMatchingResult
-from pyperm.nn.align.merge import align_many
+from pyperm.nn.align.merge import GAIN_TOLERANCE, align_many
 from pyperm.nn.models import MLP
 
 
@@ -143,3 +143,47 @@ def test_a_restart_finds_a_planted_stall(monkeypatch):
     assert result.history == [1, 0, 1, 0, 0]  # the first round's change is not the planted one (see below)
     assert not any(found[:2]) and any(found[2:])  # the first round's two matchings missed it, a restart found it
     assert result.converged and result.perms[1] == planted.inverse()
+
+
+def test_a_restart_that_gains_less_than_the_tolerance_is_not_kept(spec_and_states):
+    # Warm objective 1; a restart higher by half the tolerance is rounding-sized, not worth the rounds it
+    # would start (the rule before GAIN_TOLERANCE kept anything above 1e-6: history [3, 0, 1, 0, 0]).
+    spec, states = spec_and_states
+    below = {(1, 0): 1.0 + GAIN_TOLERANCE / 2}
+    result = align_many(spec, states, _scripted(spec, below)[0], 20, torch.Generator().manual_seed(0), False)
+    assert result.history == [3, 0, 0] and result.converged
+    assert result.perms[1] == _swap(spec, 1).inverse().compose(_swap(spec, 2))  # the warm rounds' permutations
+    # Above it (of the model's objective) the restart is kept; a round whose gains, the restart's among them, sum
+    # to at most the tolerance of the round's objectives (here 3) still ends the rounds.
+    for gain, history in ((2 * GAIN_TOLERANCE, [3, 0, 1]), (4 * GAIN_TOLERANCE, [3, 0, 1, 0, 0])):
+        match = _scripted(spec, {(1, 0): 1.0 + gain})[0]
+        result = align_many(spec, states, match, 20, torch.Generator().manual_seed(0), False)
+        assert result.history == history and result.converged
+        assert result.perms[1] == _swap(spec, 1).inverse().compose(_roll(spec))
+
+
+def _drifting(spec, warm_gain: float):
+    """A matcher whose first matchings (from the identity) give model i the swap of units 0 and i + 1, whose warm
+    starts always move to other permutations (one more place of :func:`_roll`) gaining ``warm_gain`` over their
+    start's objective 1, and whose restarts find objective 0.5 (never kept)."""
+
+    def match(i, others, init, gen):
+        gen.manual_seed(int(torch.randint(1 << 30, (1,), generator=gen)))
+        if init.is_identity():
+            return WeightMatchingResult(perms=_swap(spec, i + 1), objective=[0.25, 0.5], iterations=1, converged=True)
+        return WeightMatchingResult(perms=init.compose(_roll(spec)), objective=[1.0, 1.0 + warm_gain], iterations=1,
+                                    converged=True)  # fmt: skip
+
+    return match
+
+
+def test_warm_rounds_that_gain_less_than_the_tolerance_end_in_a_round_of_restarts(spec_and_states):
+    # Every warm matching changes its permutations, by gains below the tolerance: the rule that waited for a
+    # round changing nothing ran to max_iter ([3] * 20, not converged).
+    spec, states = spec_and_states
+    tiny = _drifting(spec, GAIN_TOLERANCE / 10)
+    result = align_many(spec, states, tiny, 20, torch.Generator().manual_seed(0), False)
+    assert result.history == [3, 3, 3] and result.converged and result.iterations == 3  # first, warm, restarts
+    # gains above it are worth more rounds
+    result = align_many(spec, states, _drifting(spec, 10 * GAIN_TOLERANCE), 6, torch.Generator().manual_seed(0), False)
+    assert result.history == [3] * 6 and not result.converged

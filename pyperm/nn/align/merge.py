@@ -8,11 +8,14 @@ Each matching runs from the model's current permutations (warm: a sweep or two o
 corrections, with the model's matcher, its similarities and warm solvers kept from round to
 round). The warm start alone is a monotone ascent of MergeMany's objective that settles in the
 first local optimum it meets: on three MNIST MLPs it ended below Algorithm 3 run plainly, whose
-restarts from the identity move away from such optima. So a round of warm starts that changes
-nothing, which would end the rounds, is followed by a round that also restarts each matching
-from the identity (Algorithm 3's own start, a search from scratch) and keeps the higher
-objective; only a round of restarts that changes nothing ends the rounds (restarting in every
-round would add a search from scratch to every matching). A matching from the identity (a
+restarts from the identity move away from such optima. So a round of warm starts that gains
+nothing worth a round, which would end the rounds, is followed by a round that also restarts each
+matching from the identity (Algorithm 3's own start, a search from scratch) and keeps the higher
+objective; only a round of restarts that gains nothing worth a round ends the rounds (restarting in
+every round would add a search from scratch to every matching). A gain is worth a round when it is
+above :data:`GAIN_TOLERANCE` of the objective: on the paper's MNIST MLPs the warm rounds' tail and
+the restarts' wins gain less than that, and the warm rounds such a win started did not lower
+the merged test loss (bench/merge_many_restarts.py). A matching from the identity (a
 model's first, and the restarts) also looks for a stall and then runs the signature start, as
 :func:`~pyperm.nn.weight_matching`'s default does (over ranks too:
 :func:`pyperm.distributed.merge_many`).
@@ -21,6 +24,7 @@ model's first, and the restarts) also looks for a stall and then runs the signat
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,9 +45,11 @@ __all__ = ["MergeResult", "align_many", "check_merge_states", "merge_many"]
 
 logger = logging.getLogger(__name__)
 
-# How much higher (relative) the identity start's objective must be for its matching to replace the
-# warm start's (see align_many): above the rounding of the objectives' float64 sums of float32 values.
-START_TOLERANCE = 1e-6
+# The least gain worth a round, relative to the objective (see align_many): a restart from the identity
+# replaces the warm start only when its objective is higher by more than this, and a round whose kept
+# changes gain no more than this counts as one that changed nothing. Well above the rounding of the
+# objectives' float64 sums of float32 values (two starts ending at one optimum must not take turns).
+GAIN_TOLERANCE = 1e-5
 
 
 @dataclass
@@ -61,10 +67,10 @@ class MergeResult:
     iterations : int
         Rounds over the models that were run (at most ``max_iter``).
     converged : bool
-        Whether the last round changed no permutation (otherwise ``max_iter`` stopped it).
+        Whether a round of restarts gained nothing worth a round (otherwise ``max_iter`` stopped it).
     history : list of int
-        Per round, how many models' permutations changed (the last is 0 when converged). A round
-        of warm starts that changes nothing (a 0 before the last) is followed by a round of restarts
+        Per round, how many models' permutations changed. A round of warm starts that gains
+        nothing worth a round (see the module's notes; often a 0) is followed by a round of restarts
         from the identity.
     """
 
@@ -94,8 +100,9 @@ def merge_many(
         \Theta' = \frac{1}{N-1} \sum_{j \ne i} \pi_j(\Theta_j), \qquad
         \pi_i \leftarrow \operatorname{WeightMatching}(\Theta', \Theta_i),
 
-    until a round leaves every :math:`\pi_i` unchanged (a round that restarts every matching from
-    the identity too, see the module's notes), then returns
+    until a round leaves every :math:`\pi_i` unchanged, or raises the objective by at most a
+    relative :data:`GAIN_TOLERANCE` (a round that restarts every matching from the identity too, see
+    the module's notes), then returns
     :math:`\frac{1}{N} \sum_j \pi_j(\Theta_j)`. With ``weights`` :math:`w`, both means are
     weighted: :math:`\Theta' = \sum_{j \ne i} w_j \pi_j(\Theta_j) / \sum_{j \ne i} w_j` and the result
     is :math:`\sum_j w_j \pi_j(\Theta_j)`. All permutations are finally composed with
@@ -224,20 +231,26 @@ def align_many(
     gen: torch.Generator,
     progress: bool,
     weights: list[float] | None = None,
+    tol: float = GAIN_TOLERANCE,
 ) -> MergeResult:
     """MergeMany's rounds on ``states`` (whole state dicts, or one rank's shares of them): ``match(i,
     others, init, gen)`` weight-matches model ``i`` to the (weighted) mean of the others from ``init``
-    (its result's ``objective[-1]`` is the matching's final objective). Permutations are applied entry by
-    entry (any subset of the keys; an entry no group permutes is the input tensor, not a copy).
-    ``weights``: checked ones, or None for equal weights.
+    (its result's ``objective[0]`` is the objective at ``init``, ``objective[-1]`` the matching's final one;
+    both the same on every rank). Permutations are applied entry by entry (any subset of the keys; an
+    entry no group permutes is the input tensor, not a copy). ``weights``: checked ones, or None for
+    equal weights. ``tol``: the least gain worth a round, relative to the objective.
 
     Each matching runs from the model's current permutations. In a round of restarts (the first,
-    whose permutations are all the identity, and each after a round that changed nothing) a
-    matching from other permutations runs from the identity too, with the generator's state at the
-    matching (the same group orders); the identity's result is kept only when its objective is
-    higher beyond :data:`START_TOLERANCE` (relative), so that two starts ending at one optimum,
-    their sums rounded differently, do not keep a round from being the last. Only a round of
-    restarts that changes nothing ends the rounds."""
+    whose permutations are all the identity, and each after a round that gained nothing worth a
+    round) a matching from other permutations runs from the identity too, with the generator's state
+    at the matching (the same group orders); the identity's result is kept only when its objective
+    is higher by more than ``tol`` (relative), so that two starts ending at one optimum, their sums
+    rounded differently, do not keep a round from being the last. A round gains nothing worth a
+    round when it changes no permutation, or when the objectives its kept matchings gained sum to at
+    most ``tol`` times the sum of the round's objectives (so a kept restart can end the rounds, its
+    permutations kept); a model's change from the identity (it has no warm start to measure against)
+    is always worth a round. Only a round of restarts that gains nothing worth a round ends the
+    rounds."""
     n = len(states)
     w = [1.0] * n if weights is None else weights  # unnormalised ones: the equal-weight sums stay as they were
     identity = Permutations.identity(spec)
@@ -258,16 +271,20 @@ def align_many(
         return {k: ((v - w[i] * permuted[i][k].double()) / rest[i]).to(states[i][k].dtype)
                 if v.is_floating_point() else v for k, v in total.items()}  # fmt: skip
 
-    def best_match(i: int, others: dict[str, torch.Tensor], restart: bool) -> Permutations:
+    def best_match(i: int, others: dict[str, torch.Tensor], restart: bool) -> tuple[Permutations, float, float]:
+        """Model i's new permutations, what they gain over its current ones, and their objective."""
         at_start = gen.get_state()
         result = match(i, others, perms[i], gen)
-        if restart and perms[i] != identity:  # Algorithm 3's start too (the same orders), kept only when better
+        if perms[i] == identity:  # no warm start: objective[0] may be the stall check's second start's
+            return result.perms, (0.0 if result.perms == identity else math.inf), abs(result.objective[-1])
+        before = result.objective[0]  # at the current permutations
+        if restart:  # Algorithm 3's start too (the same orders), kept only when better
             gen.set_state(at_start)
             plain = match(i, others, identity, gen)
             warm = result.objective[-1]
-            if plain.objective[-1] > warm + START_TOLERANCE * abs(warm):
+            if plain.objective[-1] > warm + tol * abs(warm):
                 result = plain
-        return result.perms
+        return result.perms, result.objective[-1] - before, abs(result.objective[-1])
 
     bar = progress_bar(progress, max_iter, "merge many", "round")
     rounds, converged, history = 0, False, []
@@ -275,12 +292,14 @@ def align_many(
     try:
         for _ in range(max_iter):
             rounds += 1
-            changed = 0
+            changed, gained, size = 0, 0.0, 0.0
             for i in torch.randperm(n, generator=gen).tolist():
-                new = best_match(i, others_of(i), restart)
+                new, gain, objective = best_match(i, others_of(i), restart)
+                size += objective
                 if new == perms[i]:
                     continue
                 changed += 1
+                gained += gain
                 perms[i] = new
                 # Entry by entry, each old permuted tensor let go as its new one is made: not two whole models.
                 old, permuted[i] = permuted[i], {}
@@ -294,10 +313,11 @@ def align_many(
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(changed=changed)
-            if changed == 0 and restart:
+            settled = changed == 0 or gained <= tol * size
+            if settled and restart:
                 converged = True
                 break
-            restart = changed == 0  # warm starts found nothing more: restart before ending
+            restart = settled  # warm starts found nothing worth a round: restart before ending
     finally:
         if bar is not None:
             bar.close()
