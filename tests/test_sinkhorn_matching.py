@@ -15,7 +15,7 @@ from _structured_models import STRUCTURED, outputs, structured_model
 
 from pyperm.nn import Permutations, SinkhornMatchingResult, interpolate, sinkhorn_matching
 from pyperm.nn.align import _implicit_sinkhorn as implicit_module
-from pyperm.nn.align._implicit_sinkhorn import Potentials, implicit_sinkhorn, log_sinkhorn
+from pyperm.nn.align._implicit_sinkhorn import Potentials, implicit_sinkhorn, sinkhorn
 from pyperm.nn.models import MLP
 from pyperm.testing import one_thread, random_permutations
 
@@ -71,19 +71,58 @@ def test_implicit_gradient_passes_gradcheck():
     assert torch.autograd.gradcheck(lambda x: implicit_sinkhorn(x, 100_000, 1e-15), (z,), eps=1e-6, atol=1e-7)
 
 
-def test_log_sinkhorn_is_doubly_stochastic_and_warm_starts():
+def test_sinkhorn_is_doubly_stochastic_and_warm_starts():
     z = torch.randn(3, 7, 7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     pot = Potentials()
-    s = log_sinkhorn(z, 1000, 1e-12, pot).exp()
+    s = sinkhorn(z, 1000, 1e-12, pot)
     torch.testing.assert_close(s.sum(-1), torch.ones(3, 7, dtype=torch.float64), rtol=0, atol=1e-12)
     torch.testing.assert_close(s.sum(-2), torch.ones(3, 7, dtype=torch.float64), rtol=0, atol=1e-12)
     assert pot.iterations > 1 and pot.error <= 1e-12
-    again = log_sinkhorn(z, 1000, 1e-12, pot).exp()  # from the fixed point: nothing left to fit
+    again = sinkhorn(z, 1000, 1e-12, pot)  # from the fixed point: nothing left to fit
     assert pot.iterations == 0
     torch.testing.assert_close(again, s, rtol=0, atol=1e-12)
     # A row-and-column shift of the scores leaves the matrix alone.
-    shifted = log_sinkhorn(z + torch.arange(7.0, dtype=torch.float64).view(7, 1), 1000, 1e-12).exp()
+    shifted = sinkhorn(z + torch.arange(7.0, dtype=torch.float64).view(7, 1), 1000, 1e-12)
     torch.testing.assert_close(shifted, s, rtol=0, atol=1e-10)
+
+
+def _log_space_sinkhorn(z: torch.Tensor, iters: int, tol: float) -> tuple[torch.Tensor, int]:
+    """The reference: potentials fitted by log-sum-exps, from zero, to the same stopping rule."""
+    g = torch.zeros(z.shape[:-1], dtype=z.dtype)
+    f = -torch.logsumexp(z + g.unsqueeze(-2), -1)
+    done = 0
+    while True:
+        columns = torch.logsumexp(z + f.unsqueeze(-1), -2)
+        if float((columns + g).exp().sub(1).abs().max()) <= tol or done >= iters:
+            return (z + f.unsqueeze(-1) + g.unsqueeze(-2)).exp(), done
+        g = -columns
+        f = -torch.logsumexp(z + g.unsqueeze(-2), -1)
+        done += 1
+
+
+@pytest.mark.parametrize("fold", [None, 1.5])
+@pytest.mark.parametrize("offset", [0.0, 40.0])
+def test_sinkhorn_scalings_make_the_log_space_iterates(offset, fold, monkeypatch):
+    """The products with exp(Z) fit the same iterates as log-sum-exps, also from a start so far off (columns
+    shifted by e^40, which leaves the matrix alone) that the scalings leave float's range and that column fit
+    is made in log space (forced at every step by a small fold bound)."""
+    if fold is not None:
+        monkeypatch.setattr(implicit_module, "_FOLD", fold)
+    gen = torch.Generator().manual_seed(3)
+    z = 2 * torch.randn(2, 9, 9, generator=gen, dtype=torch.float64)
+    z = z + offset * torch.randn(2, 1, 9, generator=gen, dtype=torch.float64)
+    calls = []
+    fit_rows = implicit_module._fit_rows
+    monkeypatch.setattr(implicit_module, "_fit_rows", lambda *args: calls.append(1) or fit_rows(*args))
+    for iters, tol in ((3, 1e-12), (100_000, 1e-12)):
+        expected, done = _log_space_sinkhorn(z, iters, tol)
+        pot = Potentials()
+        got = sinkhorn(z, iters, tol, pot)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+        assert pot.iterations == done
+    assert pot.error <= 1e-12 and 3 < done < 1000
+    torch.testing.assert_close(pot.f.unsqueeze(-1) + pot.g.unsqueeze(-2) + z, got.log(), rtol=0, atol=1e-9)
+    assert (len(calls) > 2) == (offset > 0 or fold is not None)  # the log-space fits happened where they must
 
 
 # ------------------------------------------------------------------ the weight distance

@@ -1,4 +1,4 @@
-r"""Sinkhorn's operator in log space, differentiated implicitly at its fixed point.
+r"""Sinkhorn's operator on scores, differentiated implicitly at its fixed point.
 
 For scores :math:`Z` (``(..., n, n)``), Sinkhorn's operator is the doubly stochastic
 matrix
@@ -8,9 +8,11 @@ matrix
     S_{ij} = \exp(Z_{ij} + f_i + g_j), \qquad S\mathbf 1 = \mathbf 1, \quad S^\top\mathbf 1 = \mathbf 1,
 
 found by alternately fitting the row potentials :math:`f` and the column potentials
-:math:`g` (a log-sum-exp each), in log space so that sharp scores neither overflow nor
-underflow (:func:`pyperm.sinkhorn` scales a non-negative matrix in linear space, which
-``exp(Z)`` of sharp scores is not, and differentiates by unrolling).
+:math:`g`. The potentials are kept in log space, so that sharp scores neither overflow nor
+underflow (:func:`pyperm.sinkhorn` scales a non-negative matrix, which ``exp(Z)`` of sharp
+scores is not, and differentiates by unrolling); within one call, the matrix is formed once
+from the starting potentials and the iterations fit scalings of it by matrix-vector
+products, which cost far less than a log-sum-exp over every entry.
 
 The backward pass does not go back through the iterations (whose memory and time grow
 with their number): it differentiates the fixed point itself. A change :math:`dZ` moves
@@ -52,7 +54,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Potentials", "implicit_sinkhorn", "log_sinkhorn"]
+__all__ = ["Potentials", "implicit_sinkhorn", "sinkhorn"]
 
 
 class Potentials:
@@ -66,39 +68,75 @@ class Potentials:
         self.error = float("nan")
 
 
+# Scaling factors further than this from 1 (either way) are folded back into the potentials, through
+# one exponential of the scores, so that the linear-space iterations neither overflow nor underflow.
+_FOLD = 1e8
+
+
 @torch.no_grad()
-def log_sinkhorn(z: torch.Tensor, iters: int, tol: float, potentials: Potentials | None = None) -> torch.Tensor:
-    r"""The log of Sinkhorn's doubly stochastic matrix of the scores ``z`` (``(..., n, n)``).
+def sinkhorn(z: torch.Tensor, iters: int, tol: float, potentials: Potentials | None = None) -> torch.Tensor:
+    r"""Sinkhorn's doubly stochastic matrix of the scores ``z`` (``(..., n, n)``).
 
     Starts from ``potentials`` (zeros when they are empty or of another shape), fits the
     rows, then alternates columns and rows until every column sum is within ``tol`` of 1
     (the rows are exact after each row fit) or ``iters`` column fits were made. The
     potentials reached, the column fits made and the last column error are written back
     into ``potentials``.
+
+    The matrix is formed once, :math:`K = \exp(Z + f_0\mathbf 1^\top + \mathbf 1 g_0^\top)`
+    from the starting potentials (the rows fitted in log space, so every entry is at most
+    1), and the iterations then fit scaling vectors :math:`u = e^{f - f_0}`,
+    :math:`v = e^{g - g_0}` by products with :math:`K`: the same iterates as fitting the
+    potentials by log-sum-exps, at the cost of a product instead of an exponential of
+    every entry. A column fit whose scalings would stray beyond ``1e8`` either way (a start
+    far from the fixed point) is made in log space instead, and the matrix formed again.
     """
     pot = potentials if potentials is not None else Potentials()
     batch = z.shape[:-1]
     g = pot.g if pot.g is not None and pot.g.shape == batch and pot.g.dtype == z.dtype else z.new_zeros(batch)
-    f = -torch.logsumexp(z + g.unsqueeze(-2), dim=-1)
+    k, f = _fit_rows(z, g)
+    u, v = torch.ones_like(f), torch.ones_like(g)
     done, error = 0, float("inf")
     while True:
-        columns = torch.logsumexp(z + f.unsqueeze(-1), dim=-2)  # log of the column sums without g
-        error = float((columns + g).exp().sub_(1).abs_().max()) if z.numel() else 0.0
+        columns = _vecmat(u, k)  # the column sums without v
+        error = float((columns * v).sub_(1).abs_().max()) if z.numel() else 0.0
         if error <= tol or done >= iters:
             break
-        g = -columns
-        f = -torch.logsumexp(z + g.unsqueeze(-2), dim=-1)
+        fitted = columns.reciprocal()
+        spread = float(torch.maximum(fitted.amax(), fitted.amin().reciprocal())) if z.numel() else 1.0
+        if spread <= _FOLD:
+            # v within bounds keeps u = 1 / (K v) within them too (K's rows sum to 1).
+            v = fitted
+            u = _matvec(k, v).reciprocal_()
+        else:  # NaN included: a column whose sum underflowed to zero. This fit in log space instead.
+            g = -torch.logsumexp(z + (f + u.log()).unsqueeze(-1), dim=-2)
+            k, f = _fit_rows(z, g)
+            u, v = torch.ones_like(f), torch.ones_like(g)
         done += 1
-    pot.f, pot.g, pot.iterations, pot.error = f, g, done, error
-    return z + f.unsqueeze(-1) + g.unsqueeze(-2)
+    pot.f, pot.g, pot.iterations, pot.error = f + u.log(), g + v.log(), done, error
+    return k.mul_(u.unsqueeze(-1)).mul_(v.unsqueeze(-2))
+
+
+def _fit_rows(z: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp(z + f 1^T + 1 g^T)`` with the row potentials ``f`` that make its rows sum to 1, and ``f``."""
+    shifted = z + g.unsqueeze(-2)
+    top = shifted.amax(-1, keepdim=True) if z.shape[-1] else shifted.sum(-1, keepdim=True)
+    k = shifted.sub_(top).exp_()
+    sums = k.sum(-1)
+    k.div_(sums.unsqueeze(-1))
+    return k, -(top.squeeze(-1) + sums.log())
+
+
+def _vecmat(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return (x.unsqueeze(-2) @ m).squeeze(-2)
 
 
 class _ImplicitSinkhorn(torch.autograd.Function):
-    """Forward: :func:`log_sinkhorn`, exponentiated. Backward: the fixed point's adjoint system."""
+    """Forward: :func:`sinkhorn`. Backward: the fixed point's adjoint system."""
 
     @staticmethod
     def forward(ctx: Any, z: torch.Tensor, iters: int, tol: float, potentials: Potentials | None) -> torch.Tensor:
-        s = log_sinkhorn(z.detach(), iters, tol, potentials).exp_()
+        s = sinkhorn(z.detach(), iters, tol, potentials)
         ctx.save_for_backward(s)
         return s
 

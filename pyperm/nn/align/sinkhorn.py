@@ -14,8 +14,8 @@ of B's. The scores follow Adam on a loss of the relaxed B:
   :math:`\frac12(\Theta_A + S(\Theta_B))`, the objective of STE matching (Git Re-Basin
   Algorithm 2) and the paper's :math:`\mathcal L_{\text{mid}}`.
 
-Sinkhorn's iterations run in log space, warm-started at every step from the previous
-step's potentials, and are differentiated implicitly at their fixed point
+Sinkhorn's iterations keep their potentials in log space, warm-started at every step from
+the previous step's potentials, and are differentiated implicitly at their fixed point
 (:mod:`._implicit_sinkhorn`): the backward pass solves one linear system per group
 instead of going back through the iterations. The hard answer is the assignment
 projection of the final soft permutations,
