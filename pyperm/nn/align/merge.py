@@ -100,9 +100,9 @@ def merge_many(
         \Theta' = \frac{1}{N-1} \sum_{j \ne i} \pi_j(\Theta_j), \qquad
         \pi_i \leftarrow \operatorname{WeightMatching}(\Theta', \Theta_i),
 
-    until a round leaves every :math:`\pi_i` unchanged, or raises the objective by at most a
-    relative :data:`GAIN_TOLERANCE` (a round that restarts every matching from the identity too, see
-    the module's notes), then returns
+    until a round that also restarts every matching from the identity (see the module's notes)
+    leaves every :math:`\pi_i` unchanged or raises the objective by at most a relative
+    ``GAIN_TOLERANCE`` (1e-5, in :mod:`pyperm.nn.align.merge`), then returns
     :math:`\frac{1}{N} \sum_j \pi_j(\Theta_j)`. With ``weights`` :math:`w`, both means are
     weighted: :math:`\Theta' = \sum_{j \ne i} w_j \pi_j(\Theta_j) / \sum_{j \ne i} w_j` and the result
     is :math:`\sum_j w_j \pi_j(\Theta_j)`. All permutations are finally composed with
