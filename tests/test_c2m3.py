@@ -115,6 +115,58 @@ def test_the_relaxed_objective_at_permutations_is_the_merge_objective_and_its_gr
             assert numeric == pytest.approx(float(grads[a][g][1, 2]), rel=1e-4, abs=1e-8)
 
 
+@pytest.mark.parametrize("name", ["mlp", "attention-heads", "grouped-convolution"])
+@pytest.mark.parametrize("anchor", [True, False])
+def test_the_line_search_finds_the_best_step_of_the_segment(name, anchor):
+    """The step and gain from the Gram matrix of the models' interpolated points are those of F evaluated
+    directly along the segment (every model multiplied out at each t), on plain and Blocks specs."""
+    if name == "mlp":
+        _, spec = _mlp((6, 5, 4, 3))
+        states = [{k: v.double() for k, v in MLP([6, 5, 4, 3]).state_dict().items()} for _ in range(3)]
+    else:
+        made = [structured_model(name, seed) for seed in range(3)]
+        spec, states = made[0][1], [{k: v.double() for k, v in m.state_dict().items()} for m, _, _ in made]
+    keys = c2m3_module._matched_keys(spec, states[0])
+    gen = torch.Generator().manual_seed(3)
+    w = [0.5, 0.3, 0.2]
+    soft = [{g: torch.rand(m.shape, generator=gen, dtype=torch.float64) for g, m in one_hot(spec, spec.identity()).items()}
+            for _ in states]  # fmt: skip
+    vertex = [random_permutations(spec, gen) for _ in states]
+    directions = [{g: t - ms[g] for g, t in one_hot(spec, p).items()} for p, ms in zip(vertex, soft)]
+    if anchor:
+        soft[0] = directions[0] = None
+    degree = max(c2m3_module._key_degree(spec, k) for k in spec.axes)
+    here = c2m3_module._relaxed(spec, states, soft, keys)
+    ends = c2m3_module._relaxed(spec, states, c2m3_module._moved(soft, directions, 1.0), keys)
+    step, gain = c2m3_module._line_search(spec, states, soft, directions, w, keys, degree, here, ends,
+                                          c2m3_module.ONE_PROCESS)  # fmt: skip
+
+    def f(t):
+        return c2m3_module._value(spec, states, c2m3_module._moved(soft, directions, t), w, keys)
+
+    assert 0.0 <= step <= 1.0
+    assert gain == pytest.approx(f(step) - f(0.0), rel=1e-9, abs=1e-9)
+    assert all(f(step) >= f(t) - 1e-9 * abs(f(t)) for t in np.linspace(0, 1, 41))
+
+
+def test_the_warm_linear_steps_solve_as_the_batched_cold_ones():
+    """The Frank-Wolfe vertices from the warm solvers kept across calls reach the optimum of each
+    assignment, as the batched cold call does (compared by objective: ties may pick other columns)."""
+    _, spec = _mlp((6, 30, 30, 3))
+    gen = torch.Generator().manual_seed(0)
+    warm = {}
+    for _ in range(4):  # changing scores, one warm state
+        scores = [{g: torch.randn(n, n, generator=gen, dtype=torch.float64) for g, n in spec.sizes.items()}
+                  for _ in range(2)]  # fmt: skip
+        hot, cold = c2m3_module._assign(spec, scores, warm), c2m3_module._assign(spec, scores)
+        for a in range(2):
+            for g, score in scores[a].items():
+                assert sorted(hot[a][g].tolist()) == list(range(score.shape[0]))
+                rows = torch.arange(score.shape[0])
+                assert float(score[rows, hot[a][g]].sum()) == pytest.approx(float(score[rows, cold[a][g]].sum()))
+    assert len(warm) == 2 * len(spec.sizes)
+
+
 def test_weights_weight_the_merge_and_the_pairs():
     model, spec = _mlp()
     _, copies = _planted(model.state_dict(), spec, 3, noise=0.05)

@@ -19,9 +19,10 @@ relaxed to doubly stochastic matrices and optimised by Frank-Wolfe:
    :class:`~pyperm.nn.spec.Blocks` inner group: all of them solved by the compiled batch LAP
    (:func:`pyperm.batch_linear_sum_assignment`), one call per block size;
 3. the step towards those permutations is the exact maximiser of :math:`F` on the segment:
-   along it :math:`F` is a polynomial in the step, of degree twice the most matrices one tensor
-   is multiplied by, found exactly from its values at that many points (the far end, where every
-   model is at its permutations, by gathers);
+   along it every model's tensors are polynomials in the step, of degree :math:`d`, the most
+   matrices one tensor is multiplied by; known at both ends (the far end, where every model is at
+   its permutations, by gathers) and multiplied out at :math:`d - 1` interior points, they give
+   :math:`F`, of degree :math:`2d`, at any step through one Gram matrix of those points;
 4. at the end each matrix is rounded to its nearest permutation (an assignment again), and all
    permutations are composed with the inverse of the first model's, so the merged model lives
    in the first model's basin (as :func:`~pyperm.nn.merge_many`'s does).
@@ -57,6 +58,7 @@ from pyperm._checks import (
     torch_generator,
 )
 from pyperm._progress import progress_bar
+from pyperm.lap.warm import WarmAssigner
 from pyperm.nn._checks import check_spec
 from pyperm.nn.align._relaxation import apply_relaxed, one_hot
 from pyperm.nn.align.merge import MergeResult, check_merge_states
@@ -199,10 +201,11 @@ def c2m3_merge(
     Notes
     -----
     Each iteration costs one pass of relaxed products with their gradients over all models
-    but the first and one pass without gradients per interior point of the line search (its
-    degree less one: 3 for an MLP, whose weights take two matrices each), every product a
-    dense ``(n, n)`` matrix times a tensor, where weight matching gathers rows. The models are
-    copied once into the working dtype (float64 if any matched entry is float64, else float32).
+    but the first and one pass without gradients per interior point of the line search (one for
+    an MLP, whose weights take two matrices each), every product a dense ``(n, n)`` matrix times a
+    tensor, where weight matching gathers rows; and one assignment per (model, group), each
+    warm-started from the previous iteration's. The models are copied once into the working dtype
+    (float64 if any matched entry is float64, else float32).
 
     References
     ----------
@@ -272,29 +275,30 @@ def search(spec: PermutationSpec, states: list[dict], weights: list[float] | Non
     matrices = _start(spec, init if start is None else start, n, gen, dtype, device)
     # The degree of F along a segment: from every group a matched tensor could hold, so that it is the same
     # wherever the tensors are (a polynomial of lower degree is fitted exactly too).
-    degree = 2 * max((_key_degree(spec, k) for k in spec.axes), default=0)
+    degree = max((_key_degree(spec, k) for k in spec.axes), default=0)
     if anchor:  # the universe is the first model's space: it stays as it is (no matrices, no products)
         matrices[0] = None
 
-    def value_and_gradients(at: list[dict | None]) -> tuple[float, list[dict | None]]:
-        value, grads = _value_and_gradients(spec, tensors, at, w, keys)
+    def gradient_pass(at: list[dict | None]) -> tuple[float, list[dict | None], list[dict]]:
+        value, grads, universe = _gradient_pass(spec, tensors, at, w, keys)
         held = [(a, g) for a in range(n) if grads[a] is not None for g in grads[a]]
         (value,) = sums.values([value])
         for (a, g), total in zip(held, sums.tensors([grads[a][g] for a, g in held])):
             grads[a][g] = total
-        return value, grads
+        return value, grads, universe
 
     objective, step_sizes, gaps = [], [], []
+    warm: dict = {}  # the linear steps' solvers, warm from one iteration to the next
     converged = False
     iterations = 0
     bar = progress_bar(progress, max_iter, "c2m3", "iteration")
     try:
-        value, grads = value_and_gradients(matrices)
+        value, grads, here = gradient_pass(matrices)
         objective.append(value)
         for _ in range(max_iter):
             iterations += 1
             free = [a for a in range(n) if matrices[a] is not None]
-            targets = _assign(spec, [grads[a] for a in free])
+            targets = _assign(spec, [grads[a] for a in free], warm)
             directions: list[dict | None] = [None] * n
             vertex: list[dict | None] = [None] * n
             for a, p in zip(free, targets):
@@ -308,8 +312,7 @@ def search(spec: PermutationSpec, states: list[dict], weights: list[float] | Non
                 # F at the segment's end, where every free model is at its permutations: gathers, no products
                 ends = [ts if p is None else {k: permute_entry(spec, p, k, ts[k]) for k in keys}
                         for ts, p in zip(tensors, vertex)]  # fmt: skip
-                step, gain = _line_search(spec, tensors, matrices, directions, w, keys, degree, value,
-                                          _pair_sum(ends, w, keys)[0], sums)  # fmt: skip
+                step, gain = _line_search(spec, tensors, matrices, directions, w, keys, degree, here, ends, sums)
                 if gain <= small:
                     step = 0.0
             step_sizes.append(step)
@@ -318,13 +321,13 @@ def search(spec: PermutationSpec, states: list[dict], weights: list[float] | Non
                 converged = True
                 break
             moved = _moved(matrices, directions, step)
-            new_value, new_grads = value_and_gradients(moved)
+            new_value, new_grads, new_here = gradient_pass(moved)
             if new_value < value:  # the fit's rounding promised a gain that is not there: stay
                 step_sizes[-1] = 0.0
                 objective.append(value)
                 converged = True
                 break
-            matrices, value, grads = moved, new_value, new_grads
+            matrices, value, grads, here = moved, new_value, new_grads, new_here
             objective.append(value)
             if bar is not None:
                 bar.update(1)
@@ -651,10 +654,17 @@ def _value_and_gradients(spec: PermutationSpec, tensors: list[dict], matrices: l
                          keys: list[str]) -> tuple[float, list[dict[str, torch.Tensor]]]:  # fmt: skip
     """F at the matrices and its gradient with respect to every model's matrices: model ``a``'s is the
     similarity of its groups with ``w_a`` times the weighted sum of the others in the universe."""
+    return _gradient_pass(spec, tensors, matrices, w, keys)[:2]
+
+
+def _gradient_pass(spec: PermutationSpec, tensors: list[dict], matrices: list[dict], w: list[float],
+                   keys: list[str]) -> tuple[float, list[dict[str, torch.Tensor]], list[dict]]:  # fmt: skip
+    """:func:`_value_and_gradients`, and every model in the universe at the matrices (the line search's start)."""
     leaves = [None if ms is None else {g: m.detach().requires_grad_(True) for g, m in ms.items()} for ms in matrices]
     with torch.enable_grad():
         universe = _relaxed(spec, tensors, leaves, keys)
-    value, total = _pair_sum([{k: v.detach() for k, v in u.items()} for u in universe], w, keys)
+    here = [{k: v.detach() for k, v in u.items()} for u in universe]
+    value, total = _pair_sum(here, w, keys)
     outputs, seeds = [], []
     for wa, u in zip(w, universe):
         for k in keys:
@@ -665,7 +675,7 @@ def _value_and_gradients(spec: PermutationSpec, tensors: list[dict], matrices: l
         torch.autograd.backward(outputs, seeds)
     grads = [None if ms is None else {g: (m.grad if m.grad is not None else torch.zeros_like(m)) for g, m in ms.items()}
              for ms in leaves]  # fmt: skip
-    return value, grads
+    return value, grads, here
 
 
 @torch.no_grad()
@@ -675,32 +685,76 @@ def _value(spec: PermutationSpec, tensors: list[dict], matrices: list[dict], w: 
 
 @torch.no_grad()
 def _line_search(spec: PermutationSpec, tensors: list[dict], matrices: list[dict], directions: list[dict],
-                 w: list[float], keys: list[str], degree: int, at_zero: float, at_one: float,
+                 w: list[float], keys: list[str], degree: int, here: list[dict], ends: list[dict],
                  sums: Sums) -> tuple[float, float]:  # fmt: skip
-    """The step in [0, 1] that maximises F along ``matrices + t * directions``, and its gain over ``at_zero``.
+    """The step in [0, 1] that maximises F along ``matrices + t * directions``, and its gain over t = 0.
 
-    F is a polynomial of degree at most ``degree`` in t there: it is interpolated exactly through
-    ``degree + 1`` values at Chebyshev points of [0, 1] (the ends, ``at_zero`` and ``at_one``, are
-    known; ``at_one`` is this holder's part, completed here with the interior values in one sum), then
-    maximised over the stationary points in the segment and its ends."""
-    nodes = [0.5 - 0.5 * math.cos(math.pi * j / degree) for j in range(degree + 1)]
-    parts = [_value(spec, tensors, _moved(matrices, directions, t), w, keys) for t in nodes[1:-1]] + [at_one]
-    values = [at_zero] + sums.values(parts)
+    Every model's tensors in the universe are polynomials of degree at most ``degree`` in t (each
+    element a product of that many matrices at most), known at t = 0 (``here``) and t = 1
+    (``ends``) and multiplied out at ``degree - 1`` interior Chebyshev points: model ``a`` at t is
+    ``sum_j L_j(t) K_aj`` (the Lagrange basis of those points). So F(t), a sum over pairs of models
+    of their inner products, is ``sum_{a<b} w_a w_b sum_jl L_j(t) L_l(t) <K_aj, K_bl>``: one Gram
+    matrix of every model's known points, summed over the keys in float64 (and over the holders of
+    the keys, one message), gives F at any t. F, of degree ``2 * degree``, is interpolated exactly
+    through its values at Chebyshev points and maximised over the stationary points in the segment
+    and its ends."""
+    points = _lobatto(degree)
+    known = [here] + [_relaxed(spec, tensors, _moved(matrices, directions, t), keys) for t in points[1:-1]] + [ends]
+    # The vectors of the Gram matrix: every free model's known points, a held model once (it does not move).
+    slots = [(a, j) for a in range(len(tensors)) for j in (range(len(points)) if matrices[a] is not None else [0])]
+    gram = torch.zeros(len(slots), len(slots), dtype=torch.float64)
+    for k in keys:
+        stacked = torch.stack([known[j][a][k].reshape(-1) for a, j in slots]).double()
+        gram += (stacked @ stacked.T).cpu()
+    (gram,) = sums.tensors([gram])
+    model = torch.tensor([a for a, _ in slots])
+    pairs = (model.view(-1, 1) < model.view(1, -1)).double()  # (a, b) with a < b: each pair once, no self terms
+    nodes = _lobatto(2 * degree)
+    values = []
+    for t in nodes:
+        basis = _lagrange(points, t)
+        c = torch.tensor([w[a] * (basis[j] if matrices[a] is not None else 1.0) for a, j in slots], dtype=torch.float64)
+        values.append(float(c @ (gram * pairs) @ c))
     x = 2.0 * np.asarray(nodes) - 1.0  # [0, 1] onto [-1, 1], where the Chebyshev basis is well conditioned
-    poly = np.polynomial.Chebyshev.fit(x, values, degree, domain=[-1, 1], window=[-1, 1])
+    poly = np.polynomial.Chebyshev.fit(x, values, 2 * degree, domain=[-1, 1], window=[-1, 1])
     candidates = [-1.0, 1.0] + [float(r.real) for r in poly.deriv().roots() if abs(r.imag) < 1e-9 and -1 < r.real < 1]
     best = max(candidates, key=lambda c: float(poly(c)))
-    return (best + 1.0) / 2.0, float(poly(best)) - at_zero
+    return (best + 1.0) / 2.0, float(poly(best)) - values[0]
 
 
-def _assign(spec: PermutationSpec, scores: list[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+def _lobatto(degree: int) -> list[float]:
+    """The ``degree + 1`` Chebyshev-Lobatto points of [0, 1], 0 and 1 included (both ends exactly)."""
+    degree = max(degree, 1)
+    return [0.0] + [0.5 - 0.5 * math.cos(math.pi * j / degree) for j in range(1, degree)] + [1.0]
+
+
+def _lagrange(points: list[float], t: float) -> list[float]:
+    """The Lagrange basis of ``points`` at ``t``: a polynomial through them takes ``sum(basis[j] * value[j])``;
+    exactly one 1 and the rest 0 at one of the points."""
+    if t in points:
+        return [float(p == t) for p in points]
+    return [math.prod((t - q) / (p - q) for j, q in enumerate(points) if j != i) for i, p in enumerate(points)]
+
+
+def _assign(spec: PermutationSpec, scores: list[Mapping[str, torch.Tensor]],
+            warm: dict | None = None) -> list[dict[str, torch.Tensor]]:  # fmt: skip
     """Every model's permutations maximising ``<score, P>`` per group (per block of a Blocks inner group):
-    all (model, group, block) problems of one size in one batched assignment."""
+    with ``warm`` (a dict kept across the calls of one search) every plain group's problem is warm-started
+    from the last call's solver state for that (model, group), since the gradients change little from one
+    Frank-Wolfe iteration to the next; the rest, all (model, group, block) problems of one size in one
+    batched assignment."""
     by_size: dict[int, list[tuple[int, str]]] = {}
+    out: list[dict[str, torch.Tensor]] = [{} for _ in scores]
     for a, ms in enumerate(scores):
         for g, m in ms.items():
-            by_size.setdefault(m.shape[-1], []).append((a, g))
-    out: list[dict[str, torch.Tensor]] = [{} for _ in scores]
+            if warm is not None and m.dim() == 2:
+                if (a, g) not in warm:
+                    warm[a, g] = (WarmAssigner(), np.empty(m.shape, dtype=np.float64))
+                assigner, cost = warm[a, g]
+                np.negative(m.detach().cpu().double().numpy(), out=cost)  # in place: the bound solver reads it
+                out[a][g] = torch.from_numpy(np.asarray(assigner.solve(cost), dtype=np.int64))
+            else:
+                by_size.setdefault(m.shape[-1], []).append((a, g))
     for size, problems in by_size.items():
         stacks = [scores[a][g].detach().reshape(-1, size, size) for a, g in problems]
         _, cols = pyperm.batch_linear_sum_assignment(torch.cat(stacks).to(torch.float64).cpu(), maximize=True)
