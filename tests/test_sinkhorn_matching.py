@@ -65,6 +65,33 @@ def test_implicit_gradient_equals_the_unrolled_gradient(shape, scale, solver, mo
     torch.testing.assert_close(implicit, unrolled, rtol=0, atol=1e-10)
 
 
+def test_schur_diagonal_is_the_formed_matrix_diagonal():
+    """The conjugate gradients' preconditioner is the diagonal of the matrix the factored solve forms."""
+    s = implicit_sinkhorn(3 * torch.randn(2, 6, 6, generator=torch.Generator().manual_seed(4), dtype=torch.float64),
+                          1000, 1e-12)
+    rows, cols = s.sum(-1), s.sum(-2)
+    formed = torch.diag_embed(cols) - s.mT @ (s / rows.unsqueeze(-1)) + 1.0 / 6
+    torch.testing.assert_close(implicit_module._schur_diagonal(s, rows, cols), formed.diagonal(0, -2, -1))
+
+
+@pytest.mark.parametrize("scale", [1.0, 6.0])
+def test_float32_gradient_by_conjugate_gradients_matches_the_factored_float64_one(scale, monkeypatch):
+    """A float32 S (the conjugate gradients stop at their float32 tolerance): the gradient agrees with the
+    factored solve of the float64 S to float32's rounding, soft and near a permutation (scale 6)."""
+    gen = torch.Generator().manual_seed(5)
+    z64 = scale * torch.randn(2, 130, 130, generator=gen, dtype=torch.float64)
+    w = torch.randn(2, 130, 130, generator=gen, dtype=torch.float64)
+    monkeypatch.setattr(implicit_module, "_FACTOR_UP_TO", 1000)
+    z = z64.clone().requires_grad_(True)
+    (reference,) = torch.autograd.grad((implicit_sinkhorn(z, 100_000, 1e-7) * w).sum(), z)
+    monkeypatch.setattr(implicit_module, "_FACTOR_UP_TO", 0)
+    monkeypatch.setattr(torch.linalg, "solve_ex", lambda *a, **k: pytest.fail("the conjugate gradients did not converge"))
+    z32 = z64.float().requires_grad_(True)
+    (got,) = torch.autograd.grad((implicit_sinkhorn(z32, 100_000, 1e-7) * w.float()).sum(), z32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), reference, rtol=0, atol=2e-6 * float(reference.abs().max()))
+
+
 def test_implicit_gradient_passes_gradcheck():
     """Against finite differences of the converged forward (float64)."""
     z = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64, requires_grad=True)

@@ -153,38 +153,49 @@ def _fixed_point_grad(s: torch.Tensor, grad_s: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(s)
     # The entrywise work in S's dtype; the sums and the adjoint system in float64.
     grad_s = grad_s.to(s.dtype)
-    h = grad_s * s
-    h_rows, h_cols = h.sum(-1, dtype=torch.float64), h.sum(-2, dtype=torch.float64)
+    h = (grad_s * s).to(torch.float64)
+    h_rows, h_cols = h.sum(-1), h.sum(-2)
     s64 = s.to(torch.float64)
     rows, cols = s64.sum(-1), s64.sum(-2)
     rhs = h_cols - _matvec(s64.transpose(-1, -2), h_rows / rows)
-    y_cols = _schur_solve(s64, rows, cols, rhs)
+    y_cols = _schur_solve(s64, rows, cols, rhs, _CG_TOL.get(s.dtype, _CG_TOL_SINGLE))
     y_rows = (h_rows - _matvec(s64, y_cols)) / rows
     # H - S o (y_r 1^T + 1 y_c^T), as S o (G - y_r 1^T - 1 y_c^T): no difference of large terms.
     return s * (grad_s - (y_rows.unsqueeze(-1) + y_cols.unsqueeze(-2)).to(s.dtype))
 
 
+# Both products are taken with x as a row: torch's batched product of a matrix by a column takes a
+# slower path on the CPU than the row's product with the matrix or its transposed view.
 def _matvec(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return (m @ x.unsqueeze(-1)).squeeze(-1)
+    return (x.unsqueeze(-2) @ m.mT).squeeze(-2)
 
 
-# Conjugate-gradient steps before the Schur complement is formed and factored instead; and the
-# residual, relative to the right-hand side's, at which they stop.
-_CG_STEPS = 60
-_CG_TOL = 1e-11
+# Preconditioned conjugate-gradient steps before the Schur complement is formed and factored instead
+# (about what forming and factoring costs at the widths of the MLPs measured).
+_CG_STEPS = 150
+# The residual, relative to the right-hand side's, at which the conjugate gradients stop: where the
+# gradient is float64, near its rounding; where it is float32 (or less), 1e-8, below float32's rounding
+# of the gradient (the adjoint's error is of the order of the residual once preconditioned).
+_CG_TOL = {torch.float64: 1e-11}
+_CG_TOL_SINGLE = 1e-8
 # Up to this size the complement is formed and factored at once: its n^3 work costs less than the
 # fixed cost of the conjugate-gradient steps' small operations (the crossover was near 100 units on
 # the development machine).
 _FACTOR_UP_TO = 96
 
 
-def _schur_solve(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+def _schur_solve(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, rhs: torch.Tensor,
+                 tol: float) -> torch.Tensor:
     r"""Solve :math:`(D_c - S^\top D_r^{-1} S + \mathbf 1\mathbf 1^\top/n)\,y = b` for every matrix of the batch.
 
     The matrix is symmetric positive definite, so conjugate gradients solve it with products
-    by :math:`S` alone (``n^2`` each, where forming it costs ``n^3``); they converge fast while
-    :math:`S` is soft, and slowly as it nears a permutation, where the matrix is formed and
-    factored instead, as it is at once for small ``n`` (float64 throughout).
+    by :math:`S` alone (``n^2`` each, where forming it costs ``n^3``), preconditioned by its
+    diagonal: :math:`D_c - S^\top D_r^{-1} S` is the Laplacian of a graph on the columns
+    (the weight of :math:`j, k` is :math:`\sum_i S_{ij} S_{ik} / r_i`), and as :math:`S` nears
+    a permutation its degrees shrink unevenly, column by column, which the diagonal evens
+    out. They stop at a residual of ``tol`` relative to the right-hand side's. Where they
+    have not converged in ``_CG_STEPS`` steps, and at once for small ``n``, the matrix is
+    formed and factored (float64 throughout).
     """
     n = s.shape[-1]
 
@@ -193,28 +204,39 @@ def _schur_solve(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, rhs: t
 
     y = torch.zeros_like(rhs)
     residual = rhs.clone()
-    direction = residual.clone()
-    square = residual.square().sum(-1)
-    bound = _CG_TOL**2 * square
-    for _ in range(0 if n <= _FACTOR_UP_TO else _CG_STEPS):
-        if bool((square <= bound).all()):
+    bound = tol**2 * residual.square().sum(-1)
+    steps = 0 if n <= _FACTOR_UP_TO else _CG_STEPS
+    if steps:
+        diagonal = _schur_diagonal(s, rows, cols)
+        preconditioned = residual / diagonal
+        direction = preconditioned.clone()
+        product = (residual * preconditioned).sum(-1)
+    for _ in range(steps):
+        if bool((residual.square().sum(-1) <= bound).all()):
             return y
         moved = apply(direction)
         curvature = (direction * moved).sum(-1)
-        step = torch.where(curvature > 0, square / curvature.clamp_min(1e-300), torch.zeros_like(square))
+        step = torch.where(curvature > 0, product / curvature.clamp_min(1e-300), torch.zeros_like(product))
         y = y + step.unsqueeze(-1) * direction
         residual = residual - step.unsqueeze(-1) * moved
-        new_square = residual.square().sum(-1)
-        ratio = torch.where(square > 0, new_square / square.clamp_min(1e-300), torch.zeros_like(square))
-        direction = residual + ratio.unsqueeze(-1) * direction
-        square = new_square
-    if bool((square <= bound).all()):
+        preconditioned = residual / diagonal
+        new_product = (residual * preconditioned).sum(-1)
+        ratio = torch.where(product > 0, new_product / product.clamp_min(1e-300), torch.zeros_like(product))
+        direction = preconditioned + ratio.unsqueeze(-1) * direction
+        product = new_product
+    if bool((residual.square().sum(-1) <= bound).all()):
         return y
     schur = torch.diag_embed(cols) - s.transpose(-1, -2) @ (s / rows.unsqueeze(-1)) + 1.0 / n
     solved, info = torch.linalg.solve_ex(schur, rhs.unsqueeze(-1))
     if bool((info != 0).any()):  # singular in float64: S is a permutation up to rounding
         solved = torch.linalg.pinv(schur, hermitian=True) @ rhs.unsqueeze(-1)
     return solved.squeeze(-1)
+
+
+def _schur_diagonal(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The diagonal of the regularised Schur complement: the degrees ``sum_k W_jk`` (``k != j``), which are
+    at least 0 (clamped there against rounding), and the ``1/n`` of the constant term."""
+    return (cols - _vecmat(rows.reciprocal(), s.square())).clamp_min_(0.0) + 1.0 / s.shape[-1]
 
 
 def implicit_sinkhorn(z: torch.Tensor, iters: int = 100, tol: float = 1e-6,
