@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", choices=SCALES, default="smoke", help="the models of pyperm reproduce rebasin")
     parser.add_argument("--models", type=_counts, default=[3, 5, 10], help="counts of models merged (default 3,5,10)")
     parser.add_argument("--seed", type=int, default=0, help="the models' seeds are 1000 * seed + 1, + 2, ...")
+    parser.add_argument("--epochs", type=positive_int, default=None,
+                        help="train the models this many epochs (default: the scale's, 100 at paper scale)")
     parser.add_argument("--cache", metavar="DIR", default=None,
                         help="keep the trained models in DIR and reuse them (one file per seed)")
     parser.add_argument("--repeat", type=positive_int, default=1,
@@ -78,8 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "docs/_generated/)")
 
 
-def _models(scale: str, data: str, count: int, seed: int, cache: str | None) -> tuple[Any, list[dict], dict, dict]:
-    """The report's model, ``count`` trained states, its data and its settings."""
+def _models(scale: str, data: str, count: int, seed: int, cache: str | None,
+            epochs: int | None = None) -> tuple[Any, list[dict], dict, dict]:  # fmt: skip
+    """The report's model, ``count`` trained states, its data and its settings (``epochs``: the scale's unless
+    given)."""
     import pathlib
 
     import torch
@@ -88,7 +92,9 @@ def _models(scale: str, data: str, count: int, seed: int, cache: str | None) -> 
     from pyperm.reproduce.rebasin._experiments import train_endpoint
     from pyperm.reproduce.rebasin._settings import SETTINGS, mlp_name
 
-    cfg = SETTINGS[scale]
+    cfg = dict(SETTINGS[scale])
+    trained = "" if epochs is None or epochs == cfg["epochs"] else f"-epochs{epochs}"
+    cfg["epochs"] = cfg["epochs"] if epochs is None else epochs
     loaded = load_data(data, "cpu", cfg["eval_batch"], repair=cfg["eval_batch"])
     name = mlp_name(loaded, cfg["width"], cfg["depth"])
     from pyperm.nn.models import create_model
@@ -97,7 +103,7 @@ def _models(scale: str, data: str, count: int, seed: int, cache: str | None) -> 
     for k in range(1, count + 1):
         path = None
         if cache is not None:
-            path = pathlib.Path(cache) / f"{loaded['name']}-{scale}-{name.replace(':', '_')}-{1000 * seed + k}.pt"
+            path = pathlib.Path(cache) / f"{loaded['name']}-{scale}-{name.replace(':', '_')}{trained}-{1000 * seed + k}.pt"
         if path is not None and path.exists():
             states.append(torch.load(path, weights_only=True))
             continue
@@ -236,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     sync = _import_authors(args.authors) if args.authors else None
-    model, all_states, loaded, cfg = _models(args.scale, args.data, max(args.models), args.seed, args.cache)
+    model, all_states, loaded, cfg = _models(args.scale, args.data, max(args.models), args.seed, args.cache,
+                                                  args.epochs)  # fmt: skip
     spec = model.permutation_spec()
     test, points = loaded["test"], cfg["points"]
     repair_data = [x for x, _ in loaded["repair"]]
@@ -301,6 +308,8 @@ def run(args: argparse.Namespace) -> int:
             goals.append(f"{count} models: C2M3's test loss {c2_loss:.4f} vs MergeMany's {mm_loss:.4f} "
                          f"({'met' if c2_loss <= mm_loss else 'not met'}); time {c2_row[-1]:.2f} s vs "
                          f"{mm_row[-1]:.2f} s ({'met' if c2_row[-1] <= mm_row[-1] else 'not met'})")  # fmt: skip
+    goals.append(f"models: {cfg['epochs']} epochs of training each (seeds {1000 * args.seed + 1} to "
+                 f"{1000 * args.seed + max(args.models)}); times on {torch.get_num_threads()} torch thread(s)")
     table = (markdown_table if args.markdown else text_table)(HEADERS, rows)
     print(table)
     for line in goals:
@@ -308,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
     if args.write:
         from pyperm.benchmarks._report import write_generated
 
-        name = f"bench-merge-{loaded['name']}-{args.scale}"
+        name = f"bench-merge-{loaded['name']}-{args.scale}" + (f"-epochs{cfg['epochs']}" if args.epochs else "")
         write_generated(args.write, name, markdown_table(HEADERS, rows) + "\n\n" + "\n".join(f"- {g}" for g in goals))
     return 0
 
