@@ -4,7 +4,7 @@
 
 The models are the endpoints of ``pyperm reproduce rebasin --scale paper`` (MLP 784-512x3-10, Adam
 at 1e-3, batches of 500, training seeds 1 to ``--models``), trained once and kept in ``--cache``
-(``--epochs`` sets how long; the paper trains 100). Each merge seed merges them four ways:
+(``--epochs`` sets how long; the paper trains 100). Each merge seed merges them five ways:
 
 - ``merge_many``: pyperm's, rounds of warm starts, with restarts from the identity only in a round
   that follows one that gained nothing worth a round (no change, or at most
@@ -14,12 +14,15 @@ at 1e-3, batches of 500, training seeds 1 to ``--models``), trained once and kep
 - ``restart every round``: the rounds from f12e3f9 until the restarts waited for a round's end:
   every matching from non-identity permutations is followed by one from the identity (with the stall
   check), kept when higher by more than 1e-6 (relative);
+- ``restart at a standstill``: the rounds from ea48746 until the gain tolerance: restarts (kept when
+  higher by more than 1e-6) only in a round after one that changed no permutation, and only such a
+  round of restarts that changes nothing the last;
 - ``Algorithm 3``: the paper's loop, every matching from the identity (no warm start, no stall check).
 
-The three loops besides ``merge_many`` are written here, with pyperm's matcher, as
+The four loops besides ``merge_many`` are written here, with pyperm's matcher, as
 :func:`pyperm.nn.align.merge.align_many` runs its rounds. Printed per seed and way: wall and CPU
 seconds (this process, ``--threads`` threads), rounds, matchings, and the merged model's test loss
-and accuracy; then the ratios of ``merge_many``'s time to ``warm only``'s.
+and accuracy; then the ratios of each way's time to ``warm only``'s.
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ def endpoints(data: dict, cache: Path, models: int, epochs: int) -> list[dict]:
 
 
 def rounds(spec, states: list[dict], seed: int, way: str, max_iter: int = 100) -> tuple[list, int, int]:
-    """One of the loops besides merge_many (``way``: "warm only", "restart every round", "Algorithm 3"):
-    the merged state, the rounds and the matchings run."""
+    """One of the loops besides merge_many (``way``: "warm only", "restart every round", "restart at a
+    standstill", "Algorithm 3"): the merged state, the rounds and the matchings run."""
     gen = torch.Generator().manual_seed(seed)
     n = len(states)
     identity = Permutations.identity(spec)
@@ -84,7 +87,7 @@ def rounds(spec, states: list[dict], seed: int, way: str, max_iter: int = 100) -
         finally:
             matchers[i].release_a()
 
-    done = 0
+    done, restart = 0, True
     for _ in range(max_iter):
         done += 1
         changed = 0
@@ -92,7 +95,8 @@ def rounds(spec, states: list[dict], seed: int, way: str, max_iter: int = 100) -
             others = {k: ((v - permuted[i][k].double()) / (n - 1)).to(states[i][k].dtype) for k, v in total.items()}
             at_start = gen.get_state()
             result = match(i, others, perms[i], gen)
-            if way == "restart every round" and perms[i] != identity:
+            restarts = way == "restart every round" or (way == "restart at a standstill" and restart)
+            if restarts and perms[i] != identity:
                 gen.set_state(at_start)
                 plain = match(i, others, identity, gen)
                 if plain.objective[-1] > result.objective[-1] + OLD_START_TOLERANCE * abs(result.objective[-1]):
@@ -105,8 +109,9 @@ def rounds(spec, states: list[dict], seed: int, way: str, max_iter: int = 100) -
             for k in total:
                 total[k] += new[k].double() - permuted[i][k].double()
             permuted[i] = new
-        if changed == 0:
+        if changed == 0 and (restart or way != "restart at a standstill"):
             break
+        restart = changed == 0
     merged = {k: (v / n).to(states[0][k].dtype) for k, v in total.items()}
     return merged, done, count
 
@@ -129,7 +134,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=100)
     parser.add_argument("--models", type=int, default=5)
     parser.add_argument("--seeds", default="0,1,2,3", help="merge seeds")
-    parser.add_argument("--ways", default="merge_many,warm only,restart every round,Algorithm 3")
+    parser.add_argument(
+        "--ways", default="merge_many,warm only,restart every round,restart at a standstill,Algorithm 3"
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -146,24 +153,24 @@ def main() -> None:
         print(f"model {i + 1}: test loss {test_loss(s)[0]:.4f}", flush=True)
     ways = args.ways.split(",")
     rows: dict[str, list[dict]] = {w: [] for w in ways}
-    print(f"{'seed':>4}  {'way':<20} {'wall s':>7} {'cpu s':>7} {'rounds':>6} {'matchings':>9} {'test loss':>9} "
+    print(f"{'seed':>4}  {'way':<23} {'wall s':>7} {'cpu s':>7} {'rounds':>6} {'matchings':>9} {'test loss':>9} "
           f"{'accuracy':>8}", flush=True)  # fmt: skip
     for seed in map(int, args.seeds.split(",")):
         for way in ways:
             row = run(way, spec, states, seed)
             row["loss"], row["accuracy"] = test_loss(row.pop("merged"))
             rows[way].append(row)
-            print(f"{seed:>4}  {way:<20} {row['wall']:>7.1f} {row['cpu']:>7.1f} {row['rounds']:>6} "
+            print(f"{seed:>4}  {way:<23} {row['wall']:>7.1f} {row['cpu']:>7.1f} {row['rounds']:>6} "
                   f"{row['matchings'] if row['matchings'] is not None else '-':>9} {row['loss']:>9.5f} "
                   f"{row['accuracy']:>8.4f}", flush=True)  # fmt: skip
     for way, got in rows.items():
-        print(f"{way:<20} mean wall {statistics.mean(r['wall'] for r in got):.1f} s, "
+        print(f"{way:<23} mean wall {statistics.mean(r['wall'] for r in got):.1f} s, "
               f"cpu {statistics.mean(r['cpu'] for r in got):.1f} s, test loss {[round(r['loss'], 5) for r in got]}")
-    if "merge_many" in rows and "warm only" in rows:
-        for clock in ("wall", "cpu"):
-            new, old = rows["merge_many"], rows["warm only"]
+    for way in rows if "warm only" in rows else ():
+        for clock in ("wall", "cpu") if way != "warm only" else ():
+            new, old = rows[way], rows["warm only"]
             ratios = [a[clock] / b[clock] for a, b in zip(new, old)]
-            print(f"merge_many / warm only, {clock} time per seed: {[round(r, 2) for r in ratios]}; "
+            print(f"{way} / warm only, {clock} time per seed: {[round(r, 2) for r in ratios]}; "
                   f"of the sums: {sum(a[clock] for a in new) / sum(b[clock] for b in old):.2f}")
 
 
