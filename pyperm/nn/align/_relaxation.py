@@ -99,6 +99,8 @@ def _global(spec: PermutationSpec, group: str, local: np.ndarray) -> torch.Tenso
 
 def _multiply_axis(matrix: torch.Tensor, tensor: torch.Tensor, axis: int) -> torch.Tensor:
     """``matrix`` applied along ``axis``: ``out[..., i, ...] = sum_j matrix[i, j] tensor[..., j, ...]``."""
+    if axis == tensor.dim() - 1 and tensor.dim() > 1:  # the last axis: one product, no copies of the tensor
+        return tensor @ matrix.T
     moved = tensor.movedim(axis, 0)
     out = (matrix @ moved.reshape(moved.shape[0], -1)).reshape(moved.shape)
     return out.movedim(0, axis)
