@@ -64,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train the models this many epochs (default: the scale's, 100 at paper scale)")
     parser.add_argument("--cache", metavar="DIR", default=None,
                         help="keep the trained models in DIR and reuse them (one file per seed)")
+    parser.add_argument("--points", type=positive_int, default=None,
+                        help="points on each pair's line for the barriers (default: the scale's, 25 at paper scale)")
     parser.add_argument("--repeat", type=positive_int, default=1,
                         help="timed runs of each merge (median reported; the answers are the same)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
@@ -245,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     model, all_states, loaded, cfg = _models(args.scale, args.data, max(args.models), args.seed, args.cache,
                                                   args.epochs)  # fmt: skip
     spec = model.permutation_spec()
-    test, points = loaded["test"], cfg["points"]
+    test, points = loaded["test"], args.points or cfg["points"]
     repair_data = [x for x, _ in loaded["repair"]]
     rows, goals = [], []
     for count in args.models:
@@ -309,7 +311,8 @@ def run(args: argparse.Namespace) -> int:
                          f"({'met' if c2_loss <= mm_loss else 'not met'}); time {c2_row[-1]:.2f} s vs "
                          f"{mm_row[-1]:.2f} s ({'met' if c2_row[-1] <= mm_row[-1] else 'not met'})")  # fmt: skip
     goals.append(f"models: {cfg['epochs']} epochs of training each (seeds {1000 * args.seed + 1} to "
-                 f"{1000 * args.seed + max(args.models)}); times on {torch.get_num_threads()} torch thread(s)")
+                 f"{1000 * args.seed + max(args.models)}); barriers on {points} points of each pair's line; times on "
+                 f"{torch.get_num_threads()} torch thread(s)")
     table = (markdown_table if args.markdown else text_table)(HEADERS, rows)
     print(table)
     for line in goals:
