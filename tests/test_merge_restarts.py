@@ -187,3 +187,28 @@ def test_warm_rounds_that_gain_less_than_the_tolerance_end_in_a_round_of_restart
     # gains above it are worth more rounds
     result = align_many(spec, states, _drifting(spec, 10 * GAIN_TOLERANCE), 6, torch.Generator().manual_seed(0), False)
     assert result.history == [3] * 6 and not result.converged
+
+
+def test_after_a_round_of_restarts_that_kept_none_the_next_settled_round_is_the_last(spec_and_states):
+    """The warm starts' gains per round of a model's warm matchings: below the tolerance (a round of restarts
+    follows), above it in that round (so the rounds go on although every restart lost), then below it again:
+    that round ends the merge, with no second round of restarts (the rule before: [3, 3, 3, 3, 3])."""
+    spec, states = spec_and_states
+    gains = [GAIN_TOLERANCE / 10, 10 * GAIN_TOLERANCE, GAIN_TOLERANCE / 10, GAIN_TOLERANCE / 10]
+    warm_calls, restarts = {}, []
+
+    def match(i, others, init, gen):
+        gen.manual_seed(int(torch.randint(1 << 30, (1,), generator=gen)))
+        if init.is_identity():
+            if i in warm_calls:  # a restart (after its warm start): never higher
+                restarts.append(i)
+                return WeightMatchingResult(perms=_roll(spec), objective=[0.5], iterations=1, converged=True)
+            return WeightMatchingResult(perms=_swap(spec, i + 1), objective=[0.25, 0.5], iterations=1, converged=True)
+        k = warm_calls.get(i, 0)
+        warm_calls[i] = k + 1
+        return WeightMatchingResult(perms=init.compose(_roll(spec)), objective=[1.0, 1.0 + gains[k]], iterations=1,
+                                    converged=True)  # fmt: skip
+
+    result = align_many(spec, states, match, 20, torch.Generator().manual_seed(0), False)
+    assert result.history == [3, 3, 3, 3] and result.converged
+    assert sorted(restarts) == [0, 1, 2]  # one round of restarts only

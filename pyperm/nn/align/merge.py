@@ -12,7 +12,8 @@ restarts from the identity move away from such optima. So a round of warm starts
 nothing worth a round, which would end the rounds, is followed by a round that also restarts each
 matching from the identity (Algorithm 3's own start, a search from scratch) and keeps the higher
 objective; only a round of restarts that gains nothing worth a round ends the rounds (restarting in
-every round would add a search from scratch to every matching). A gain is worth a round when it is
+every round would add a search from scratch to every matching), or, once a round of restarts has
+kept none, the next round of warm starts that gains nothing worth a round. A gain is worth a round when it is
 above :data:`GAIN_TOLERANCE` of the objective: on the paper's MNIST MLPs the warm rounds' tail and
 the restarts' wins gain less than that, and the warm rounds such a win started did not lower
 the merged test loss (bench/merge_many_restarts.py). A matching from the identity (a
@@ -67,7 +68,8 @@ class MergeResult:
     iterations : int
         Rounds over the models that were run (at most ``max_iter``).
     converged : bool
-        Whether a round of restarts gained nothing worth a round (otherwise ``max_iter`` stopped it).
+        Whether the rounds ended on one that gained nothing worth a round (see the module's notes;
+        otherwise ``max_iter`` stopped them).
     history : list of int
         Per round, how many models' permutations changed. A round of warm starts that gains
         nothing worth a round (see the module's notes; often a 0) is followed by a round of restarts
@@ -249,8 +251,11 @@ def align_many(
     round when it changes no permutation, or when the objectives its kept matchings gained sum to at
     most ``tol`` times the sum of the round's objectives (so a kept restart can end the rounds, its
     permutations kept); a model's change from the identity (it has no warm start to measure against)
-    is always worth a round. Only a round of restarts that gains nothing worth a round ends the
-    rounds."""
+    is always worth a round. A round of restarts that gains nothing worth a round ends the rounds.
+    One whose warm starts still gained, but whose restarts all lost, restarts no more: the next
+    round of warm starts that gains nothing worth a round is the last (else the warm rounds' gains,
+    which hover about ``tol`` as they settle, could bring a search from scratch for every model
+    every few rounds)."""
     n = len(states)
     w = [1.0] * n if weights is None else weights  # unnormalised ones: the equal-weight sums stay as they were
     identity = Permutations.identity(spec)
@@ -284,11 +289,14 @@ def align_many(
             warm = result.objective[-1]
             if plain.objective[-1] > warm + tol * abs(warm):
                 result = plain
+                restarts_kept.append(i)
         return result.perms, result.objective[-1] - before, abs(result.objective[-1])
 
     bar = progress_bar(progress, max_iter, "merge many", "round")
     rounds, converged, history = 0, False, []
     restart = True  # the first round starts from the identity: a round of restarts
+    restarts_kept: list[int] = []  # the models whose restart won, this round
+    restarts_lost = False  # whether the last round of restarts (not the first round) kept none
     try:
         for _ in range(max_iter):
             rounds += 1
@@ -314,10 +322,13 @@ def align_many(
                 bar.update(1)
                 bar.set_postfix(changed=changed)
             settled = changed == 0 or gained <= tol * size
-            if settled and restart:
+            if settled and (restart or restarts_lost):
                 converged = True
                 break
-            restart = settled  # warm starts found nothing worth a round: restart before ending
+            if restart:  # its warm starts still moved: rounds go on
+                restarts_lost = rounds > 1 and not restarts_kept
+            restarts_kept.clear()
+            restart = settled  # warm starts found nothing worth a round: restart before ending (unless they lost)
     finally:
         if bar is not None:
             bar.close()
