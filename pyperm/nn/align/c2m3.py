@@ -695,7 +695,7 @@ def _line_search(spec: PermutationSpec, tensors: list[dict], matrices: list[dict
     ``sum_j L_j(t) K_aj`` (the Lagrange basis of those points). So F(t), a sum over pairs of models
     of their inner products, is ``sum_{a<b} w_a w_b sum_jl L_j(t) L_l(t) <K_aj, K_bl>``: one Gram
     matrix of every model's known points, summed over the keys in float64 (and over the holders of
-    the keys, one message), gives F at any t. F, of degree ``2 * degree``, is interpolated exactly
+    the keys, one message), gives F at any t (:func:`_gram`). F, of degree ``2 * degree``, is interpolated exactly
     through its values at Chebyshev points and maximised over the stationary points in the segment
     and its ends."""
     points = _lobatto(degree)
@@ -704,8 +704,7 @@ def _line_search(spec: PermutationSpec, tensors: list[dict], matrices: list[dict
     slots = [(a, j) for a in range(len(tensors)) for j in (range(len(points)) if matrices[a] is not None else [0])]
     gram = torch.zeros(len(slots), len(slots), dtype=torch.float64)
     for k in keys:
-        stacked = torch.stack([known[j][a][k].reshape(-1) for a, j in slots]).double()
-        gram += (stacked @ stacked.T).cpu()
+        gram += _gram(torch.stack([known[j][a][k].reshape(-1) for a, j in slots])).cpu()
     (gram,) = sums.tensors([gram])
     model = torch.tensor([a for a, _ in slots])
     pairs = (model.view(-1, 1) < model.view(1, -1)).double()  # (a, b) with a < b: each pair once, no self terms
@@ -720,6 +719,18 @@ def _line_search(spec: PermutationSpec, tensors: list[dict], matrices: list[dict
     candidates = [-1.0, 1.0] + [float(r.real) for r in poly.deriv().roots() if abs(r.imag) < 1e-9 and -1 < r.real < 1]
     best = max(candidates, key=lambda c: float(poly(c)))
     return (best + 1.0) / 2.0, float(poly(best)) - values[0]
+
+
+def _gram(rows: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """``rows @ rows.T`` in float64. Float32 rows are multiplied in float32 over chunks of ``chunk`` columns and
+    the chunks' products summed in float64: within about 1e-8 of the largest entry (the float32 products'
+    own rounding), where converting the rows to float64 first takes several times as long."""
+    if rows.dtype == torch.float64:
+        return rows @ rows.T
+    whole = rows.shape[1] // chunk * chunk
+    blocks = rows[:, :whole].reshape(rows.shape[0], -1, chunk).transpose(0, 1)
+    rest = rows[:, whole:].double()
+    return torch.bmm(blocks, blocks.transpose(1, 2)).sum(0, dtype=torch.float64) + rest @ rest.T
 
 
 def _lobatto(degree: int) -> list[float]:
