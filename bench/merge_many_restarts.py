@@ -8,7 +8,8 @@ at 1e-3, batches of 500, training seeds 1 to ``--models``), trained once and kep
 
 - ``merge_many``: pyperm's, rounds of warm starts, with restarts from the identity only in a round
   that follows one that gained nothing worth a round (no change, or at most
-  :data:`~pyperm.nn.align.merge.GAIN_TOLERANCE` of the objective), and such a round of restarts the last;
+  :data:`~pyperm.nn.align.merge.GAIN_TOLERANCE` of the objective), and such a round of restarts the last
+  (or, once a round of restarts has kept none, the next such round of warm starts);
 - ``warm only``: the rounds before the restarts were added (the parent of commit f12e3f9): every
   matching from the model's current permutations, a model's first from the identity, no stall check;
 - ``restart every round``: the rounds from f12e3f9 until the restarts waited for a round's end:

@@ -1,23 +1,23 @@
 r"""Merging many models: Git Re-Basin's MergeMany (Ainsworth et al. 2023, Algorithm 3).
 
-Every model in turn is weight-matched to the mean of the others (permuted as they are
-now), until a whole round changes no permutation; the merged model is the mean of the
-permuted models (weighted means when weights are given).
+Every model in turn is weight-matched to the mean of the others (permuted as they are now), until a
+round gains nothing worth another (see below); the merged model is the mean of the permuted models
+(weighted means when weights are given).
 
-Each matching runs from the model's current permutations (warm: a sweep or two of cheap
-corrections, with the model's matcher, its similarities and warm solvers kept from round to
-round). The warm start alone is a monotone ascent of MergeMany's objective that settles in the
-first local optimum it meets: on three MNIST MLPs it ended below Algorithm 3 run plainly, whose
-restarts from the identity move away from such optima. So a round of warm starts that gains
-nothing worth a round, which would end the rounds, is followed by a round that also restarts each
-matching from the identity (Algorithm 3's own start, a search from scratch) and keeps the higher
-objective; only a round of restarts that gains nothing worth a round ends the rounds (restarting in
-every round would add a search from scratch to every matching), or, once a round of restarts has
-kept none, the next round of warm starts that gains nothing worth a round. A gain is worth a round when it is
-above :data:`GAIN_TOLERANCE` of the objective: on the paper's MNIST MLPs the warm rounds' tail and
-the restarts' wins gain less than that, and the warm rounds such a win started did not lower
-the merged test loss (bench/merge_many_restarts.py). A matching from the identity (a
-model's first, and the restarts) also looks for a stall and then runs the signature start, as
+Each matching runs from the model's current permutations (warm: a sweep or two of cheap corrections,
+with the model's matcher, its similarities and warm solvers kept from round to round). The warm
+start alone is a monotone ascent of MergeMany's objective that settles in the first local optimum it
+meets: on three MNIST MLPs it ended below Algorithm 3 run plainly, whose restarts from the identity
+move away from such optima. So a round of warm starts that gains nothing worth a round, which would
+end the rounds, is followed by a round that also restarts each matching from the identity (Algorithm
+3's own start, a search from scratch) and keeps the higher objective; only a round of restarts that
+gains nothing worth a round ends the rounds (restarting in every round would add a search from
+scratch to every matching), or, once a round of restarts has kept none, the next round of warm
+starts that gains nothing worth a round. A gain is worth a round when it is above
+:data:`GAIN_TOLERANCE` of the objective: on the paper's MNIST MLPs the warm rounds' tail and most of
+the restarts' wins gain less than that, and the warm rounds such a win started did not lower the
+merged test loss (bench/merge_many_restarts.py). A matching from the identity (a model's first, and
+the restarts) also looks for a stall and then runs the signature start, as
 :func:`~pyperm.nn.weight_matching`'s default does (over ranks too:
 :func:`pyperm.distributed.merge_many`).
 """
