@@ -85,7 +85,7 @@ def test_float32_gradient_by_conjugate_gradients_matches_the_factored_float64_on
     z = z64.clone().requires_grad_(True)
     (reference,) = torch.autograd.grad((implicit_sinkhorn(z, 100_000, 1e-7) * w).sum(), z)
     monkeypatch.setattr(implicit_module, "_FACTOR_UP_TO", 0)
-    monkeypatch.setattr(torch.linalg, "solve_ex", lambda *a, **k: pytest.fail("the conjugate gradients did not converge"))
+    monkeypatch.setattr(torch.linalg, "solve_ex", lambda *a, **k: pytest.fail("the conjugate gradients stalled"))
     z32 = z64.float().requires_grad_(True)
     (got,) = torch.autograd.grad((implicit_sinkhorn(z32, 100_000, 1e-7) * w.float()).sum(), z32)
     assert got.dtype == torch.float32
@@ -175,6 +175,13 @@ def test_distance_loss_recovers_a_planted_permutation():
     assert result.loss[-1] < 0.1 * result.loss[0]
     for before, after in zip(saved, (sa, sb)):  # the caller's states are unchanged
         assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_iterations_stopped_by_the_cap_warn():
+    """Sinkhorn stopped at sinkhorn_iters short of sinkhorn_tol is said, not silent."""
+    model, spec, sa, sb, _ = _planted_mlp([5, 12, 3])
+    with pytest.warns(UserWarning, match=r"in [23] of 3 Sinkhorn solves .* sinkhorn_iters=1 "):
+        sinkhorn_matching(None, spec, sa, sb, loss="distance", epochs=2, sinkhorn_iters=1, sinkhorn_tol=1e-12)
 
 
 def test_hard_answer_is_the_assignment_of_the_soft_permutations():

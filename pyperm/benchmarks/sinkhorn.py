@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", choices=SCALES, default="smoke",
                         help="the pair and STE's epochs of pyperm reproduce rebasin at this scale")
     parser.add_argument("--seeds", type=positive_int, default=1, help="pairs (seeds 0, 1, ...)")
+    parser.add_argument("--epochs", type=positive_int, default=None,
+                        help="train the pair this many epochs instead of the scale's (the scale's recipe)")
+    parser.add_argument("--cache", metavar="DIR", default=None,
+                        help="keep the trained pair in DIR and reuse it (one file per model)")
     parser.add_argument("--repeat", type=positive_int, default=1,
                         help="timed runs of each method (median reported; every run gives the same answer)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
@@ -55,22 +59,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a checkout of fagp/sinkhorn-rebasin: add the authors' RebasinNet rows")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     parser.add_argument("--write", metavar="DIR", default=None,
-                        help="also write the table as DIR/bench-sinkhorn-<data>-<scale>.md (the docs include "
-                             "docs/_generated/)")
+                        help="also write the table as DIR/bench-sinkhorn-<data>-<scale>[-epochs<N>].md (the docs "
+                             "include docs/_generated/)")
 
 
-def _pair(scale: str, data: str, device: Any, seed: int) -> tuple[Any, dict, dict, dict, dict]:
-    """The report's model, A's and B's trained states, its data and its settings."""
+def _pair(scale: str, data: str, device: Any, seed: int, epochs: int | None,
+          cache: str | None) -> tuple[Any, dict, dict, dict, dict]:
+    """The report's model, A's and B's trained states (``epochs`` or the scale's), its data and its settings."""
+    import pathlib
+
+    import torch
+
+    from pyperm._staging import write_file
+    from pyperm.nn.models import create_model
     from pyperm.reproduce._data import load_data
     from pyperm.reproduce.rebasin._experiments import train_endpoint
     from pyperm.reproduce.rebasin._settings import SETTINGS, mlp_name
 
     cfg = SETTINGS[scale]
+    # The cache's names are bench merge's, so that both benches share one cache of trained models.
+    trained = "" if epochs is None or epochs == cfg["epochs"] else f"-epochs{epochs}"
+    epochs = cfg["epochs"] if epochs is None else epochs
     loaded = load_data(data, device, cfg["eval_batch"], ste=cfg["ste_batch"])
     name = mlp_name(loaded, cfg["width"], cfg["depth"])
-    states = []
+    model, states = create_model(name).to(device), []
     for k in (1, 2):
-        model, state = train_endpoint(name, loaded, cfg["recipe"], cfg["batch"], cfg["epochs"], 1000 * seed + k, device)
+        path = None
+        if cache is not None:
+            stem = f"{loaded['name']}-{scale}-{name.replace(':', '_')}{trained}-{1000 * seed + k}"
+            path = pathlib.Path(cache) / f"{stem}.pt"
+        if path is not None and path.exists():
+            states.append({key: v.to(device) for key, v in torch.load(path, weights_only=True).items()})
+            continue
+        model, state = train_endpoint(name, loaded, cfg["recipe"], cfg["batch"], epochs, 1000 * seed + k, device)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_file(path, lambda f, state=state: torch.save({key: v.cpu() for key, v in state.items()}, f))
         states.append(state)
     return model, states[0], states[1], loaded, cfg
 
@@ -194,9 +218,12 @@ def run(args: argparse.Namespace) -> int:
     # The process's CPU time counts the solvers' own threads too (the compiled LAP's pool), which the
     # calling thread's would miss.
     timer = time.perf_counter if args.clock == "wall" else time.process_time
+    # torch's optimisers import their compiler support on first use (seconds, once per process): done here,
+    # so that the first method timed does not pay it for the others.
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
     rows, seconds, barriers = [], {}, {}
     for seed in range(args.seeds):
-        model, sa, sb, loaded, cfg = _pair(args.scale, args.data, args.device, seed)
+        model, sa, sb, loaded, cfg = _pair(args.scale, args.data, args.device, seed, args.epochs, args.cache)
         spec = model.permutation_spec()
         methods = _methods(model, spec, sa, sb, loaded, cfg, seed)
         if args.authors is not None:
@@ -228,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
           f"{took['Sinkhorn, midpoint']:.3g} s <= STE's {took['STE']:.3g} s: {'holds' if time_goal else 'does not hold'}")
     if args.write is not None:
         text = markdown_table(HEADERS, rows)
-        path = write_generated(args.write, f"bench-sinkhorn-{name}-{args.scale}", text)
+        epochs = "" if args.epochs is None else f"-epochs{args.epochs}"
+        path = write_generated(args.write, f"bench-sinkhorn-{name}-{args.scale}{epochs}", text)
         print(f"table written to {path}")
     return 0

@@ -27,13 +27,15 @@ start's permutation matrix, :math:`\tau = 1`, Adam at 0.1. What differs: the ite
 run to a tolerance from the previous step's potentials rather than a fixed 20 from zero
 (the implicit gradient is the derivative of the fixed point, which 20 iterations from
 zero need not reach on wide layers); the implicit system is solved through its ``n x n``
-Schur complement in float64, not as the ``(2n - 1)``-square system; the relaxation is
+Schur complement in float64 (by conjugate gradients preconditioned by its diagonal), not as
+the ``(2n - 1)``-square system; the relaxation is
 pyperm's spec, so every traced model and spec form is covered without a hand-written map.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,7 +160,8 @@ def sinkhorn_matching(
         Sinkhorn's temperature: the scores are divided by it (smaller: sharper).
     sinkhorn_iters : int, default 100
         Most column fits of Sinkhorn's iterations per step (they start from the previous
-        step's potentials, so a step usually needs few).
+        step's potentials: few while the soft permutations are soft, more as they sharpen;
+        a warning says when this cap stopped them short of ``sinkhorn_tol``).
     sinkhorn_tol : float, default 1e-4
         Largest column-sum error at which the iterations stop (the row sums are exact).
     seed : int or torch.Generator, default 0
@@ -189,6 +192,12 @@ def sinkhorn_matching(
         ``init``, ``epochs``, ``lr``, ``tau``, ``sinkhorn_iters``, ``sinkhorn_tol``,
         ``loss_fn``, ``max_batches`` or ``device``; a model on another device than
         ``device``.
+
+    Warns
+    -----
+    UserWarning
+        When Sinkhorn's iterations stopped at ``sinkhorn_iters`` before ``sinkhorn_tol`` in
+        some steps (their gradient is that of a point short of the fixed point).
 
     Notes
     -----
@@ -278,6 +287,11 @@ def sinkhorn_matching(
         soft = scores.soft()
     result.soft = {g: s.detach() for g, s in soft.items()}
     result.perms = Permutations(spec, relax.nearest_permutations(spec, result.soft))
+    if scores.unconverged:
+        warnings.warn(f"sinkhorn_matching: in {scores.unconverged} of {result.iterations + 1} Sinkhorn solves the "
+                      f"iterations stopped at sinkhorn_iters={sinkhorn_iters} with a column sum off by up to "
+                      f"{scores.worst_error:.2g} (> sinkhorn_tol={sinkhorn_tol:g}), so their gradient is that of a point "
+                      "short of the fixed point; raise sinkhorn_iters for the exact one", UserWarning, stacklevel=2)
     logger.debug("sinkhorn_matching: %d steps, loss %.4g -> %.4g", result.iterations,
                  result.loss[0] if result.loss else float("nan"), result.loss[-1] if result.loss else float("nan"))
     return result
@@ -352,6 +366,8 @@ class _Scores:
             self.stacks[n] = torch.cat(flat).requires_grad_(True)
         self.potentials = {n: Potentials() for n in self.stacks}
         self.last_iterations = 0
+        # Calls whose iterations stopped at the cap before the tolerance, and their largest column error.
+        self.unconverged, self.worst_error = 0, 0.0
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self.stacks.values())
@@ -361,6 +377,10 @@ class _Scores:
         stacked = {n: implicit_sinkhorn(x / self.tau, self.iters, self.tol, self.potentials[n])
                    for n, x in self.stacks.items()}  # fmt: skip
         self.last_iterations = max((p.iterations for p in self.potentials.values()), default=0)
+        error = max((p.error for p in self.potentials.values()), default=0.0)
+        if not error <= self.tol:  # stopped at sinkhorn_iters
+            self.unconverged += 1
+            self.worst_error = max(self.worst_error, error)
         return {g: stacked[n][part].reshape(self.shapes[g]) for g, (n, part) in self.slices.items()}
 
 
