@@ -36,9 +36,11 @@ of the ``(2n - 1)``-square one: its matrix has the constant vector as its null s
 (shifting :math:`f` up and :math:`g` down leaves :math:`S` alone) and the right-hand side
 sums to zero, so adding :math:`\mathbf 1\mathbf 1^\top / n` makes it regular without
 changing the answer. It is symmetric positive definite, so conjugate gradients solve it by
-products with :math:`S` alone; where they are slow (:math:`S` near a permutation), it is
-formed and factored. All in float64: near a permutation its small eigenvalues are the
-ones that carry the gradient.
+products with :math:`S` alone, preconditioned by its diagonal (which evens out the columns
+as :math:`S` nears a permutation, where the matrix shrinks towards zero unevenly), to a
+residual near the gradient's rounding; where they still have not converged, it is formed
+and factored. All in float64: near a permutation its small eigenvalues are the ones that
+carry the gradient.
 
 References
 ----------
