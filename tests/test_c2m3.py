@@ -9,7 +9,7 @@ import pytest
 import torch
 from _structured_models import STRUCTURED, outputs, structured_model
 
-from pyperm.nn import MergeResult, Permutations, apply_permutation, merge_many
+from pyperm.nn import MergeResult, Permutations, PermutationSpec, apply_permutation, merge_many
 from pyperm.nn.align import c2m3 as c2m3_module
 from pyperm.nn.align._relaxation import one_hot
 from pyperm.nn.align.c2m3 import (
@@ -136,10 +136,11 @@ def test_the_line_search_finds_the_best_step_of_the_segment(name, anchor):
     if anchor:
         soft[0] = directions[0] = None
     degree = max(c2m3_module._key_degree(spec, k) for k in spec.axes)
-    here = c2m3_module._relaxed(spec, states, soft, keys)
+    _, _, here, partials = c2m3_module._gradient_pass(spec, states, soft, w, keys)
     ends = c2m3_module._relaxed(spec, states, c2m3_module._moved(soft, directions, 1.0), keys)
-    step, gain = c2m3_module._line_search(spec, states, soft, directions, w, keys, degree, here, ends,
-                                          c2m3_module.ONE_PROCESS)  # fmt: skip
+    vertex = [None if ms is None else p for p, ms in zip(vertex, soft)]
+    step, gain = c2m3_module._line_search(spec, states, soft, directions, w, keys, degree, here, ends, partials,
+                                          vertex, c2m3_module.ONE_PROCESS)  # fmt: skip
 
     def f(t):
         return c2m3_module._value(spec, states, c2m3_module._moved(soft, directions, t), w, keys)
@@ -147,6 +148,70 @@ def test_the_line_search_finds_the_best_step_of_the_segment(name, anchor):
     assert 0.0 <= step <= 1.0
     assert gain == pytest.approx(f(step) - f(0.0), rel=1e-9, abs=1e-9)
     assert all(f(step) >= f(t) - 1e-9 * abs(f(t)) for t in np.linspace(0, 1, 41))
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "square"] + sorted(STRUCTURED))
+def test_the_closed_form_gradients_are_automatic_differentiations(name, monkeypatch):
+    """The plain keys' products and gradients formed in closed form (dense and convolution weights, biases, one
+    group on both axes of a square matrix) equal automatic differentiation of the relaxed product."""
+    if name == "mlp":
+        _, spec = _mlp((6, 5, 4, 3))
+        states = [MLP([6, 5, 4, 3]).state_dict() for _ in range(3)]
+    elif name == "cnn":
+        from pyperm.nn.models import create_model
+
+        torch.manual_seed(0)
+        models = [create_model("tinyten:1,num_classes=3") for _ in range(3)]  # convolutions, BatchNorm
+        spec, states = models[0].permutation_spec(), [m.state_dict() for m in models]
+    elif name == "square":  # one group on both axes (a recurrent weight), beside a plain input weight
+        spec = PermutationSpec({"h.w": ("h", "h"), "in.w": ("h", None)}, {"h": 5})
+        gen = torch.Generator().manual_seed(1)
+        states = [{"h.w": torch.randn(5, 5, generator=gen), "in.w": torch.randn(5, 3, generator=gen)} for _ in range(3)]
+    else:
+        made = [structured_model(name, seed) for seed in range(3)]
+        spec, states = made[0][1], [m.state_dict() for m, _, _ in made]
+    states = [{k: v.double() if v.is_floating_point() else v for k, v in s.items()} for s in states]
+    keys = c2m3_module._matched_keys(spec, states[0])
+    gen = torch.Generator().manual_seed(2)
+    soft = [None] + [{g: torch.rand(m.shape, generator=gen, dtype=torch.float64)
+                      for g, m in one_hot(spec, spec.identity()).items()} for _ in states[1:]]  # fmt: skip
+    w = [0.5, 0.3, 0.2]
+    value, grads = c2m3_module._value_and_gradients(spec, states, soft, w, keys)
+    monkeypatch.setattr(c2m3_module, "_plain_axes", lambda spec, key: None)  # every key through autograd
+    auto_value, auto_grads = c2m3_module._value_and_gradients(spec, states, soft, w, keys)
+    assert value == pytest.approx(auto_value, rel=1e-12)
+    for ours, theirs in zip(grads[1:], auto_grads[1:]):
+        for g in theirs:
+            torch.testing.assert_close(ours[g], theirs[g], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["mlp", "grouped-convolution", "attention-heads"])
+def test_at_permutation_matrices_the_gathers_are_the_products(name):
+    """At permutation matrices the plain keys are gathered, not multiplied: the same value, gradients, universe
+    and partial products as the dense products (beside the keys of other forms)."""
+    if name == "mlp":
+        _, spec = _mlp((6, 5, 4, 3))
+        states = [{k: v.double() for k, v in MLP([6, 5, 4, 3]).state_dict().items()} for _ in range(3)]
+    else:
+        made = [structured_model(name, seed) for seed in range(3)]
+        spec, states = made[0][1], [{k: v.double() for k, v in m.state_dict().items()} for m, _, _ in made]
+    keys = c2m3_module._matched_keys(spec, states[0])
+    gen = torch.Generator().manual_seed(4)
+    perms = [None] + [random_permutations(spec, gen) for _ in states[1:]]
+    matrices = [None if p is None else one_hot(spec, p) for p in perms]
+    w = [1.0, 1.0, 1.0]
+    dense = c2m3_module._gradient_pass(spec, states, matrices, w, keys)
+    gathered = c2m3_module._gradient_pass(spec, states, matrices, w, keys, perms)
+    assert gathered[0] == pytest.approx(dense[0], rel=1e-12)
+    assert any(parts for parts in gathered[3])  # some plain keys
+    for ours, theirs in zip(gathered[1:], dense[1:]):
+        for a in (1, 2):
+            for k in theirs[a]:
+                if isinstance(theirs[a][k], tuple):
+                    for x, y in zip(ours[a][k], theirs[a][k]):
+                        torch.testing.assert_close(x, y)
+                else:
+                    torch.testing.assert_close(ours[a][k], theirs[a][k])
 
 
 def test_the_warm_linear_steps_solve_as_the_batched_cold_ones():

@@ -60,7 +60,7 @@ from pyperm._checks import (
 from pyperm._progress import progress_bar
 from pyperm.lap.warm import WarmAssigner
 from pyperm.nn._checks import check_spec
-from pyperm.nn.align._relaxation import apply_relaxed, one_hot
+from pyperm.nn.align._relaxation import _multiply_axis, apply_relaxed, one_hot
 from pyperm.nn.align.merge import MergeResult, check_merge_states
 from pyperm.nn.align.weight import weight_matching
 from pyperm.nn.permutations import Permutations, as_permutations, permute_entry
@@ -200,12 +200,15 @@ def c2m3_merge(
 
     Notes
     -----
-    Each iteration costs one pass of relaxed products with their gradients over all models
-    but the first and one pass without gradients per interior point of the line search (one for
-    an MLP, whose weights take two matrices each), every product a dense ``(n, n)`` matrix times a
-    tensor, where weight matching gathers rows; and one assignment per (model, group), each
-    warm-started from the previous iteration's. The models are copied once into the working dtype
-    (float64 if any matched entry is float64, else float32).
+    Each iteration costs one pass of relaxed products with their gradients over all models but
+    the first, every product a dense ``(n, n)`` matrix times a tensor, where weight matching
+    gathers rows: for a tensor two groups act on (a dense or convolution weight), five products
+    in closed form, whose partial products also give the line search's interior points by
+    gathers; after a full step to the vertex the three forward products are gathers too. Keys of
+    other forms (tiles, blocks, segments) are differentiated automatically and multiplied out
+    once more per interior point of the line search. Then one assignment per (model, group),
+    each warm-started from the previous iteration's. The models are copied once into the working
+    dtype (float64 if any matched entry is float64, else float32).
 
     References
     ----------
@@ -279,13 +282,13 @@ def search(spec: PermutationSpec, states: list[dict], weights: list[float] | Non
     if anchor:  # the universe is the first model's space: it stays as it is (no matrices, no products)
         matrices[0] = None
 
-    def gradient_pass(at: list[dict | None]) -> tuple[float, list[dict | None], list[dict]]:
-        value, grads, universe = _gradient_pass(spec, tensors, at, w, keys)
+    def gradient_pass(at: list[dict | None], perms: list | None) -> tuple[float, list[dict | None], list, list]:
+        value, grads, universe, partials = _gradient_pass(spec, tensors, at, w, keys, perms)
         held = [(a, g) for a in range(n) if grads[a] is not None for g in grads[a]]
         (value,) = sums.values([value])
         for (a, g), total in zip(held, sums.tensors([grads[a][g] for a, g in held])):
             grads[a][g] = total
-        return value, grads, universe
+        return value, grads, universe, partials
 
     objective, step_sizes, gaps = [], [], []
     warm: dict = {}  # the linear steps' solvers, warm from one iteration to the next
@@ -293,7 +296,8 @@ def search(spec: PermutationSpec, states: list[dict], weights: list[float] | Non
     iterations = 0
     bar = progress_bar(progress, max_iter, "c2m3", "iteration")
     try:
-        value, grads, here = gradient_pass(matrices)
+        # The matrices are permutation matrices at a start at permutations and after a full step (products by gathers).
+        value, grads, here, partials = gradient_pass(matrices, None if start is None else start)
         objective.append(value)
         for _ in range(max_iter):
             iterations += 1
@@ -312,7 +316,8 @@ def search(spec: PermutationSpec, states: list[dict], weights: list[float] | Non
                 # F at the segment's end, where every free model is at its permutations: gathers, no products
                 ends = [ts if p is None else {k: permute_entry(spec, p, k, ts[k]) for k in keys}
                         for ts, p in zip(tensors, vertex)]  # fmt: skip
-                step, gain = _line_search(spec, tensors, matrices, directions, w, keys, degree, here, ends, sums)
+                step, gain = _line_search(spec, tensors, matrices, directions, w, keys, degree, here, ends, partials,
+                                          vertex, sums)  # fmt: skip
                 if gain <= small:
                     step = 0.0
             step_sizes.append(step)
@@ -320,14 +325,17 @@ def search(spec: PermutationSpec, states: list[dict], weights: list[float] | Non
                 objective.append(value)
                 converged = True
                 break
-            moved = _moved(matrices, directions, step)
-            new_value, new_grads, new_here = gradient_pass(moved)
+            if step == 1.0:  # at the vertex: its permutation matrices exactly
+                moved = [None if p is None else one_hot(spec, p, dtype, device) for p in vertex]
+            else:
+                moved = _moved(matrices, directions, step)
+            new_value, new_grads, new_here, new_partials = gradient_pass(moved, vertex if step == 1.0 else None)
             if new_value < value:  # the fit's rounding promised a gain that is not there: stay
                 step_sizes[-1] = 0.0
                 objective.append(value)
                 converged = True
                 break
-            matrices, value, grads, here = moved, new_value, new_grads, new_here
+            matrices, value, grads, here, partials = moved, new_value, new_grads, new_here, new_partials
             objective.append(value)
             if bar is not None:
                 bar.update(1)
@@ -658,24 +666,126 @@ def _value_and_gradients(spec: PermutationSpec, tensors: list[dict], matrices: l
 
 
 def _gradient_pass(spec: PermutationSpec, tensors: list[dict], matrices: list[dict], w: list[float],
-                   keys: list[str]) -> tuple[float, list[dict[str, torch.Tensor]], list[dict]]:  # fmt: skip
-    """:func:`_value_and_gradients`, and every model in the universe at the matrices (the line search's start)."""
-    leaves = [None if ms is None else {g: m.detach().requires_grad_(True) for g, m in ms.items()} for ms in matrices]
-    with torch.enable_grad():
-        universe = _relaxed(spec, tensors, leaves, keys)
+                   keys: list[str], perms: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
+                   ) -> tuple[float, list[dict[str, torch.Tensor]], list[dict], list[dict]]:  # fmt: skip
+    """:func:`_value_and_gradients`; every model in the universe at the matrices (the line search's start); and
+    every free model's partial products of its plain keys (see :func:`_plain_forward`).
+
+    The plain keys' products and gradients are formed in closed form, their products by gathers for a model
+    whose matrices are the permutation matrices of ``perms[a]`` (given, not None); the other forms (tiles,
+    blocks, segments) are differentiated automatically."""
+    plain = {k: axes for k in keys if (axes := _plain_axes(spec, k)) is not None}
+    rest = [k for k in keys if k not in plain]
+    leaves = [None if ms is None else {g: m.detach().requires_grad_(bool(rest)) for g, m in ms.items()}
+              for ms in matrices]  # fmt: skip
+    universe, partials = [], []
+    for ms, ts in zip(leaves, tensors):
+        if ms is None:
+            universe.append(ts)
+            partials.append({})
+            continue
+        with torch.enable_grad():
+            u = apply_relaxed(spec, ms, ts, rest) if rest else {}
+        parts = {}
+        hard = None if perms is None else perms[len(universe)]
+        for k, axes in plain.items():
+            if hard is not None:
+                u[k], parts[k] = _plain_gather(hard, ts[k], axes)
+            else:
+                u[k], parts[k] = _plain_forward({g: ms[g].detach() for _, g in axes}, ts[k], axes)
+        universe.append(u)
+        partials.append(parts)
     here = [{k: v.detach() for k, v in u.items()} for u in universe]
     value, total = _pair_sum(here, w, keys)
     outputs, seeds = [], []
-    for wa, u in zip(w, universe):
+    grads: list[dict | None] = [None if ms is None else {g: torch.zeros_like(m) for g, m in ms.items()}
+                                for ms in leaves]  # fmt: skip
+    for a, (wa, u) in enumerate(zip(w, universe)):
+        if leaves[a] is None:
+            continue
         for k in keys:
-            if u[k].requires_grad:
+            seed = wa * (total[k] - wa * here[a][k])
+            if k in plain:
+                for g, grad in _plain_gradients(seed, tensors[a][k], partials[a][k], plain[k]):
+                    grads[a][g] += grad
+            elif u[k].requires_grad:
                 outputs.append(u[k])
-                seeds.append(wa * (total[k] - wa * u[k].detach()))
+                seeds.append(seed)
     if outputs:
         torch.autograd.backward(outputs, seeds)
-    grads = [None if ms is None else {g: (m.grad if m.grad is not None else torch.zeros_like(m)) for g, m in ms.items()}
-             for ms in leaves]  # fmt: skip
-    return value, grads, here
+        for ms, gs in zip(leaves, grads):
+            for g, m in (ms or {}).items():
+                if m.grad is not None:
+                    gs[g] += m.grad
+    return value, grads, here, partials
+
+
+def _plain_axes(spec: PermutationSpec, key: str) -> list[tuple[int, str]] | None:
+    """The (axis, group) of every axis of ``key`` a group acts on, when each is one plain group and there are
+    one or two of them (dense and convolution weights, biases, norms); None for the other forms."""
+    axes = []
+    for axis, entry in enumerate(spec.axes[key]):
+        if entry is None or isinstance(entry, int):
+            continue
+        if not isinstance(entry, str):
+            return None
+        axes.append((axis, entry))
+    return axes if len(axes) in (1, 2) else None
+
+
+def _plain_forward(ms: Mapping[str, torch.Tensor], tensor: torch.Tensor,
+                   axes: list[tuple[int, str]]) -> tuple[torch.Tensor, tuple]:  # fmt: skip
+    """A plain key in the universe, and the partial products its gradients and line search reuse: for one axis
+    none; for two, ``A`` (the first axis's matrix multiplied in) and ``B`` (the second's)."""
+    if len(axes) == 1:
+        (p, g), = axes
+        return _multiply_axis(ms[g].to(tensor.dtype), tensor, p), ()
+    (p, g), (q, h) = axes
+    first, second = ms[g].to(tensor.dtype), ms[h].to(tensor.dtype)
+    a = _multiply_axis(first, tensor, p)
+    return _multiply_axis(second, a, q), (a, _multiply_axis(second, tensor, q))
+
+
+def _plain_gather(perms: Mapping[str, torch.Tensor], tensor: torch.Tensor,
+                  axes: list[tuple[int, str]]) -> tuple[torch.Tensor, tuple]:  # fmt: skip
+    """:func:`_plain_forward` at permutation matrices: every product a gather along its axis."""
+    if len(axes) == 1:
+        (p, g), = axes
+        return tensor.index_select(p, perms[g].to(tensor.device)), ()
+    (p, g), (q, h) = axes
+    a = tensor.index_select(p, perms[g].to(tensor.device))
+    return a.index_select(q, perms[h].to(tensor.device)), (a, tensor.index_select(q, perms[h].to(tensor.device)))
+
+
+def _plain_gradients(seed: torch.Tensor, tensor: torch.Tensor, parts: tuple,
+                     axes: list[tuple[int, str]]) -> list[tuple[str, torch.Tensor]]:  # fmt: skip
+    """The gradient of ``<U, seed>`` with respect to each matrix of a plain key's ``U``: the seed contracted with
+    the tensor with every other matrix multiplied in, over every axis but the matrix's own."""
+    if len(axes) == 1:
+        (p, g), = axes
+        return [(g, _contract(seed, tensor, p))]
+    (p, g), (q, h) = axes
+    a, b = parts
+    return [(g, _contract(seed, b, p)), (h, _contract(seed, a, q))]
+
+
+def _contract(seed: torch.Tensor, other: torch.Tensor, axis: int) -> torch.Tensor:
+    """``out[i, j] = sum over every other index of seed[.., i, ..] * other[.., j, ..]`` (i, j on ``axis``)."""
+    n = seed.shape[axis]
+    return seed.movedim(axis, 0).reshape(n, -1) @ other.movedim(axis, 0).reshape(n, -1).T
+
+
+def _plain_along(here: torch.Tensor, end: torch.Tensor, parts: tuple, vertex: Mapping[str, torch.Tensor],
+                 axes: list[tuple[int, str]], t: float) -> torch.Tensor:  # fmt: skip
+    """A plain key of a model moved ``t`` of the way from its matrices X to its vertex V: for one axis
+    ``(1 - t) XW + t VW``; for two ``(1 - t)^2 XWX' + t (1 - t) (XWV' + VWX') + t^2 VWV'``, the mixed terms
+    the partial products gathered by the vertex's permutations (no products)."""
+    if len(axes) == 1:
+        return (1 - t) * here + t * end
+    (p, g), (q, h) = axes
+    a, b = parts
+    mixed = a.index_select(q, vertex[h].to(a.device)) + b.index_select(p, vertex[g].to(b.device))
+    return (1 - t) ** 2 * here + (t * (1 - t)) * mixed + t**2 * end
 
 
 @torch.no_grad()
@@ -685,8 +795,8 @@ def _value(spec: PermutationSpec, tensors: list[dict], matrices: list[dict], w: 
 
 @torch.no_grad()
 def _line_search(spec: PermutationSpec, tensors: list[dict], matrices: list[dict], directions: list[dict],
-                 w: list[float], keys: list[str], degree: int, here: list[dict], ends: list[dict],
-                 sums: Sums) -> tuple[float, float]:  # fmt: skip
+                 w: list[float], keys: list[str], degree: int, here: list[dict], ends: list[dict], partials: list[dict],
+                 vertex: list[dict | None], sums: Sums) -> tuple[float, float]:  # fmt: skip
     """The step in [0, 1] that maximises F along ``matrices + t * directions``, and its gain over t = 0.
 
     Every model's tensors in the universe are polynomials of degree at most ``degree`` in t (each
@@ -699,7 +809,15 @@ def _line_search(spec: PermutationSpec, tensors: list[dict], matrices: list[dict
     through its values at Chebyshev points and maximised over the stationary points in the segment
     and its ends."""
     points = _lobatto(degree)
-    known = [here] + [_relaxed(spec, tensors, _moved(matrices, directions, t), keys) for t in points[1:-1]] + [ends]
+    rest = [k for k in keys if _plain_axes(spec, k) is None]
+    known = [here]
+    for t in points[1:-1]:  # the plain keys from the gradient pass's partial products, the others multiplied out
+        at_t = _relaxed(spec, tensors, _moved(matrices, directions, t), rest)
+        for a, parts in enumerate(partials):
+            for k, kept in parts.items():
+                at_t[a][k] = _plain_along(here[a][k], ends[a][k], kept, vertex[a], _plain_axes(spec, k), t)
+        known.append(at_t)
+    known.append(ends)
     # The vectors of the Gram matrix: every free model's known points, a held model once (it does not move).
     slots = [(a, j) for a in range(len(tensors)) for j in (range(len(points)) if matrices[a] is not None else [0])]
     gram = torch.zeros(len(slots), len(slots), dtype=torch.float64)
