@@ -25,12 +25,11 @@ from typing import Any
 
 import torch
 
-from pyperm._checks import check_merge_weights, check_nonnegative_real, check_positive_int, torch_generator
+from pyperm._checks import check_nonnegative_real, check_positive_int, torch_generator
 from pyperm._comm import Channel, check_same, shared_errors
-from pyperm.nn._checks import check_spec
 from pyperm.nn.align._rank_layout import gather_layout
 from pyperm.nn.align.c2m3 import C2M3Result, Sums, search
-from pyperm.nn.align.over_ranks import _spec_facts, weight_matching
+from pyperm.nn.align.over_ranks import _spec_facts, check_shares, weight_matching
 from pyperm.nn.permutations import Permutations
 from pyperm.nn.spec import PermutationSpec
 
@@ -114,12 +113,7 @@ def c2m3_merge(
         result = pd.c2m3_merge(spec, [{k: s[k] for k in mine} for s in states])
     """
     started = time.perf_counter()
-    check_spec(spec)
-    if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
-        raise TypeError(f"states must be a sequence of state dicts (this rank's shares), got {type(states).__name__}")
-    if len(states) < 2:
-        raise ValueError(f"states must hold at least two state dicts, got {len(states)}")
-    weights = check_merge_weights(weights, len(states))
+    weights = check_shares(spec, states, weights)
     max_iter = check_positive_int(max_iter, "max_iter")
     tol = check_nonnegative_real(tol, "tol")
     gen = torch_generator(seed)

@@ -292,12 +292,7 @@ def merge_many(
         ``states`` is not a sequence of at least two shares with the same keys, or a matching
         refuses its shares (see :func:`weight_matching`).
     """
-    check_spec(spec)
-    if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
-        raise TypeError(f"states must be a sequence of state dicts (this rank's shares), got {type(states).__name__}")
-    if len(states) < 2:
-        raise ValueError(f"states must hold at least two state dicts, got {len(states)}")
-    weights = check_merge_weights(weights, len(states))
+    weights = check_shares(spec, states, weights)
     max_iter = check_int(max_iter, "max_iter", 1)
     gen = torch_generator(seed)
     keys = set(states[0])
@@ -310,6 +305,18 @@ def merge_many(
         check_same(chan, spec=_spec_facts(spec), models=len(states), weights=weights, max_iter=max_iter,
                    seed=hashlib.sha256(gen.get_state().numpy().tobytes()).hexdigest())  # fmt: skip
         return _merge(spec, shares, group, weights, max_iter, gen, progress)
+
+
+def check_shares(spec: Any, states: Any, weights: Any) -> list[float] | None:
+    """The checks of a merge of many models' shares made before any message: ``spec`` a PermutationSpec,
+    ``states`` a sequence of at least two shares, ``weights`` one per model (returned checked); each error
+    names its argument."""
+    check_spec(spec)
+    if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence):
+        raise TypeError(f"states must be a sequence of state dicts (this rank's shares), got {type(states).__name__}")
+    if len(states) < 2:
+        raise ValueError(f"states must hold at least two state dicts, got {len(states)}")
+    return check_merge_weights(weights, len(states))
 
 
 def _merge(spec: PermutationSpec, shares: list[dict], group: Any, weights: list[float] | None, max_iter: int,
