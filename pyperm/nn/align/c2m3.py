@@ -276,8 +276,8 @@ def search(spec: PermutationSpec, states: list[dict], weights: list[float] | Non
     w = [1.0] * n if weights is None else list(weights)
     start = _start_perms(spec, states, init, gen, match)
     matrices = _start(spec, init if start is None else start, n, gen, dtype, device)
-    # The degree of F along a segment: from every group a matched tensor could hold, so that it is the same
-    # wherever the tensors are (a polynomial of lower degree is fitted exactly too).
+    # The models' degree in the step along a segment (the most matrices one element is multiplied by), from
+    # every key of the spec, so that it is the same wherever the tensors are (a lower degree is fitted exactly too).
     degree = max((_key_degree(spec, k) for k in spec.axes), default=0)
     if anchor:  # the universe is the first model's space: it stays as it is (no matrices, no products)
         matrices[0] = None
