@@ -9,7 +9,7 @@ import pytest
 import torch
 from _structured_models import STRUCTURED, outputs, structured_model
 
-from pyperm.nn import MergeResult, Permutations, PermutationSpec, apply_permutation, merge_many
+from pyperm.nn import MergeResult, Permutations, PermutationSpec, merge_many
 from pyperm.nn.align import c2m3 as c2m3_module
 from pyperm.nn.align._relaxation import one_hot
 from pyperm.nn.align.c2m3 import (
@@ -40,6 +40,24 @@ def _mlp(widths=(12, 20, 20, 3), seed=0):
     torch.manual_seed(seed)
     model = MLP(list(widths))
     return model, model.permutation_spec()
+
+
+def _three_models(name):
+    """The spec and three state dicts, floating entries in float64, of an MLP 6-5-4-3 (``"mlp"``) or of a
+    structured model."""
+    if name == "mlp":
+        _, spec = _mlp((6, 5, 4, 3))
+        states = [MLP([6, 5, 4, 3]).state_dict() for _ in range(3)]
+    else:
+        made = [structured_model(name, seed) for seed in range(3)]
+        spec, states = made[0][1], [m.state_dict() for m, _, _ in made]
+    return spec, [{k: v.double() if v.is_floating_point() else v for k, v in s.items()} for s in states]
+
+
+def _direct_value(spec, states, matrices, w, keys):
+    """F with every model's matrices multiplied out (the reference the closed forms are checked against)."""
+    with torch.no_grad():
+        return c2m3_module._pair_sum(c2m3_module._relaxed(spec, states, matrices, keys), w, keys)[0]
 
 
 # --------------------------------------------------------------------------- flat MLPs
@@ -101,17 +119,17 @@ def test_the_relaxed_objective_at_permutations_is_the_merge_objective_and_its_gr
     keys = c2m3_module._matched_keys(spec, states[0])
     perms = [Permutations(spec, random_permutations(spec, torch.Generator().manual_seed(i))) for i in range(3)]
     w = [1.0, 1.0, 1.0]
-    value, _ = c2m3_module._value_and_gradients(spec, states, [one_hot(spec, p) for p in perms], w, keys)
+    value, _ = c2m3_module._gradient_pass(spec, states, [one_hot(spec, p) for p in perms], w, keys)[:2]
     assert value == pytest.approx(merge_objective(spec, states, perms), rel=1e-12)
     gen = torch.Generator().manual_seed(5)
     soft = [{g: torch.rand(m.shape, generator=gen, dtype=torch.float64) for g, m in one_hot(spec, p).items()}
             for p in perms]  # fmt: skip
-    value, grads = c2m3_module._value_and_gradients(spec, states, soft, w, keys)
+    value, grads = c2m3_module._gradient_pass(spec, states, soft, w, keys)[:2]
     for a in range(3):
         for g in spec.sizes:
             bumped = [{h: m.clone() for h, m in ms.items()} for ms in soft]
             bumped[a][g][1, 2] += 1e-6
-            numeric = (c2m3_module._value(spec, states, bumped, w, keys) - value) / 1e-6
+            numeric = (_direct_value(spec, states, bumped, w, keys) - value) / 1e-6
             assert numeric == pytest.approx(float(grads[a][g][1, 2]), rel=1e-4, abs=1e-8)
 
 
@@ -120,12 +138,7 @@ def test_the_relaxed_objective_at_permutations_is_the_merge_objective_and_its_gr
 def test_the_line_search_finds_the_best_step_of_the_segment(name, anchor):
     """The step and gain from the Gram matrix of the models' interpolated points are those of F evaluated
     directly along the segment (every model multiplied out at each t), on plain and Blocks specs."""
-    if name == "mlp":
-        _, spec = _mlp((6, 5, 4, 3))
-        states = [{k: v.double() for k, v in MLP([6, 5, 4, 3]).state_dict().items()} for _ in range(3)]
-    else:
-        made = [structured_model(name, seed) for seed in range(3)]
-        spec, states = made[0][1], [{k: v.double() for k, v in m.state_dict().items()} for m, _, _ in made]
+    spec, states = _three_models(name)
     keys = c2m3_module._matched_keys(spec, states[0])
     gen = torch.Generator().manual_seed(3)
     w = [0.5, 0.3, 0.2]
@@ -143,7 +156,7 @@ def test_the_line_search_finds_the_best_step_of_the_segment(name, anchor):
                                           vertex, c2m3_module.ONE_PROCESS)  # fmt: skip
 
     def f(t):
-        return c2m3_module._value(spec, states, c2m3_module._moved(soft, directions, t), w, keys)
+        return _direct_value(spec, states, c2m3_module._moved(soft, directions, t), w, keys)
 
     assert 0.0 <= step <= 1.0
     assert gain == pytest.approx(f(step) - f(0.0), rel=1e-9, abs=1e-9)
@@ -154,10 +167,7 @@ def test_the_line_search_finds_the_best_step_of_the_segment(name, anchor):
 def test_the_closed_form_gradients_are_automatic_differentiations(name, monkeypatch):
     """The plain keys' products and gradients formed in closed form (dense and convolution weights, biases, one
     group on both axes of a square matrix) equal automatic differentiation of the relaxed product."""
-    if name == "mlp":
-        _, spec = _mlp((6, 5, 4, 3))
-        states = [MLP([6, 5, 4, 3]).state_dict() for _ in range(3)]
-    elif name == "cnn":
+    if name == "cnn":
         from pyperm.nn.models import create_model
 
         torch.manual_seed(0)
@@ -168,17 +178,16 @@ def test_the_closed_form_gradients_are_automatic_differentiations(name, monkeypa
         gen = torch.Generator().manual_seed(1)
         states = [{"h.w": torch.randn(5, 5, generator=gen), "in.w": torch.randn(5, 3, generator=gen)} for _ in range(3)]
     else:
-        made = [structured_model(name, seed) for seed in range(3)]
-        spec, states = made[0][1], [m.state_dict() for m, _, _ in made]
+        spec, states = _three_models(name)
     states = [{k: v.double() if v.is_floating_point() else v for k, v in s.items()} for s in states]
     keys = c2m3_module._matched_keys(spec, states[0])
     gen = torch.Generator().manual_seed(2)
     soft = [None] + [{g: torch.rand(m.shape, generator=gen, dtype=torch.float64)
                       for g, m in one_hot(spec, spec.identity()).items()} for _ in states[1:]]  # fmt: skip
     w = [0.5, 0.3, 0.2]
-    value, grads = c2m3_module._value_and_gradients(spec, states, soft, w, keys)
+    value, grads = c2m3_module._gradient_pass(spec, states, soft, w, keys)[:2]
     monkeypatch.setattr(c2m3_module, "_plain_axes", lambda spec, key: None)  # every key through autograd
-    auto_value, auto_grads = c2m3_module._value_and_gradients(spec, states, soft, w, keys)
+    auto_value, auto_grads = c2m3_module._gradient_pass(spec, states, soft, w, keys)[:2]
     assert value == pytest.approx(auto_value, rel=1e-12)
     for ours, theirs in zip(grads[1:], auto_grads[1:]):
         for g in theirs:
@@ -189,12 +198,7 @@ def test_the_closed_form_gradients_are_automatic_differentiations(name, monkeypa
 def test_at_permutation_matrices_the_gathers_are_the_products(name):
     """At permutation matrices the plain keys are gathered, not multiplied: the same value, gradients, universe
     and partial products as the dense products (beside the keys of other forms)."""
-    if name == "mlp":
-        _, spec = _mlp((6, 5, 4, 3))
-        states = [{k: v.double() for k, v in MLP([6, 5, 4, 3]).state_dict().items()} for _ in range(3)]
-    else:
-        made = [structured_model(name, seed) for seed in range(3)]
-        spec, states = made[0][1], [{k: v.double() for k, v in m.state_dict().items()} for m, _, _ in made]
+    spec, states = _three_models(name)
     keys = c2m3_module._matched_keys(spec, states[0])
     gen = torch.Generator().manual_seed(4)
     perms = [None] + [random_permutations(spec, gen) for _ in states[1:]]

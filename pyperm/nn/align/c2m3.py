@@ -658,18 +658,13 @@ def _pair_sum(universe: list[dict], w: list[float], keys: list[str]) -> tuple[fl
     return 0.5 * value, total
 
 
-def _value_and_gradients(spec: PermutationSpec, tensors: list[dict], matrices: list[dict], w: list[float],
-                         keys: list[str]) -> tuple[float, list[dict[str, torch.Tensor]]]:  # fmt: skip
-    """F at the matrices and its gradient with respect to every model's matrices: model ``a``'s is the
-    similarity of its groups with ``w_a`` times the weighted sum of the others in the universe."""
-    return _gradient_pass(spec, tensors, matrices, w, keys)[:2]
-
-
 def _gradient_pass(spec: PermutationSpec, tensors: list[dict], matrices: list[dict], w: list[float],
                    keys: list[str], perms: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
                    ) -> tuple[float, list[dict[str, torch.Tensor]], list[dict], list[dict]]:  # fmt: skip
-    """:func:`_value_and_gradients`; every model in the universe at the matrices (the line search's start); and
-    every free model's partial products of its plain keys (see :func:`_plain_forward`).
+    """F at the matrices; its gradient with respect to every model's matrices (model ``a``'s is the similarity of
+    its groups with ``w_a`` times the weighted sum of the others in the universe); every model in the universe at
+    the matrices (the line search's start); and every free model's partial products of its plain keys (see
+    :func:`_plain_forward`).
 
     The plain keys' products and gradients are formed in closed form, their products by gathers for a model
     whose matrices are the permutation matrices of ``perms[a]`` (given, not None); the other forms (tiles,
@@ -688,11 +683,12 @@ def _gradient_pass(spec: PermutationSpec, tensors: list[dict], matrices: list[di
             u = apply_relaxed(spec, ms, ts, rest) if rest else {}
         parts = {}
         hard = None if perms is None else perms[len(universe)]
+        if hard is not None:  # permutation matrices: each product a gather along its axis
+            along = _gather_along(hard)
+        else:
+            along = _multiply_along({g: m.detach() for g, m in ms.items()})
         for k, axes in plain.items():
-            if hard is not None:
-                u[k], parts[k] = _plain_gather(hard, ts[k], axes)
-            else:
-                u[k], parts[k] = _plain_forward({g: ms[g].detach() for _, g in axes}, ts[k], axes)
+            u[k], parts[k] = _plain_forward(along, ts[k], axes)
         universe.append(u)
         partials.append(parts)
     here = [{k: v.detach() for k, v in u.items()} for u in universe]
@@ -733,28 +729,26 @@ def _plain_axes(spec: PermutationSpec, key: str) -> list[tuple[int, str]] | None
     return axes if len(axes) in (1, 2) else None
 
 
-def _plain_forward(ms: Mapping[str, torch.Tensor], tensor: torch.Tensor,
-                   axes: list[tuple[int, str]]) -> tuple[torch.Tensor, tuple]:  # fmt: skip
-    """A plain key in the universe, and the partial products its gradients and line search reuse: for one axis
-    none; for two, ``A`` (the first axis's matrix multiplied in) and ``B`` (the second's)."""
-    if len(axes) == 1:
-        (p, g), = axes
-        return _multiply_axis(ms[g].to(tensor.dtype), tensor, p), ()
-    (p, g), (q, h) = axes
-    first, second = ms[g].to(tensor.dtype), ms[h].to(tensor.dtype)
-    a = _multiply_axis(first, tensor, p)
-    return _multiply_axis(second, a, q), (a, _multiply_axis(second, tensor, q))
+def _multiply_along(matrices: Mapping[str, torch.Tensor]) -> Any:
+    """``along(group, x, axis)``: the group's matrix multiplied into ``x`` along ``axis``."""
+    return lambda g, x, axis: _multiply_axis(matrices[g].to(x.dtype), x, axis)
 
 
-def _plain_gather(perms: Mapping[str, torch.Tensor], tensor: torch.Tensor,
-                  axes: list[tuple[int, str]]) -> tuple[torch.Tensor, tuple]:  # fmt: skip
-    """:func:`_plain_forward` at permutation matrices: every product a gather along its axis."""
+def _gather_along(perms: Mapping[str, torch.Tensor]) -> Any:
+    """``along(group, x, axis)`` at permutation matrices: ``x`` gathered along ``axis`` by the group's permutation."""
+    return lambda g, x, axis: x.index_select(axis, perms[g].to(x.device))
+
+
+def _plain_forward(along: Any, tensor: torch.Tensor, axes: list[tuple[int, str]]) -> tuple[torch.Tensor, tuple]:
+    """A plain key in the universe, each group applied by ``along`` (:func:`_multiply_along` or
+    :func:`_gather_along`), and the partial products its gradients and line search reuse: for one axis none; for
+    two, ``A`` (the first axis's group applied) and ``B`` (the second's)."""
     if len(axes) == 1:
         (p, g), = axes
-        return tensor.index_select(p, perms[g].to(tensor.device)), ()
+        return along(g, tensor, p), ()
     (p, g), (q, h) = axes
-    a = tensor.index_select(p, perms[g].to(tensor.device))
-    return a.index_select(q, perms[h].to(tensor.device)), (a, tensor.index_select(q, perms[h].to(tensor.device)))
+    a = along(g, tensor, p)
+    return along(h, a, q), (a, along(h, tensor, q))
 
 
 def _plain_gradients(seed: torch.Tensor, tensor: torch.Tensor, parts: tuple,
@@ -789,11 +783,6 @@ def _plain_along(here: torch.Tensor, end: torch.Tensor, parts: tuple, vertex: Ma
 
 
 @torch.no_grad()
-def _value(spec: PermutationSpec, tensors: list[dict], matrices: list[dict], w: list[float], keys: list[str]) -> float:
-    return _pair_sum(_relaxed(spec, tensors, matrices, keys), w, keys)[0]
-
-
-@torch.no_grad()
 def _line_search(spec: PermutationSpec, tensors: list[dict], matrices: list[dict], directions: list[dict],
                  w: list[float], keys: list[str], degree: int, here: list[dict], ends: list[dict], partials: list[dict],
                  vertex: list[dict | None], sums: Sums) -> tuple[float, float]:  # fmt: skip
@@ -809,13 +798,14 @@ def _line_search(spec: PermutationSpec, tensors: list[dict], matrices: list[dict
     through its values at Chebyshev points and maximised over the stationary points in the segment
     and its ends."""
     points = _lobatto(degree)
-    rest = [k for k in keys if _plain_axes(spec, k) is None]
+    plain = {k: axes for k in keys if (axes := _plain_axes(spec, k)) is not None}
+    rest = [k for k in keys if k not in plain]
     known = [here]
     for t in points[1:-1]:  # the plain keys from the gradient pass's partial products, the others multiplied out
         at_t = _relaxed(spec, tensors, _moved(matrices, directions, t), rest)
         for a, parts in enumerate(partials):
             for k, kept in parts.items():
-                at_t[a][k] = _plain_along(here[a][k], ends[a][k], kept, vertex[a], _plain_axes(spec, k), t)
+                at_t[a][k] = _plain_along(here[a][k], ends[a][k], kept, vertex[a], plain[k], t)
         known.append(at_t)
     known.append(ends)
     # The vectors of the Gram matrix: every free model's known points, a held model once (it does not move).

@@ -138,13 +138,14 @@ def c2m3_merge(
 
 
 def _fingerprint(init: Any) -> Any:
-    """What of ``init`` the ranks must agree on: a start's name, or a digest of the given permutations."""
-    if isinstance(init, str) or isinstance(init, Mapping) or not isinstance(init, Sequence):
-        return init if isinstance(init, str) else type(init).__name__  # the search names a bad one
+    """What of ``init`` the ranks must agree on: a start's name, or a digest of the given permutations (for any
+    other value its type's name: the search then names what is wrong with it)."""
+    if isinstance(init, str):
+        return init
+    if isinstance(init, Mapping) or not isinstance(init, Sequence) or not all(isinstance(p, Mapping) for p in init):
+        return type(init).__name__
     digest = hashlib.sha256()
     for p in init:
-        if not isinstance(p, Mapping):
-            return type(p).__name__
         for g in sorted(p):
             digest.update(g.encode() + torch.as_tensor(p[g]).to(torch.int64).numpy().tobytes())
     return digest.hexdigest()
