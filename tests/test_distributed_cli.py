@@ -188,13 +188,19 @@ def test_merge_over_ranks_refuses_data(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("nodes", [1, 2], ids=["one-node", "two-nodes"])
-def test_torchrun_runs_the_module_over_two_ranks(tmp_path, nodes):
+@pytest.mark.parametrize(("nodes", "command"), [(1, "align"), (2, "align"), (1, "merge-c2m3")],
+                         ids=["one-node", "two-nodes", "merge-c2m3"])  # fmt: skip
+def test_torchrun_runs_the_module_over_two_ranks(tmp_path, nodes, command):
     """The real launcher: ``torchrun --nproc-per-node 2 -m pyperm align`` (its rendezvous on 127.0.0.1 only)
     joins the process group itself (``env://``) and writes what one process writes; the same with two
-    launchers of one rank each, as two nodes would start it (``--nnodes 2 --node-rank i``)."""
-    a, b = _llama(0, tmp_path / "a", True), _llama(1, tmp_path / "b", True)
-    argv = ["align", a, b, "--model", "hf", "--no-progress"]  # the default start on both sides
+    launchers of one rank each, as two nodes would start it (``--nnodes 2 --node-rank i``); and ``pyperm
+    merge --method c2m3`` in fresh processes as users start it."""
+    if command == "align":
+        a, b = _llama(0, tmp_path / "a", True), _llama(1, tmp_path / "b", True)
+        argv = ["align", a, b, "--model", "hf", "--no-progress"]  # the default start on both sides
+    else:
+        ckpts = [_llama(seed, tmp_path / f"m{seed}", True) for seed in range(3)]
+        argv = ["merge", *ckpts, "--model", "hf", "--no-progress", "--method", "c2m3", "--max-iter", "5"]
     assert main(argv + ["--out", str(tmp_path / "one")]) == 0
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
     port = str(free_port())

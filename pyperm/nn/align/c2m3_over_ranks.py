@@ -3,11 +3,12 @@ r"""C2M3 (:func:`pyperm.nn.align.c2m3.c2m3_merge`) with every model's tensors sp
 Each rank holds the same keys of every model (any partition of the spec's keys, as
 :func:`pyperm.distributed.merge_many` takes them). Everything the Frank-Wolfe search reads is a
 sum over the tensors: the objective, its gradient with respect to every (model, group) matrix,
-and the objective at the line search's points. Each rank computes the part of its own tensors
-and the parts are all-reduced (the gradients as one float64 message per iteration, the values as
-a few floats), so every rank then holds the same gradients and solves the same assignment
-problems to the same permutations: the matrices never travel, and no tensor of a model leaves its
-rank. The ``"matching"`` start is :func:`pyperm.distributed.weight_matching` over the same ranks.
+and the line search's Gram matrix of the models' points. Each rank computes the part of its own
+tensors and the parts are all-reduced (the gradients as one float64 message per iteration, the
+Gram matrix and the values as a few floats), so every rank then holds the same gradients and
+solves the same assignment problems to the same permutations: the search sends these sums, not
+the relaxed matrices or the models' tensors. The ``"matching"`` start is
+:func:`pyperm.distributed.weight_matching` over the same ranks.
 
 The search is one process's on the same arguments, up to the order of summation: the
 permutations equal one process's except where a step is within rounding of a tie.
