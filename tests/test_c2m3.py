@@ -3,6 +3,7 @@ planted copies recovered on every spec form, the search's record, the objective 
 helpers, bad input."""
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -142,8 +143,8 @@ def test_the_line_search_finds_the_best_step_of_the_segment(name, anchor):
     keys = c2m3_module._matched_keys(spec, states[0])
     gen = torch.Generator().manual_seed(3)
     w = [0.5, 0.3, 0.2]
-    soft = [{g: torch.rand(m.shape, generator=gen, dtype=torch.float64) for g, m in one_hot(spec, spec.identity()).items()}
-            for _ in states]  # fmt: skip
+    identity = one_hot(spec, spec.identity())
+    soft = [{g: torch.rand(m.shape, generator=gen, dtype=torch.float64) for g, m in identity.items()} for _ in states]
     vertex = [random_permutations(spec, gen) for _ in states]
     directions = [{g: t - ms[g] for g, t in one_hot(spec, p).items()} for p, ms in zip(vertex, soft)]
     if anchor:
@@ -318,6 +319,14 @@ def test_unrelated_structured_models_keep_each_models_function(name):
     for (model, _, _), perms, state in zip(models, result.perms, states):
         torch.testing.assert_close(outputs(model, perms.apply(state), x), model(x))
     assert result.final_objective == pytest.approx(merge_objective(spec, states, result.perms), rel=1e-12)
+
+
+def test_assignments_solved_on_the_host_for_device_tensors_are_said():
+    with pytest.warns(UserWarning, match="assignments of these cuda tensors are solved on the CPU"):
+        c2m3_module._warn_host_assignments(torch.device("cuda", 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c2m3_module._warn_host_assignments(torch.device("cpu"))
 
 
 # --------------------------------------------------------------------------- bad input

@@ -44,6 +44,7 @@ import itertools
 import logging
 import math
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -268,6 +269,7 @@ def search(spec: PermutationSpec, states: list[dict], weights: list[float] | Non
     wide = sums.any(any(s[k].dtype == torch.float64 for s in states for k in keys))
     dtype = torch.float64 if wide else torch.float32
     device = states[0][keys[0]].device if keys else torch.device("cpu")
+    _warn_host_assignments(device)
     tensors = [{k: s[k].detach().to(dtype) for k in keys} for s in states]
     for i, t in enumerate(tensors):
         for k, v in t.items():
@@ -853,6 +855,15 @@ def _lagrange(points: list[float], t: float) -> list[float]:
     if t in points:
         return [float(p == t) for p in points]
     return [math.prod((t - q) / (p - q) for j, q in enumerate(points) if j != i) for i, p in enumerate(points)]
+
+
+def _warn_host_assignments(device: torch.device) -> None:
+    """Say so when the tensors are on a GPU: the products run there, but :func:`_assign` solves the linear
+    steps on the CPU, copying every gradient to the host each iteration."""
+    if device.type != "cpu":
+        warnings.warn(f"c2m3_merge: the Frank-Wolfe steps' assignments of these {device.type} tensors are solved on "
+                      "the CPU (each iteration copies the gradients to the host); the products run on the device",
+                      UserWarning, stacklevel=4)
 
 
 def _assign(spec: PermutationSpec, scores: list[Mapping[str, torch.Tensor]],
